@@ -1,0 +1,43 @@
+"""Offline evaluation: task builders (:mod:`kv_cache.eval.tasks`) for ``kvcache eval``."""
+
+from kv_cache.eval.tasks import (
+    CONTEXT_SLACK,
+    HAYSTACK_KINDS,
+    NOISE_HAYSTACK,
+    SNAP_CHARS,
+    SNAP_FRACTION,
+    TASKS,
+    PplSample,
+    RetrievalSample,
+    build_prompt,
+    build_task,
+    check_context_fits,
+    count_prompt_tokens,
+    format_chat,
+    has_chat_template,
+    normalize_text,
+    perplexity_windows,
+    read_text,
+    score_retrieval,
+)
+
+__all__ = [
+    "CONTEXT_SLACK",
+    "HAYSTACK_KINDS",
+    "NOISE_HAYSTACK",
+    "SNAP_CHARS",
+    "SNAP_FRACTION",
+    "TASKS",
+    "PplSample",
+    "RetrievalSample",
+    "build_prompt",
+    "build_task",
+    "check_context_fits",
+    "count_prompt_tokens",
+    "format_chat",
+    "has_chat_template",
+    "normalize_text",
+    "perplexity_windows",
+    "read_text",
+    "score_retrieval",
+]
