@@ -202,6 +202,7 @@ def window_attention(
     *,
     scaling: float | None = None,
     key_valid: torch.Tensor | None = None,
+    query_start: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention of the last ``w`` queries over all ``T`` keys, GQA without repeating KV.
 
@@ -217,6 +218,8 @@ def window_attention(
         Default ``head_dim ** -0.5``.
     key_valid : bool tensor, shape ``[batch, T]``, optional
         False for padding keys.
+    query_start : int, optional
+        Position of the first query; default ``T - w`` (the last ``w`` positions).
 
     Returns
     -------
@@ -229,12 +232,15 @@ def window_attention(
     hk, T = key.shape[1], key.shape[2]
     if hq % hk:
         raise ValueError(f"num_q_heads ({hq}) must be a multiple of num_kv_heads ({hk})")
-    if w > T:
-        raise ValueError(f"window ({w}) cannot exceed the number of keys ({T})")
+    start = T - w if query_start is None else query_start
+    if w > T or start < 0 or start + w > T:
+        raise ValueError(
+            f"window ({w} queries from position {start}) must lie inside the {T} keys"
+        )
     scaling = d**-0.5 if scaling is None else scaling
     q = query.float().reshape(b, hk, hq // hk, w, d)
     logits = torch.einsum("bhgwd,bhtd->bhgwt", q, key.float()) * scaling
-    q_pos = torch.arange(T - w, T, device=key.device)[:, None]
+    q_pos = torch.arange(start, start + w, device=key.device)[:, None]
     k_pos = torch.arange(T, device=key.device)[None, :]
     mask = k_pos <= q_pos  # [w, T]
     if key_valid is not None:

@@ -1,0 +1,109 @@
+"""``CompressedCache``: a transformers ``Cache`` whose layers quantize and evict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers.cache_utils import Cache
+
+from ..policies.base import EvictionPolicy
+from .config import QuantConfig
+from .layer import CompressedLayer
+from .report import MemoryReport
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class CompressedCache(Cache):
+    """Drop-in ``past_key_values`` for ``model.generate`` or a manual forward loop.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        The model's config (Llama, Mistral, Qwen2, Qwen3: MHA or GQA).
+    quant : QuantConfig or None
+        How tokens are stored; None keeps them in the model dtype.
+    eviction : EvictionPolicy or None
+        Which tokens survive (:class:`~kv_cache.SnapKV`, :class:`~kv_cache.H2O`,
+        :class:`~kv_cache.StreamingLLM`); policies need ``with kv_cache.compress(model, cache):``.
+
+    With both None the cache behaves exactly like ``DynamicCache``.
+
+    Examples
+    --------
+    >>> cache = CompressedCache(model.config, quant=QuantConfig(bits=4), eviction=H2O(budget=0.5))  # doctest: +SKIP
+    >>> with compress(model, cache):                                                               # doctest: +SKIP
+    ...     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+    >>> cache.memory_report().ratio                                                                # doctest: +SKIP
+    """
+
+    def __init__(self, config: Any, *, quant: QuantConfig | None = None, eviction: EvictionPolicy | None = None):
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        model_type = getattr(text, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"CompressedCache supports model types {list(SUPPORTED_MODEL_TYPES)}; got {model_type!r}"
+            )
+        if quant is not None and not isinstance(quant, QuantConfig):
+            raise TypeError(f"quant must be a QuantConfig or None; got {type(quant).__name__}")
+        if eviction is not None and not isinstance(eviction, EvictionPolicy):
+            raise TypeError(f"eviction must be an EvictionPolicy (SnapKV, H2O, StreamingLLM) or None; "
+                            f"got {type(eviction).__name__}")
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        if quant is not None:
+            quant.check_head_dim(head_dim)
+            if eviction is not None and isinstance(eviction.budget, int):
+                need = quant.sink_tokens + quant.residual_length + quant.group_size - 1 + eviction.recent_window \
+                    + eviction.sink_tokens
+                if eviction.budget < need:
+                    raise ValueError(
+                        f"budget ({eviction.budget}) must be >= {need}: quantization sinks ({quant.sink_tokens}) + "
+                        f"residual up to residual_length + group_size - 1 ({quant.residual_length + quant.group_size - 1}) "
+                        f"+ recent_window ({eviction.recent_window}) + sink_tokens ({eviction.sink_tokens})"
+                    )
+        self.quant, self.eviction = quant, eviction
+        self.head_dim = head_dim
+        layers = [CompressedLayer(i, quant, eviction) for i in range(text.num_hidden_layers)]
+        super().__init__(layers=layers)
+
+    @property
+    def needs_hooks(self) -> bool:
+        """True when the eviction policy needs ``kv_cache.compress(model, cache)``."""
+        return self.eviction is not None and self.eviction.needs_attention
+
+    def held_tensors(self) -> dict[str, Any]:
+        """Every tensor held, keyed ``"layer{i}.{slot}"``."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            for name, t in layer.held_tensors().items():
+                out[f"layer{i}.{name}"] = t
+        return out
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes actually held, by category, against an fp16 cache of every token seen."""
+        cat = dict(codes=0, scales=0, zero_points=0, residual=0, indices=0, scores=0)
+        per_layer, kept, elements, fp16 = [], 0, 0, 0
+        seen = 0
+        for layer in self.layers:
+            lb = 0
+            for name, t in layer.held_tensors().items():
+                key = ("codes" if name.endswith("_codes") else "scales" if name.endswith("_scale")
+                       else "zero_points" if name.endswith("_zero") else "indices" if name.endswith("_group")
+                       else "scores" if name.startswith("state.") else "residual")
+                cat[key] += t.nbytes
+                lb += t.nbytes
+            per_layer.append(lb)
+            if layer.is_initialized:
+                b, h, _, d = layer.keys.shape
+                seen = layer.seen
+                k = layer.kept_length()
+                kept += k
+                elements += 2 * b * h * d * k
+                fp16 += 2 * 2 * b * h * d * layer.seen
+        n = max(1, sum(1 for layer in self.layers if layer.is_initialized))
+        return MemoryReport(
+            codes_bytes=cat["codes"], scales_bytes=cat["scales"], zero_points_bytes=cat["zero_points"],
+            residual_bytes=cat["residual"], indices_bytes=cat["indices"], scores_bytes=cat["scores"],
+            fp16_bytes=fp16, tokens_seen=seen, tokens_kept=kept / n, elements_kept=elements,
+            per_layer_bytes=per_layer,
+        )

@@ -1,0 +1,64 @@
+"""Byte accounting of a :class:`kv_cache.CompressedCache`: the sum of tensors actually held."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """What the cache holds, in bytes, and what an fp16 full cache would hold.
+
+    Every ``*_bytes`` field is a sum of ``tensor.nbytes`` over tensors the cache holds;
+    ``total_bytes`` is their sum. ``fp16_bytes = 2 (K, V) * 2 bytes * batch * kv_heads *
+    head_dim * tokens_seen * layers``. ``ratio = fp16_bytes / total_bytes`` is the seed's total
+    gain, measured; it factors as ``token_ratio * bits_ratio`` up to index/score overhead.
+    """
+
+    codes_bytes: int
+    scales_bytes: int
+    zero_points_bytes: int
+    residual_bytes: int
+    indices_bytes: int
+    scores_bytes: int
+    fp16_bytes: int
+    tokens_seen: int
+    tokens_kept: float
+    elements_kept: int
+    per_layer_bytes: list[int] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.codes_bytes + self.scales_bytes + self.zero_points_bytes + self.residual_bytes
+                + self.indices_bytes + self.scores_bytes)
+
+    @property
+    def ratio(self) -> float:
+        return self.fp16_bytes / self.total_bytes if self.total_bytes else float("inf")
+
+    @property
+    def token_ratio(self) -> float:
+        """``T / K``: tokens seen per token kept (mean over layers)."""
+        return self.tokens_seen / self.tokens_kept if self.tokens_kept else float("inf")
+
+    @property
+    def bits_per_element(self) -> float:
+        """Bytes held (all categories) * 8 per kept K/V element."""
+        return 8 * self.total_bytes / self.elements_kept if self.elements_kept else 0.0
+
+    @property
+    def bits_ratio(self) -> float:
+        """``16 / bits_per_element``: the bytes-per-token lever of the total gain."""
+        return 16 / self.bits_per_element if self.bits_per_element else float("inf")
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d.update(total_bytes=self.total_bytes, ratio=self.ratio, token_ratio=self.token_ratio,
+                 bits_per_element=self.bits_per_element, bits_ratio=self.bits_ratio)
+        return d
+
+    def __str__(self) -> str:
+        return (f"{self.total_bytes:,} B held (codes {self.codes_bytes:,}, scales {self.scales_bytes:,}, "
+                f"zero points {self.zero_points_bytes:,}, full-precision {self.residual_bytes:,}, "
+                f"indices {self.indices_bytes:,}, scores {self.scores_bytes:,}) vs fp16 {self.fp16_bytes:,} B: "
+                f"{self.ratio:.2f}x = {self.token_ratio:.2f}x tokens * {self.bits_ratio:.2f}x bits")

@@ -1,0 +1,80 @@
+"""The eviction-policy contract: a policy only scores tokens; the cache selects and frees.
+
+A policy is a small dataclass. It says whether it needs attention statistics
+(``needs_attention``), when it evicts (``prefill_only``) and implements
+:meth:`EvictionPolicy.score`, returning ``[batch, kv_heads, kept_len]`` scores. Top-k, forced
+tokens (sinks, recent window, the cache's full-precision residual), padding and the physical
+gather are done once, in :class:`kv_cache.cache.layer.CompressedLayer`, with
+:func:`kv_cache.compression.select_tokens`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..compression.selection import resolve_budget
+
+
+@dataclass
+class ScoreInputs:
+    """What a policy may look at, for one layer after its attention call.
+
+    Attributes
+    ----------
+    keys : torch.Tensor, shape ``[batch, kv_heads, kept_len, head_dim]``
+        Keys attention just used (dequantized), post-RoPE.
+    query : torch.Tensor or None, shape ``[batch, q_heads, q_len, head_dim]``
+        Post-RoPE queries of this forward call (None when the policy does not need them).
+    key_valid : torch.Tensor, shape ``[batch, kept_len]``, bool
+        False for padding.
+    scaling : float
+    state : dict
+        Per-layer state the policy keeps (e.g. H2O's accumulated scores), gathered by the
+        cache whenever tokens are evicted (tensors of shape ``[batch, kv_heads, kept_len]``).
+    """
+
+    keys: torch.Tensor
+    query: torch.Tensor | None
+    key_valid: torch.Tensor
+    scaling: float
+    state: dict
+
+
+@dataclass
+class EvictionPolicy:
+    """Base class. ``budget`` is a token count (int) or a fraction (float in (0, 1]) of the
+    prompt length (resolved once, at the first forward call)."""
+
+    budget: int | float = 0.5
+    recent_window: int = 32
+    sink_tokens: int = 0
+
+    needs_attention: ClassVar[bool] = False
+    prefill_only: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        for b in [self.budget]:
+            resolve_budget(b, 10**9 if isinstance(b, int) else 100)  # validates type and range
+        for name in ("recent_window", "sink_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{type(self).__name__}.{name} must be an int >= 0; got {v!r}")
+        if isinstance(self.budget, int) and self.budget < self.recent_window + self.sink_tokens:
+            raise ValueError(
+                f"{type(self).__name__}: budget ({self.budget}) must be >= recent_window + sink_tokens "
+                f"({self.recent_window} + {self.sink_tokens})"
+            )
+
+    def budget_tokens(self, layer_idx: int, prompt_len: int) -> int:
+        """Token budget of ``layer_idx``; fractions resolve against the prompt length."""
+        b = self.budget
+        if isinstance(b, float):
+            return resolve_budget(b, prompt_len)
+        return int(b)
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:  # pragma: no cover - abstract
+        """Return float32 scores ``[batch, kv_heads, kept_len]``; higher is kept first."""
+        raise NotImplementedError(f"{type(self).__name__} must implement score()")

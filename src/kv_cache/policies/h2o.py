@@ -1,0 +1,46 @@
+"""H2O (Zhang et al., 2023): heavy hitters by accumulated attention, evicted while decoding.
+
+Formula: ``math_dictionary/kv-compression-math.md`` section 9.1. Every query's attention
+(reduced over the query heads of each KV head) is added to a per-token running sum kept in
+``state["h2o"]``; whenever the layer holds more than the budget, the lowest sums outside the
+recent window are evicted at once, so the cache never grows past the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..compression.selection import reduce_gqa, window_attention
+from .base import EvictionPolicy, ScoreInputs
+
+QUERY_CHUNK = 256
+
+
+@dataclass
+class H2O(EvictionPolicy):
+    """Recent window + heavy hitters, with ``gqa_reduce`` in {"mean", "max"} over query heads."""
+
+    gqa_reduce: str = "mean"
+
+    needs_attention: ClassVar[bool] = True
+    prefill_only: ClassVar[bool] = False
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        q, k = inputs.query, inputs.keys
+        n_kv, T = k.shape[1], k.shape[2]
+        acc = inputs.state.get("h2o")
+        total = torch.zeros(k.shape[0], n_kv, T, dtype=torch.float32, device=k.device)
+        if acc is not None:
+            total[..., : acc.shape[-1]] = acc
+        q_len = q.shape[2]
+        # Column sums of softmax(q k^T) in chunks of queries: never a full T x T matrix.
+        for s in range(0, q_len, QUERY_CHUNK):
+            e = min(q_len, s + QUERY_CHUNK)
+            attn = window_attention(q[:, :, s:e], k, scaling=inputs.scaling, key_valid=inputs.key_valid,
+                                    query_start=T - q_len + s)
+            total += reduce_gqa(attn.sum(2), n_kv, self.gqa_reduce)
+        inputs.state["h2o"] = total
+        return total

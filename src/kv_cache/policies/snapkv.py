@@ -1,0 +1,39 @@
+"""SnapKV (Li et al., 2024): one-shot selection at prefill from an observation window.
+
+Formula: ``math_dictionary/kv-compression-math.md`` section 9.2. The window's attention is
+recomputed from its queries (``w x T`` probabilities only), so it works with sdpa/flash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..compression.selection import snapkv_scores, window_attention
+from .base import EvictionPolicy, ScoreInputs
+
+
+@dataclass
+class SnapKV(EvictionPolicy):
+    """Keep ``TopK(pool(mean window attention)) U recent window`` once, after prefill.
+
+    ``recent_window`` doubles as the observation window ``w`` (always kept).
+    """
+
+    kernel_size: int = 5
+    pooling: str = "avg"
+    gqa_reduce: str = "mean"
+
+    needs_attention: ClassVar[bool] = True
+    prefill_only: ClassVar[bool] = True
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        q = inputs.query
+        w = max(1, min(self.recent_window, q.shape[2]))
+        attn = window_attention(q[:, :, -w:], inputs.keys, scaling=inputs.scaling, key_valid=inputs.key_valid)
+        return snapkv_scores(
+            attn, inputs.keys.shape[1], kernel_size=self.kernel_size, pooling=self.pooling,
+            gqa_reduce=self.gqa_reduce,
+        )

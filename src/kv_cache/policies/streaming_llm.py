@@ -1,0 +1,23 @@
+"""StreamingLLM (Xiao et al., 2024): attention sinks + a recent window (section 9.3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import EvictionPolicy, ScoreInputs
+
+
+@dataclass
+class StreamingLLM(EvictionPolicy):
+    """Keep the first ``sink_tokens`` and the most recent tokens, ``budget`` in total.
+
+    Scores rise with position, so after the forced sinks the most recent tokens win.
+    """
+
+    sink_tokens: int = 4
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        b, h, T = inputs.keys.shape[0], inputs.keys.shape[1], inputs.keys.shape[2]
+        return torch.arange(T, dtype=torch.float32, device=inputs.keys.device).expand(b, h, T)
