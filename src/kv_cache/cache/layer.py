@@ -51,7 +51,6 @@ class CompressedLayer(CacheLayerMixin):
         self.sink_keys: torch.Tensor | None = None
         self.sink_values: torch.Tensor | None = None
         self.packed: dict[str, torch.Tensor] = {}
-        self.num_groups = 0
         self.state: dict[str, torch.Tensor] = {}
         self._pending: torch.Tensor | None = None
         self._prefill_done = False
@@ -167,9 +166,9 @@ class CompressedLayer(CacheLayerMixin):
             "v_zero": qv.zero_point,
         }
         if self.policy is not None:  # groups become ragged once tokens are evicted
-            gid = torch.arange(self.num_groups, self.num_groups + blocks, device=k_blk.device, dtype=torch.int32)
+            first = 0 if "k_scale" not in self.packed else self.packed["k_scale"].shape[2]  # table index
+            gid = torch.arange(first, first + blocks, device=k_blk.device, dtype=torch.int32)
             new["k_group"] = gid.repeat_interleave(g).expand(b, h, n).contiguous()
-        self.num_groups += blocks
         for name, t in new.items():
             if t.numel() == 0 and name.endswith("zero"):
                 self.packed.setdefault(name, t)

@@ -225,6 +225,7 @@ def window_attention(
     -------
     torch.Tensor
         float32 probabilities, shape ``[batch, num_q_heads, w, T]``; causal inside the window.
+        Rows of queries that see no valid key (padding queries) are all zero.
     """
     check_rank(query, (4,), "query", "[batch, num_q_heads, w, head_dim]")
     check_rank(key, (4,), "key", "[batch, num_kv_heads, T, head_dim]")
@@ -246,7 +247,9 @@ def window_attention(
     if key_valid is not None:
         mask = mask & key_valid[:, None, None, None, :]
     logits = logits.masked_fill(~mask, float("-inf"))
-    return torch.softmax(logits, dim=-1).reshape(b, hq, w, T)
+    # A padding query sees no valid key: its row is all -inf; define its attention as zero.
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+    return probs.reshape(b, hq, w, T)
 
 
 def snapkv_scores(
