@@ -22,8 +22,9 @@ class QuantConfig:
         quantized ``group_size`` tokens at a time). Values: channels per group of a per-token
         scale; must divide ``head_dim``.
     residual_length : int, default 32
-        The most recent tokens kept in full precision (at least this many, fewer than
-        ``residual_length + group_size``).
+        Full-precision residual: when it reaches ``max(residual_length, group_size)`` tokens,
+        all its whole groups are quantized (KIVI), so between 0 and
+        ``max(residual_length, group_size) - 1`` of the most recent tokens are full precision.
     sink_tokens : int, default 0
         The first tokens of every sequence kept in full precision, never quantized.
     symmetric : bool, default False

@@ -4,8 +4,8 @@ Storage of one layer, in token order (every tensor ``[batch, kv_heads, n, ...]``
 
     [ full-precision sinks | packed quantized tokens | full-precision residual ]
 
-* New tokens enter the residual. Once it holds ``residual_length + group_size`` tokens, whole
-  blocks of ``group_size`` tokens are quantized once and appended packed; stored codes are
+* New tokens enter the residual. Once it holds ``max(residual_length, group_size)`` tokens, all
+  its whole blocks of ``group_size`` tokens are quantized once and appended packed (KIVI); stored codes are
   never re-quantized. Keys are per-channel (one scale per ``group_size`` tokens and channel),
   values per-token (one scale per token and ``group_size`` channels), as in KIVI.
 * Codes are packed token-major (``head_dim * bits / 8`` bytes per token and head), so evicting a
@@ -147,9 +147,10 @@ class CompressedLayer(CacheLayerMixin):
             if (0 if self.sink_keys is None else self.sink_keys.shape[2]) < q.sink_tokens:
                 return  # sinks fill first; nothing is quantized before them
         g = q.group_size
-        blocks = (self.keys.shape[2] - q.residual_length) // g
-        if blocks <= 0:
+        # KIVI: once the residual reaches max(R, g) tokens, all its whole groups are quantized.
+        if self.keys.shape[2] < max(q.residual_length, g):
             return
+        blocks = self.keys.shape[2] // g
         n = blocks * g
         k_blk, v_blk = self.keys[:, :, :n], self.values[:, :, :n]
         self.keys, self.values = self.keys[:, :, n:].contiguous(), self.values[:, :, n:].contiguous()
