@@ -66,7 +66,11 @@ class CompressedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        cache_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,  # newer transformers pass `kwargs=`; nothing in it is needed here
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``[batch, kv_heads, q_len, head_dim]`` states; return all kept states (dequantized)."""
         if not self.is_initialized:
@@ -93,12 +97,16 @@ class CompressedLayer(CacheLayerMixin):
         """Tokens seen (absolute length), not tokens kept: positions stay absolute after eviction."""
         return self.seen
 
-    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
-        q_len = cache_position.shape[0]
+    def get_mask_sizes(self, cache_position: torch.Tensor | int) -> tuple[int, int]:
+        # transformers <= 5.2x passes cache_position; newer releases pass the query length.
+        q_len = cache_position if isinstance(cache_position, int) else cache_position.shape[0]
         kept = self.kept_length()
         return kept + q_len, self.seen - kept
 
     def get_max_cache_shape(self) -> int:
+        return -1
+
+    def get_max_length(self) -> int:  # the name of get_max_cache_shape in newer transformers
         return -1
 
     def reset(self) -> None:
