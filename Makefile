@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: setup
-	$(PY) -m kv_cache.demo
+	$(PY) -m kv_cache.cli demo
 
 test: setup
 	$(PY) -m pytest -q

@@ -11,8 +11,9 @@ Storage of one layer, in token order (every tensor ``[batch, kv_heads, n, ...]``
 * Codes are packed token-major (``head_dim * bits / 8`` bytes per token and head), so evicting a
   token is a gather of whole bytes: no unpacking, no re-quantization, and the old tensors are
   released. With eviction on, each quantized key records its scale group (``k_group``).
-* Attention gets the dequantized tokens, built during ``update`` and released with the layer's
-  attention call; nothing full-precision outlives it except the residual and sinks.
+* Attention gets the stored tokens dequantized plus this call's new tokens as given, built
+  during ``update`` and released with the layer's attention call; nothing full-precision
+  outlives it except the residual and sinks.
 
 Positions: ``get_seq_length`` is the number of tokens *seen*, so ``cache_position`` and RoPE
 stay absolute after eviction; ``get_mask_sizes`` returns ``kv_length = kept + q_len`` and
@@ -72,7 +73,11 @@ class CompressedLayer(CacheLayerMixin):
         cache_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,  # newer transformers pass `kwargs=`; nothing in it is needed here
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``[batch, kv_heads, q_len, head_dim]`` states; return all kept states (dequantized)."""
+        """Append ``[batch, kv_heads, q_len, head_dim]`` states; return all kept states.
+
+        Previously stored tokens come back dequantized; the ``q_len`` new ones come back exactly
+        as given, so a prefill attends to its own full-precision states.
+        """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self._pending is not None and self.policy is not None and self.policy.needs_attention:
@@ -84,11 +89,19 @@ class CompressedLayer(CacheLayerMixin):
         if self.prompt_len is None:
             self.prompt_len = q_len
         self.seen += q_len
-        self.keys = torch.cat([self.keys, key_states], dim=2)
-        self.values = torch.cat([self.values, value_states], dim=2)
-        if self.quant is not None:
+        if self.quant is None:
+            self.keys = torch.cat([self.keys, key_states], dim=2)
+            self.values = torch.cat([self.values, value_states], dim=2)
+            keys, values = self.keys, self.values
+        else:
+            # This call's own tokens reach attention in full precision (as in KIVI and transformers'
+            # QuantizedCache): only what was stored before is dequantized.
+            old_k, old_v = self._materialize()
+            keys = torch.cat([old_k, key_states], dim=2)
+            values = torch.cat([old_v, value_states], dim=2)
+            self.keys = torch.cat([self.keys, key_states], dim=2)
+            self.values = torch.cat([self.values, value_states], dim=2)
             self._flush()
-        keys, values = self._materialize()
         if self.policy is not None and not (self.policy.prefill_only and self._prefill_done):
             self._pending = keys
         return keys, values

@@ -1,15 +1,13 @@
-"""The main job: compress the KV cache of a real model and print the bill.
+"""The compression bill of a captured KV cache (``kvcache bill``).
 
-``kvcache demo`` (or ``python -m kv_cache.demo``) runs a prompt through a real model
-(stories260K by default: a tiny real Llama with GQA, shipped in ``../shared/data``), captures
-its full-precision KV cache, and for several configurations reports bytes before/after, bits
-per element including metadata, the byte and token compression ratios, the seed's total gain
-and the reconstruction error.
+Runs a prompt through a real model, captures its full-precision KV cache, and for several
+configurations reports bytes before/after, bits per element including metadata, the byte and
+token compression ratios, the seed's total gain and the reconstruction error. (The main job,
+``kvcache demo``, runs the compressed cache inside ``generate`` instead; see ``cli.py``.)
 """
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import torch
@@ -41,12 +39,8 @@ CONFIGS = (
 
 
 def capture_kv(model, input_ids: torch.Tensor):
-    """Run one forward pass and return per-layer ``(keys, values, last_queries)``.
-
-    keys/values: ``[batch, kv_heads, T, head_dim]`` float32; last_queries are the post-RoPE
-    queries of the last 16 positions, ``[batch, q_heads, 16, head_dim]`` (for SnapKV scoring),
-    recomputed from the cached keys' layer inputs via forward hooks on the projection.
-    """
+    """Run one forward pass and return per-layer ``(keys, values)``, each
+    ``[batch, kv_heads, T, head_dim]`` float32."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -119,29 +113,3 @@ def format_bill(rows: list[dict]) -> str:
             f"| {r['rmse']:.4f} | {r['max_abs_error']:.4f} |"
         )
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``python -m kv_cache.demo``."""
-    from .models import load_model
-
-    ap = argparse.ArgumentParser(prog="kvcache demo", description=__doc__)
-    ap.add_argument("--model", default="stories260K", help="alias, local HF directory, .gguf file or hub id")
-    ap.add_argument("--prompt-tokens", type=int, default=256)
-    args = ap.parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # entry point, not library code: keep the bill readable
-    model, tok = load_model(args.model)
-    text = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
-            "One day, she saw a big red ball near the tree. ") * 40
-    ids = tok(text, return_tensors="pt").input_ids[:, : args.prompt_tokens]
-    print(f"model: {args.model}  layers={model.config.num_hidden_layers} "
-          f"kv_heads={model.config.num_key_value_heads} head_dim="
-          f"{model.config.hidden_size // model.config.num_attention_heads}  prompt={ids.shape[1]} tokens")
-    print("keys: per-channel (stats over tokens), values: per-token; group 32; fp16 scales, int16 zero points")
-    print(format_bill(bill(model, ids)))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,99 @@
+"""Render ``results.json`` as a Markdown table and a Pareto plot (quality vs measured KV bytes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def markdown_table(doc: dict) -> str:
+    """One row per method: bits, budget, measured KV bytes, ratio vs fp16, scores, decode tokens/s."""
+    methods = list(doc["methods"].values())
+    tasks = []
+    for m in methods:
+        for t in m["tasks"]:
+            if t not in tasks:
+                tasks.append(t)
+    head = ["method", "bits", "budget", "KV bytes (measured)", "ratio vs fp16"]
+    for t in tasks:
+        head += ["ppl", "Δppl", "greedy agree"] if t == "ppl" else [f"{t} acc"]
+    head.append("decode tok/s")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in methods:
+        row = [f"`{m['spec']}`", str(m.get("bits") or "16"), "-" if m.get("budget") is None else str(m["budget"]),
+               _fmt_bytes(m.get("kv_bytes")), "-" if not m.get("ratio") else f"{m['ratio']:.2f}x"]
+        for t in tasks:
+            te = m["tasks"].get(t, {})
+            if t == "ppl":
+                sc, d, a = te.get("score"), te.get("delta"), te.get("agreement")
+                row += ["-" if sc is None else f"{sc:.3f}", "-" if d is None else f"{d:+.3f}",
+                        "-" if a is None else f"{a:.1%}"]
+            else:
+                sc = te.get("score")
+                row.append("-" if sc is None else f"{sc:.1%}")
+        tps = m.get("decode_tokens_per_s")
+        row.append("-" if tps is None else f"{tps:.1f}")
+        if m.get("error"):
+            row[0] += f" (failed: {m['error'][:60]})"
+        lines.append("| " + " | ".join(row) + " |")
+    for spec, why in doc.get("skipped", {}).items():
+        lines.append(f"\nSkipped `{spec}`: {why}")
+    cfg = doc.get("config", {})
+    lines.append(f"\nModel `{cfg.get('model')}`, context {cfg.get('context')} tokens, {cfg.get('samples')} samples "
+                 f"per task, {'query-aware' if cfg.get('query_aware') else 'query-agnostic'}; KV bytes are the sum "
+                 "of tensor nbytes each cache holds after prefill; ratio = fp16 full-cache bytes / measured bytes.")
+    return "\n".join(lines)
+
+
+def pareto_plot(doc: dict, path: str | Path) -> Path:
+    """One panel per task: quality against measured KV bytes; ours as circles, peers as triangles."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    methods = [m for m in doc["methods"].values() if m.get("kv_bytes")]
+    tasks: list[str] = []
+    for m in methods:
+        tasks += [t for t in m["tasks"] if t not in tasks]
+    tasks = tasks or ["ppl"]
+    fig = Figure(figsize=(5.5 * len(tasks), 4.5))
+    FigureCanvasAgg(fig)
+    for i, task in enumerate(tasks):
+        ax = fig.add_subplot(1, len(tasks), i + 1)
+        for m in methods:
+            sc = m["tasks"].get(task, {}).get("score")
+            if sc is None:
+                continue
+            peer = m["family"] != "ours"
+            ax.scatter(m["kv_bytes"] / 2**20, sc, marker="^" if peer else "o", s=50,
+                       color="tab:red" if peer else ("black" if m["spec"] == "full" else "tab:blue"))
+            ax.annotate(m["spec"], (m["kv_bytes"] / 2**20, sc), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("KV bytes held after prefill (MiB, log)")
+        ax.set_ylabel("perplexity (lower is better)" if task == "ppl" else "accuracy (higher is better)")
+        ax.set_title(task)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle("kv_cache: quality vs measured KV memory (circles: kv_cache, triangles: peers)", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def write_reports(doc: dict, out_dir: str | Path) -> dict[str, Any]:
+    """Write ``results.md`` and ``pareto.png`` next to ``results.json``; return their paths."""
+    out = Path(out_dir)
+    md = out / "results.md"
+    md.write_text(markdown_table(doc) + "\n")
+    png = pareto_plot(doc, out / "pareto.png")
+    return {"markdown": md, "plot": png, "json": out / "results.json"}

@@ -1,0 +1,377 @@
+"""Run a grid of methods x tasks on one model, on identical samples, with identical byte counting.
+
+Every method sees the same token ids. Per sample the context (the prefix) is prefilled with the
+method's cache (inside its context manager), the bytes the cache holds are counted right after
+prefill with :func:`held_nbytes` (the sum of ``nbytes`` of every tensor reachable from the
+cache's layers, quantized subclasses included), then:
+
+* ``ppl``: the continuation is scored with teacher forcing against the compressed cache,
+  ``ppl = exp(mean NLL)``; ``agreement`` is the fraction of continuation positions whose greedy
+  (arg-max) token equals the full cache's;
+* retrieval tasks: the question is appended and the answer decoded greedily, scored with
+  :func:`kv_cache.eval.tasks.score_retrieval`; decode tokens/s are timed here.
+
+Positions are passed explicitly (``position_ids`` absolute, ``cache_position`` from the cache's
+own length), so peers whose caches report the kept length after eviction decode correctly too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .methods import Method, MethodUnavailable, parse_method
+from .tasks import TASKS, build_prompt, build_task, check_context_fits, perplexity_windows, score_retrieval
+
+log = logging.getLogger(__name__)
+
+TASK_ALIASES = {"needle": "niah_single", "multikey": "niah_multikey", "multivalue": "niah_multivalue",
+                "multiquery": "niah_multiquery"}
+KNOWN_TASKS = ("ppl", *TASKS)
+DECODE_TIMING_TOKENS = 8
+
+
+def resolve_task(name: str) -> str:
+    """Map a task name or alias to its canonical name; unknown names list the known ones."""
+    key = name.strip().lower()
+    key = TASK_ALIASES.get(key, key)
+    if key not in KNOWN_TASKS:
+        raise ValueError(
+            f"unknown task {name!r}; known tasks: {', '.join(KNOWN_TASKS)} "
+            f"(aliases: {', '.join(f'{a}={t}' for a, t in TASK_ALIASES.items())})"
+        )
+    return key
+
+
+def _inner_tensors(obj: Any, seen: set[int]) -> list[torch.Tensor]:
+    """Plain tensors inside ``obj`` (tensor subclasses such as quanto's are flattened)."""
+    if isinstance(obj, torch.Tensor):
+        if id(obj) in seen:
+            return []
+        seen.add(id(obj))
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+            names, _ = obj.__tensor_flatten__()
+            out = []
+            for n in names:
+                out += _inner_tensors(getattr(obj, n), seen)
+            return out
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _inner_tensors(v, seen)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _inner_tensors(v, seen)]
+    return []
+
+
+def held_nbytes(cache: Any) -> int:
+    """Bytes of every tensor held by ``cache``'s layers (any transformers ``Cache``)."""
+    seen: set[int] = set()
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for value in vars(layer).values():
+            total += sum(t.nbytes for t in _inner_tensors(value, seen))
+    return total
+
+
+def fp16_nbytes(config: Any, tokens: int, batch: int = 1) -> int:
+    """Bytes of an fp16 full K/V cache of ``tokens`` tokens for ``config``."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * 2 * batch * text.num_key_value_heads * head_dim * tokens * text.num_hidden_layers
+
+
+def _forward(model, cache, ids: torch.Tensor, pos: int) -> torch.Tensor:
+    """Forward ``ids`` ``[1, q]`` at absolute position ``pos``; returns float32 logits ``[1, q, V]``."""
+    q = ids.shape[1]
+    past = cache.get_seq_length()
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True,
+                position_ids=torch.arange(pos, pos + q).unsqueeze(0),
+                cache_position=torch.arange(past, past + q))
+    return out.logits.float()
+
+
+@dataclass
+class Prefilled:
+    """A method's cache after prefilling a context, and the scope to keep running in."""
+
+    cache: Any
+    logits: torch.Tensor
+    kv_bytes: int
+    scope: Any = field(repr=False)
+
+
+def _prefill(model, method: Method, ids: torch.Tensor) -> Prefilled:
+    cache, ctx = method.make(model)
+    scope = ctx()
+    if method.prefill_only_context:
+        with scope:
+            logits = _forward(model, cache, ids, 0)
+        scope = _Null()
+    else:
+        scope.__enter__()
+        try:
+            logits = _forward(model, cache, ids, 0)
+        except BaseException:
+            scope.__exit__(None, None, None)
+            raise
+    return Prefilled(cache, logits, held_nbytes(cache), scope)
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _greedy(model, cache, logits: torch.Tensor, pos: int, n: int, eos: set[int]) -> tuple[list[int], float]:
+    """Greedy decode ``n`` tokens after ``logits``; returns tokens and decode tokens/s."""
+    out: list[int] = []
+    nxt = int(logits[0, -1].argmax())
+    t0 = time.perf_counter()
+    for i in range(n):
+        out.append(nxt)
+        if nxt in eos:
+            break
+        logits = _forward(model, cache, torch.tensor([[nxt]]), pos + i)
+        nxt = int(logits[0, -1].argmax())
+    dt = time.perf_counter() - t0
+    steps = max(len(out) - 1, 0)
+    return out, (steps / dt if steps and dt > 0 else float("nan"))
+
+
+def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None) -> dict:
+    """One perplexity window: compressed prefix, teacher-forced continuation."""
+    prefix = torch.tensor([sample.prefix_ids])
+    cont = torch.tensor([sample.continuation_ids])
+    with torch.no_grad():
+        pre = _prefill(model, method, prefix)
+        try:
+            logits = _forward(model, pre.cache, cont[:, :-1], prefix.shape[1])
+            all_logits = torch.cat([pre.logits[:, -1:], logits], dim=1)[0]  # predicts every continuation token
+            nll = F.cross_entropy(all_logits, cont[0], reduction="mean").item()
+            argmax = all_logits.argmax(-1).tolist()
+            _, tps = _greedy(model, pre.cache, all_logits[None, -1:], prefix.shape[1] + cont.shape[1],
+                             DECODE_TIMING_TOKENS, set())
+        finally:
+            pre.scope.__exit__(None, None, None)
+    agreement = None if full_argmax is None else sum(a == b for a, b in zip(argmax, full_argmax)) / len(argmax)
+    return {"index": sample.index, "nll": nll, "ppl": math.exp(nll), "agreement": agreement, "argmax": argmax,
+            "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_nbytes(model.config, prefix.shape[1]),
+            "decode_tokens_per_s": tps}
+
+
+def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, max_new_tokens: int) -> dict:
+    """One retrieval sample: compressed context, then question and greedy answer."""
+    context_text, question_text = build_prompt(sample, tok, query_aware=query_aware)
+    ctx_ids = tok(context_text, return_tensors="pt").input_ids
+    q_ids = tok(question_text, return_tensors="pt", add_special_tokens=False).input_ids
+    n_new = int(sample.metadata.get("max_new_tokens", max_new_tokens) or max_new_tokens)
+    n_new = min(n_new, max_new_tokens)
+    eos = {t for t in [tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)]
+           if isinstance(t, int)}
+    with torch.no_grad():
+        pre = _prefill(model, method, ctx_ids)
+        try:
+            logits = _forward(model, pre.cache, q_ids, ctx_ids.shape[1])
+            out, tps = _greedy(model, pre.cache, logits, ctx_ids.shape[1] + q_ids.shape[1], n_new, eos)
+        finally:
+            pre.scope.__exit__(None, None, None)
+    prediction = tok.decode(out, skip_special_tokens=True)
+    return {"index": sample.metadata.get("index", 0), "prediction": prediction, "expected": list(sample.expected),
+            "score": score_retrieval(prediction, sample.expected), "depth": sample.depth,
+            "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_nbytes(model.config, ctx_ids.shape[1]),
+            "context_tokens": int(ctx_ids.shape[1]), "decode_tokens_per_s": tps}
+
+
+@dataclass
+class EvalConfig:
+    """Everything that defines a run (and decides whether saved samples can be reused)."""
+
+    model: str
+    text: str
+    tasks: list[str]
+    methods: list[str]
+    samples: int = 8
+    context: int = 2048
+    continuation: int = 256
+    query_aware: bool = False
+    haystack: str = "text"
+    seed: int = 0
+    max_new_tokens: int = 32
+
+    def fingerprint(self, text_sha: str) -> str:
+        d = {k: getattr(self, k) for k in ("model", "samples", "context", "continuation", "query_aware",
+                                            "haystack", "seed", "max_new_tokens")}
+        d["text_sha256"] = text_sha
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_out_dir(out: str | os.PathLike[str]) -> Path:
+    """Create ``out`` and check it is writable; raise a clear error otherwise."""
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".kvcache_write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise PermissionError(f"output directory {str(path)!r} is not writable: {exc.strerror or exc}") from exc
+    return path
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokenizer=None,
+             progress: Callable[[int, str], Any] | None = None) -> dict:
+    """Run ``cfg`` and write ``out/results.json`` (updated after every sample; reused on restart).
+
+    Returns
+    -------
+    dict
+        The results document (see ``results.json``).
+    """
+    from ..models import load_model
+    from .tasks import read_text
+
+    out_dir = check_out_dir(out)
+    tasks = [resolve_task(t) for t in cfg.tasks]
+    methods: list[Method] = []
+    skipped: dict[str, str] = {}
+    for spec in cfg.methods:
+        try:
+            methods.append(parse_method(spec))
+        except MethodUnavailable as exc:
+            skipped[spec] = str(exc)
+            log.warning("skipping %s", exc)
+    # The full cache runs first: every delta and greedy agreement is measured against it.
+    methods = [m for m in methods if m.spec.strip().lower() != "full"]
+    methods.insert(0, parse_method("full"))
+    text = read_text(cfg.text)
+    text_sha = hashlib.sha256(text.encode()).hexdigest()
+    if model is None:
+        model, tokenizer = load_model(cfg.model)
+    max_pos = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    if max_pos:
+        check_context_fits(cfg.context, max_pos, max_new_tokens=cfg.max_new_tokens)
+
+    samples: dict[str, list] = {}
+    for task in tasks:
+        if task == "ppl":
+            if not 0 < cfg.continuation < cfg.context:
+                raise ValueError(f"continuation must be in (0, context={cfg.context}); got {cfg.continuation}")
+            samples[task] = perplexity_windows(tokenizer, text, context=cfg.context,
+                                               prefix_len=cfg.context - cfg.continuation, num_windows=cfg.samples)
+        else:
+            samples[task] = build_task(task, tokenizer, text if cfg.haystack == "text" else None,
+                                       context=cfg.context, num_samples=cfg.samples, seed=cfg.seed,
+                                       haystack=cfg.haystack, query_aware=cfg.query_aware)
+
+    fp = cfg.fingerprint(text_sha)
+    results_path = out_dir / "results.json"
+    doc: dict[str, Any] = {"config": {**cfg.__dict__, "text_sha256": text_sha, "fingerprint": fp},
+                           "skipped": skipped, "methods": {}}
+    if results_path.exists():
+        try:
+            old = json.loads(results_path.read_text())
+            if old.get("config", {}).get("fingerprint") == fp:
+                doc["methods"] = old.get("methods", {})
+        except (OSError, json.JSONDecodeError):
+            log.warning("ignoring unreadable %s", results_path)
+
+    total = len(methods) * sum(len(v) for v in samples.values())
+    done_count = 0
+    full_argmax: dict[int, list[int]] = {}
+    for method in methods:
+        entry = doc["methods"].setdefault(method.spec, {
+            "spec": method.spec, "family": method.family, "bits": method.bits, "budget": method.budget,
+            "tasks": {}})
+        entry.pop("error", None)
+        for task in tasks:
+            tentry = entry["tasks"].setdefault(task, {"metric": "ppl" if task == "ppl" else "accuracy",
+                                                      "samples": []})
+            finished = {s["index"]: s for s in tentry["samples"]}
+            for i, sample in enumerate(samples[task]):
+                if i in finished:
+                    if task == "ppl" and method.spec.lower() == "full":
+                        full_argmax[i] = finished[i]["argmax"]
+                    done_count += 1
+                    if progress:
+                        progress(1, f"{method.spec} {task} (cached)")
+                    continue
+                try:
+                    if task == "ppl":
+                        res = run_ppl_sample(model, method, sample, full_argmax.get(i))
+                        res["index"] = i
+                        if method.spec.lower() == "full":
+                            full_argmax[i] = res["argmax"]
+                    else:
+                        res = run_retrieval_sample(model, tokenizer, method, sample, cfg.query_aware,
+                                                   cfg.max_new_tokens)
+                        res["index"] = i
+                except MethodUnavailable as exc:
+                    entry["error"] = str(exc)
+                    break
+                except Exception as exc:  # a peer that crashes must not lose the other results
+                    if method.family == "ours":
+                        raise
+                    log.warning("%s failed on %s: %s", method.spec, task, exc)
+                    entry["error"] = f"{type(exc).__name__}: {exc}"
+                    break
+                tentry["samples"].append(res)
+                done_count += 1
+                _summarize(entry, doc["methods"].get("full"))
+                _atomic_write(results_path, json.dumps(doc, indent=1))
+                if progress:
+                    progress(1, f"{method.spec} {task}")
+            if "error" in entry:
+                break
+        _summarize(entry, doc["methods"].get("full"))
+    for entry in doc["methods"].values():
+        _summarize(entry, doc["methods"].get("full"))
+    _atomic_write(results_path, json.dumps(doc, indent=1))
+    log.info("%d/%d samples done", done_count, total)
+    return doc
+
+
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _summarize(entry: dict, full: dict | None) -> None:
+    """Fill the per-method summary fields from its samples."""
+    all_samples = [s for t in entry["tasks"].values() for s in t["samples"]]
+    entry["kv_bytes"] = _mean([s["kv_bytes"] for s in all_samples])
+    entry["fp16_bytes"] = _mean([s["fp16_bytes"] for s in all_samples])
+    entry["ratio"] = (entry["fp16_bytes"] / entry["kv_bytes"]) if entry["kv_bytes"] else None
+    entry["decode_tokens_per_s"] = _mean([s.get("decode_tokens_per_s") for s in all_samples])
+    for name, t in entry["tasks"].items():
+        if t["metric"] == "ppl":
+            nll = _mean([s["nll"] for s in t["samples"]])
+            t["score"] = math.exp(nll) if nll is not None else None
+            t["agreement"] = _mean([s["agreement"] for s in t["samples"]])
+            ref = (full or {}).get("tasks", {}).get(name, {}).get("score")
+            t["delta"] = (t["score"] - ref) if (t["score"] is not None and ref is not None) else None
+        else:
+            t["score"] = _mean([s["score"] for s in t["samples"]])
+        t["kv_bytes"] = _mean([s["kv_bytes"] for s in t["samples"]])
+
+
+__all__ = ["EvalConfig", "KNOWN_TASKS", "TASK_ALIASES", "check_out_dir", "fp16_nbytes", "held_nbytes",
+           "resolve_task", "run_eval"]
