@@ -1,0 +1,143 @@
+"""``kvcache`` end to end on stories260K, method specs, peer adapters, errors users can act on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kv_cache import CompressedCache, QuantConfig
+from kv_cache.cli import main
+from kv_cache.eval.methods import MethodUnavailable, parse_method
+from kv_cache.eval.runner import held_nbytes, resolve_task
+from kv_cache.models import load_model, shared_data_dir
+
+TEXT = shared_data_dir() / "tinyshakespeare" / "input.txt"
+
+
+def _eval(tmp_path, *extra):
+    out = tmp_path / "run"
+    argv = ["eval", "--model", "stories260K", "--text", str(TEXT), "--tasks", "ppl,needle",
+            "--methods", "full,q4,h2o@0.5", "--samples", "2", "--context", "320", "--continuation", "64",
+            "--out", str(out), "--quiet", *extra]
+    return main(argv), out
+
+
+def test_eval_end_to_end_schema_table_plot_and_resume(tmp_path, capsys):
+    rc, out = _eval(tmp_path)
+    assert rc == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert set(doc["methods"]) == {"full", "q4", "h2o@0.5"}
+    for spec, m in doc["methods"].items():
+        assert m["spec"] == spec and m["kv_bytes"] > 0 and m["fp16_bytes"] > 0
+        assert m["ratio"] == pytest.approx(m["fp16_bytes"] / m["kv_bytes"])
+        assert set(m["tasks"]) == {"ppl", "niah_single"}
+        ppl = m["tasks"]["ppl"]
+        assert len(ppl["samples"]) == 2 and ppl["score"] > 1
+        assert all(s["kv_bytes"] > 0 for s in ppl["samples"])
+        needle = m["tasks"]["niah_single"]
+        assert len(needle["samples"]) == 2 and 0 <= needle["score"] <= 1
+    full, q4, h2o = (doc["methods"][k] for k in ("full", "q4", "h2o@0.5"))
+    assert q4["kv_bytes"] < full["kv_bytes"] / 3  # 4-bit codes + metadata vs the fp32 full cache
+    assert h2o["kv_bytes"] < 0.6 * full["kv_bytes"]  # half the tokens (plus scores)
+    assert full["tasks"]["ppl"]["delta"] == 0.0
+    md = (out / "results.md").read_text()
+    assert "| `q4` | 4 |" in md and "ratio vs fp16" in md and "niah_single acc" in md
+    png = (out / "pareto.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    assert matplotlib.image.imread(str(out / "pareto.png")).shape[0] > 100
+    printed = capsys.readouterr().out
+    assert "plot:" in printed and str(out / "pareto.png") in printed
+
+    # Restart: every sample is reused, nothing recomputed (identical results document).
+    before = (out / "results.json").read_text()
+    rc, _ = _eval(tmp_path)
+    assert rc == 0 and json.loads((out / "results.json").read_text())["methods"] == json.loads(before)["methods"]
+
+
+def test_config_file(tmp_path):
+    cfg = tmp_path / "grid.toml"
+    cfg.write_text('model = "stories260K"\ntasks = ["ppl"]\nmethods = ["full", "q8"]\nsamples = 1\n'
+                   'context = 128\ncontinuation = 32\n' + f'text = "{TEXT}"\nout = "{tmp_path / "o"}"\n')
+    assert main(["eval", "--config", str(cfg), "--quiet"]) == 0
+    doc = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert set(doc["methods"]) == {"full", "q8"} and doc["config"]["context"] == 128
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--methods", "full,q5"], "bits must be one of"),
+        (["--methods", "full,turbo@0.5"], "unknown method 'turbo@0.5'"),
+        (["--tasks", "ppl,haystack"], "unknown task 'haystack'; known tasks: ppl, niah_single"),
+        (["--context", "4096"], "context"),
+    ],
+)
+def test_errors_users_can_act_on(tmp_path, capsys, argv, match):
+    rc = main(["eval", "--model", "stories260K", "--text", str(TEXT), "--samples", "1", "--quiet",
+               "--out", str(tmp_path / "o"), *argv])
+    assert rc == 2
+    assert match in capsys.readouterr().err
+
+
+def test_text_too_short_and_unwritable_out(tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("Once upon a time. " * 5)
+    rc = main(["eval", "--model", "stories260K", "--text", str(short), "--tasks", "ppl", "--methods", "full",
+               "--samples", "4", "--context", "256", "--continuation", "64", "--out", str(tmp_path / "o"), "--quiet"])
+    assert rc == 2 and "too short" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc = main(["eval", "--model", "stories260K", "--text", str(TEXT), "--tasks", "ppl", "--methods", "full",
+               "--out", str(blocker / "sub"), "--quiet"])
+    assert rc == 2 and "not writable" in capsys.readouterr().err
+
+
+def test_method_specs():
+    m = parse_method("q4g64r128+h2o@0.25")
+    assert (m.family, m.bits, m.budget) == ("ours", 4, 0.25)
+    assert parse_method("streaming@512").budget == 512
+    assert parse_method("FULL").bits is None
+    for bad in ("", "q4+q8", "h2o@0.5+snapkv@0.5", "hf-foo-int4", "kvpress-snapkv@1.5", "kvpress-magic@0.5"):
+        with pytest.raises(ValueError, match="unknown method"):
+            parse_method(bad)
+    assert resolve_task("needle") == "niah_single" and resolve_task("PPL") == "ppl"
+
+
+def test_held_nbytes_matches_our_report():
+    model, tok = load_model("stories260K")
+    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, group_size=8, residual_length=8))
+    with torch.no_grad():
+        model(tok("Once upon a time there was a dog", return_tensors="pt").input_ids, past_key_values=cache)
+    assert held_nbytes(cache) == cache.memory_report().total_bytes
+
+
+def test_hf_quanto_adapter_counts_quantized_bytes():
+    try:
+        method = parse_method("hf-quanto-int4")
+    except MethodUnavailable as exc:
+        pytest.skip(str(exc))
+    model, tok = load_model("stories260K")
+    cache, ctx = method.make(model)
+    ids = torch.randint(3, 500, (1, 256))
+    with torch.no_grad(), ctx():
+        model(ids, past_key_values=cache)
+    held = held_nbytes(cache)
+    # The packed int4 codes (plus scales, shifts and the residual) are far below the fp32 cache.
+    full_fp32 = 2 * 4 * model.config.num_hidden_layers * model.config.num_key_value_heads * 8 * 256
+    assert 0 < held < full_fp32 / 3
+
+
+def test_kvpress_adapter_evicts():
+    try:
+        method = parse_method("kvpress-streamingllm@0.5")
+    except MethodUnavailable as exc:
+        pytest.skip(str(exc))
+    model, _ = load_model("stories260K")
+    cache, ctx = method.make(model)
+    with torch.no_grad(), ctx():
+        model(torch.randint(3, 500, (1, 200)), past_key_values=cache)
+    assert cache.layers[0].keys.shape[2] == 100
