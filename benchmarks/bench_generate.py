@@ -1,0 +1,118 @@
+"""Decode speed and memory of compressed caches on SmolLM2-135M, against the full cache and
+transformers' ``QuantizedCache`` in the same run.
+
+For every context length (default 1K, 2K, 4K tokens of Moby Dick) and method spec (the
+``kvcache eval`` grammar), a fresh subprocess loads the model, prefills the context and decodes
+``--decode`` tokens greedily. It reports the cache bytes held after prefill and after decoding
+(sum of tensor ``nbytes``), the ratio against an fp16 full cache of the same tokens, decode
+tokens/s (median of per-step times after 4 warm-up steps) and its ratio to the full cache
+measured in the same run, and the subprocess's peak RSS. One subprocess per measurement keeps
+the peak RSS per configuration honest.
+
+Run: ``python benchmarks/bench_generate.py [--contexts 1024,2048,4096] [--decode 64]
+[--methods full,q4,...] [--out benchmarks/results/]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_METHODS = ("full,q8,q4,q2,hf-quanto-int4,hf-quanto-int2,hf-hqq-int4,"
+                   "snapkv@0.5,h2o@0.5,q4+h2o@0.5")
+
+
+def _one(method_spec: str, context: int, decode: int) -> dict:
+    import torch
+
+    from kv_cache.eval.methods import MethodUnavailable, parse_method
+    from kv_cache.eval.runner import _forward, _prefill, fp16_nbytes, held_nbytes
+    from kv_cache.models import load_model, shared_data_dir
+
+    try:
+        method = parse_method(method_spec)
+    except MethodUnavailable as exc:
+        return {"method": method_spec, "context": context, "skipped": str(exc)}
+    torch.set_num_threads(2)
+    model, tok = load_model("smollm2")
+    text = (shared_data_dir() / "gutenberg" / "pg2701.txt").read_text().replace("\r\n", "\n")
+    ids = tok(text[: context * 8], return_tensors="pt").input_ids[:, :context]
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        pre = _prefill(model, method, ids)
+        prefill_s = time.perf_counter() - t0
+        bytes_prefill = held_nbytes(pre.cache)
+        nxt = pre.logits[:, -1:].argmax(-1)
+        steps = []
+        try:
+            for i in range(decode):
+                t0 = time.perf_counter()
+                logits = _forward(model, pre.cache, nxt, context + i)
+                steps.append(time.perf_counter() - t0)
+                nxt = logits[:, -1:].argmax(-1)
+        finally:
+            pre.scope.__exit__(None, None, None)
+    timed = steps[4:] if len(steps) > 8 else steps
+    return {
+        "method": method_spec, "context": context, "decode": decode,
+        "kv_bytes_prefill": bytes_prefill, "kv_bytes_end": held_nbytes(pre.cache),
+        "fp16_bytes_prefill": fp16_nbytes(model.config, context),
+        "fp16_bytes_end": fp16_nbytes(model.config, context + decode),
+        "prefill_s": prefill_s, "decode_tokens_per_s": 1.0 / statistics.median(timed),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="1024,2048,4096")
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--methods", default=DEFAULT_METHODS)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--context", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(_one(args.one, args.context, args.decode)))
+        return
+    rows = []
+    for ctx in [int(c) for c in args.contexts.split(",")]:
+        for spec in args.methods.split(","):
+            proc = subprocess.run([sys.executable, __file__, "--one", spec, "--context", str(ctx),
+                                   "--decode", str(args.decode)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                row = {"method": spec, "context": ctx, "error": proc.stderr.strip().splitlines()[-1:]}
+            else:
+                row = json.loads(proc.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    lines = ["| context | method | KV bytes after prefill | ratio vs fp16 | KV bytes after decode | decode tok/s "
+             "| vs full | peak RSS MiB |", "|" + "---|" * 8]
+    for ctx in sorted({r["context"] for r in rows}):
+        full = next((r for r in rows if r["context"] == ctx and r["method"] == "full" and "kv_bytes_end" in r), None)
+        for r in (r for r in rows if r["context"] == ctx):
+            if "kv_bytes_end" not in r:
+                lines.append(f"| {ctx} | `{r['method']}` | {r.get('skipped') or r.get('error')} | | | | | |")
+                continue
+            rel = r["decode_tokens_per_s"] / full["decode_tokens_per_s"] if full else float("nan")
+            lines.append(
+                f"| {ctx} | `{r['method']}` | {r['kv_bytes_prefill'] / 2**20:.2f} MiB "
+                f"| {r['fp16_bytes_prefill'] / r['kv_bytes_prefill']:.2f}x | {r['kv_bytes_end'] / 2**20:.2f} MiB "
+                f"| {r['decode_tokens_per_s']:.1f} | {rel:.2f}x | {r['peak_rss_mib']:.0f} |")
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_generate_smollm2_ctx{args.contexts.replace(',', '-')}_dec{args.decode}"
+    (out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
+    (out / f"{stem}.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
