@@ -251,3 +251,29 @@ def test_smollm2_4bit_h2o_holds_under_a_fifth_of_fp16():
             nxt = out.logits[:, -1:].argmax(-1)
             assert all(layer.kept_length() <= 256 for layer in cache.layers)
     assert cache.memory_report().total_bytes == sum(t.nbytes for t in cache.held_tensors().values())
+
+
+def test_prefill_attends_to_its_own_full_precision_states():
+    """Quantization changes what is stored, not the prefill's own attention (as in KIVI)."""
+    model = tiny(LlamaConfig, 4, 2)
+    ids = torch.randint(0, 97, (1, 40))
+    with torch.no_grad():
+        ref = model(ids, past_key_values=DynamicCache()).logits
+        cache = CompressedCache(model.config, quant=QuantConfig(bits=2, group_size=8, residual_length=8))
+        got = model(ids, past_key_values=cache).logits
+        assert torch.equal(ref, got)
+        assert cache.memory_report().codes_bytes > 0
+        # The next step reads the 2-bit codes back: it differs from the full cache, but not wildly.
+        nxt = torch.randint(0, 97, (1, 1))
+        full = DynamicCache()
+        model(ids, past_key_values=full)
+        a = model(nxt, past_key_values=full).logits
+        b = model(nxt, past_key_values=cache).logits
+        assert not torch.equal(a, b) and torch.allclose(a.softmax(-1), b.softmax(-1), atol=0.2)
+
+
+def test_eviction_policy_is_abstract():
+    from kv_cache import EvictionPolicy
+
+    with pytest.raises(TypeError, match="abstract"):
+        EvictionPolicy()

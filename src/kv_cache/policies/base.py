@@ -10,6 +10,7 @@ gather are done once, in :class:`kv_cache.cache.layer.CompressedLayer`, with
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -44,7 +45,7 @@ class ScoreInputs:
 
 
 @dataclass
-class EvictionPolicy:
+class EvictionPolicy(ABC):
     """Base class. ``budget`` is a token count (int) or a fraction (float in (0, 1]) of the
     prompt length (resolved once, at the first forward call)."""
 
@@ -75,6 +76,6 @@ class EvictionPolicy:
             return resolve_budget(b, prompt_len)
         return int(b)
 
-    def score(self, inputs: ScoreInputs) -> torch.Tensor:  # pragma: no cover - abstract
+    @abstractmethod
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
         """Return float32 scores ``[batch, kv_heads, kept_len]``; higher is kept first."""
-        raise NotImplementedError(f"{type(self).__name__} must implement score()")
