@@ -57,7 +57,7 @@ def _one(method_spec: str, context: int, decode: int) -> dict:
                 steps.append(time.perf_counter() - t0)
                 nxt = logits[:, -1:].argmax(-1)
         finally:
-            pre.scope.__exit__(None, None, None)
+            pre.scope.close()
     timed = steps[4:] if len(steps) > 8 else steps
     return {
         "method": method_spec, "context": context, "decode": decode,

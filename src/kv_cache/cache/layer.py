@@ -96,9 +96,7 @@ class CompressedLayer(CacheLayerMixin):
         else:
             # This call's own tokens reach attention in full precision (as in KIVI and transformers'
             # QuantizedCache): only what was stored before is dequantized.
-            old_k, old_v = self._materialize()
-            keys = torch.cat([old_k, key_states], dim=2)
-            values = torch.cat([old_v, value_states], dim=2)
+            keys, values = self._materialize(key_states, value_states)
             self.keys = torch.cat([self.keys, key_states], dim=2)
             self.values = torch.cat([self.values, value_states], dim=2)
             self._flush()
@@ -216,7 +214,10 @@ class CompressedLayer(CacheLayerMixin):
                              min(q.group_size, d), q.symmetric)
         return dequantize(qk), dequantize(qv)
 
-    def _materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _materialize(
+        self, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored tokens in order (sinks, dequantized, residual), then ``new_*``: one concatenation."""
         ks, vs = [], []
         if self.sink_keys is not None:
             ks.append(self.sink_keys)
@@ -225,10 +226,13 @@ class CompressedLayer(CacheLayerMixin):
             k, v = self._dequantized()
             ks.append(k)
             vs.append(v)
-        if not ks:
-            return self.keys, self.values
         ks.append(self.keys)
         vs.append(self.values)
+        if new_keys is not None:
+            ks.append(new_keys)
+            vs.append(new_values)
+        if len(ks) == 1:
+            return ks[0], vs[0]
         return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
     # ------------------------------------------------------------------ eviction

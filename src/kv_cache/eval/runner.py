@@ -17,6 +17,7 @@ own length), so peers whose caches report the kept length after eviction decode 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -111,28 +112,21 @@ class Prefilled:
 
 
 def _prefill(model, method: Method, ids: torch.Tensor) -> Prefilled:
+    """Prefill ``ids`` into a fresh cache of ``method``; ``scope`` stays open for what follows
+    (ours: the ``compress`` hooks; kvpress presses only wrap the prefill)."""
     cache, ctx = method.make(model)
-    scope = ctx()
+    scope = contextlib.ExitStack()
     if method.prefill_only_context:
-        with scope:
+        with ctx():
             logits = _forward(model, cache, ids, 0)
-        scope = _Null()
     else:
-        scope.__enter__()
+        scope.enter_context(ctx())
         try:
             logits = _forward(model, cache, ids, 0)
         except BaseException:
-            scope.__exit__(None, None, None)
+            scope.close()
             raise
     return Prefilled(cache, logits, held_nbytes(cache), scope)
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _greedy(model, cache, logits: torch.Tensor, pos: int, n: int, eos: set[int]) -> tuple[list[int], float]:
@@ -165,7 +159,7 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None)
             _, tps = _greedy(model, pre.cache, all_logits[None, -1:], prefix.shape[1] + cont.shape[1],
                              DECODE_TIMING_TOKENS, set())
         finally:
-            pre.scope.__exit__(None, None, None)
+            pre.scope.close()
     agreement = None if full_argmax is None else sum(a == b for a, b in zip(argmax, full_argmax)) / len(argmax)
     return {"index": sample.index, "nll": nll, "ppl": math.exp(nll), "agreement": agreement, "argmax": argmax,
             "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_nbytes(model.config, prefix.shape[1]),
@@ -187,7 +181,7 @@ def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, 
             logits = _forward(model, pre.cache, q_ids, ctx_ids.shape[1])
             out, tps = _greedy(model, pre.cache, logits, ctx_ids.shape[1] + q_ids.shape[1], n_new, eos)
         finally:
-            pre.scope.__exit__(None, None, None)
+            pre.scope.close()
     prediction = tok.decode(out, skip_special_tokens=True)
     return {"index": sample.metadata.get("index", 0), "prediction": prediction, "expected": list(sample.expected),
             "score": score_retrieval(prediction, sample.expected), "depth": sample.depth,
