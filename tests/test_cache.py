@@ -277,3 +277,23 @@ def test_eviction_policy_is_abstract():
 
     with pytest.raises(TypeError, match="abstract"):
         EvictionPolicy()
+
+
+def test_eviction_works_with_eager_and_sdpa():
+    """Same budget behaviour and greedy output whichever attention kernel runs the model."""
+    outs = {}
+    for impl in ("eager", "sdpa"):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+        cfg._attn_implementation = impl
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+        ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(ids)
+        mask[1, :6] = 0  # left padding in the second row
+        cache = CompressedCache(model.config, quant=QuantConfig(bits=4, group_size=8, residual_length=8),
+                                eviction=H2O(budget=24, recent_window=8))
+        with compress(model, cache):
+            outs[impl] = _greedy(model, ids, cache, 12, mask=mask)
+        assert all(layer.kept_length() <= 24 for layer in cache.layers)
+    assert torch.equal(outs["eager"], outs["sdpa"])

@@ -65,24 +65,30 @@ def pareto_plot(doc: dict, path: str | Path) -> Path:
     for m in methods:
         tasks += [t for t in m["tasks"] if t not in tasks]
     tasks = tasks or ["ppl"]
-    fig = Figure(figsize=(5.5 * len(tasks), 4.5))
+    fig = Figure(figsize=(max(7.0, 6.0 * len(tasks)), 5.0))
     FigureCanvasAgg(fig)
     for i, task in enumerate(tasks):
         ax = fig.add_subplot(1, len(tasks), i + 1)
+        points = []
         for m in methods:
             sc = m["tasks"].get(task, {}).get("score")
-            if sc is None:
-                continue
+            if sc is not None:
+                points.append((m["kv_bytes"] / 2**20, sc, m))
+        # Stagger labels of nearby points so they stay readable.
+        points.sort(key=lambda p: (p[0], p[1]))
+        for j, (x, y, m) in enumerate(points):
             peer = m["family"] != "ours"
-            ax.scatter(m["kv_bytes"] / 2**20, sc, marker="^" if peer else "o", s=50,
+            ax.scatter(x, y, marker="^" if peer else "o", s=55, zorder=3,
                        color="tab:red" if peer else ("black" if m["spec"] == "full" else "tab:blue"))
-            ax.annotate(m["spec"], (m["kv_bytes"] / 2**20, sc), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")
+            ax.annotate(m["spec"], (x, y), fontsize=7, xytext=(4, 4 + 9 * (j % 3)), textcoords="offset points",
+                        arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "0.6"})
         ax.set_xscale("log")
+        if task == "ppl":
+            ax.set_yscale("log")  # one bad configuration must not flatten the rest
         ax.set_xlabel("KV bytes held after prefill (MiB, log)")
-        ax.set_ylabel("perplexity (lower is better)" if task == "ppl" else "accuracy (higher is better)")
+        ax.set_ylabel("perplexity (log, lower is better)" if task == "ppl" else "accuracy (higher is better)")
         ax.set_title(task)
-        ax.grid(True, alpha=0.3)
+        ax.grid(True, which="both", alpha=0.3)
     fig.suptitle("kv_cache: quality vs measured KV memory (circles: kv_cache, triangles: peers)", fontsize=9)
     fig.tight_layout()
     path = Path(path)
