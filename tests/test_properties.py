@@ -104,3 +104,11 @@ def test_numpy_torch_agreement(x, bits, axis):
     b = quantize(torch.from_numpy(x), bits, axis=axis, group_size=4)
     np.testing.assert_array_equal(a.data, b.data.numpy())
     np.testing.assert_array_equal(dequantize(a), dequantize(b).numpy())
+
+
+def test_pack_bits_leaves_its_input_untouched():
+    for bits in (2, 3, 4):
+        codes = torch.randint(0, 2**bits, (64,), dtype=torch.uint8)
+        before = codes.clone()
+        pack_bits(codes, bits)
+        assert torch.equal(codes, before)

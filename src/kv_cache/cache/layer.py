@@ -245,7 +245,9 @@ class CompressedLayer(CacheLayerMixin):
         T = keys.shape[2]
         valid = _key_valid(attention_mask, keys)
         budget = pol.budget_tokens(self.layer_idx, self.prompt_len)
-        inputs = ScoreInputs(keys=keys, query=query, key_valid=valid, scaling=scaling, state=self.state)
+        all_valid = bool(valid.all())
+        inputs = ScoreInputs(keys=keys, query=query, key_valid=None if all_valid else valid, scaling=scaling,
+                             state=self.state)
         # H2O must accumulate every step, even before the budget is reached.
         scores = pol.score(inputs) if not pol.prefill_only else None
         if pol.prefill_only:

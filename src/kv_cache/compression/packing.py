@@ -97,9 +97,13 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     pad = (-flat.numel()) % k
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    u = flat.contiguous().view(_WORD_DTYPE[k])
+    flat = flat.contiguous()
+    if flat.untyped_storage().data_ptr() == codes.untyped_storage().data_ptr():
+        flat = flat.clone()  # the folds below work in place; never touch the caller's codes
+    u = flat.view(_WORD_DTYPE[k])
     for shift, mask in _fold_plan(bits):
-        u = (u | (u >> shift)) & mask
+        u |= u >> shift  # in place: large temporaries cost page faults on CPU
+        u &= mask
     if w == 1:
         return u.to(torch.uint8)
     out = torch.empty((u.shape[0], w), dtype=torch.uint8, device=codes.device)
@@ -159,5 +163,6 @@ def unpack_bits(packed: torch.Tensor, bits: int, num_codes: int) -> torch.Tensor
     # forward mask of level j - 1 (or the per-byte code mask at level 0).
     for j in reversed(range(len(plan))):
         mask = code_mask if j == 0 else plan[j - 1][1]
-        u = (u | (u << plan[j][0])) & mask
+        u |= u << plan[j][0]
+        u &= mask
     return u.contiguous().view(torch.uint8)[:num_codes]

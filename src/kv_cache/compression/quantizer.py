@@ -139,7 +139,11 @@ class QuantizedTensor:
 
 
 CHUNK_ELEMENTS = 1 << 18
-"""Elementwise work is done in blocks of about this many elements so temporaries stay in cache."""
+"""Quantization works in blocks of about this many elements so its temporaries stay in cache."""
+
+DEQUANT_CHUNK_ELEMENTS = 1 << 21
+"""Dequantization has fewer passes per element; per-op overhead dominates below this size
+(a decode step dequantizes one layer of a few hundred thousand elements at a time)."""
 
 
 def _grouped(x: torch.Tensor, axis: int, group_size: int) -> tuple[torch.Tensor, int]:
@@ -159,15 +163,17 @@ def _grouped(x: torch.Tensor, axis: int, group_size: int) -> tuple[torch.Tensor,
     return x.reshape(pre * groups, group_size, post), padded
 
 
-def _blocks(rows: int, group: int, cols: int):
-    """Yield ``(row_slice, col_slice)`` blocks of about ``CHUNK_ELEMENTS`` elements of ``[R, g, Q]``."""
+def _blocks(rows: int, group: int, cols: int, chunk: int = CHUNK_ELEMENTS):
+    """Yield ``(row_slice, col_slice)`` blocks of about ``chunk`` elements of ``[R, g, Q]``."""
     per_row = group * cols
-    if per_row <= CHUNK_ELEMENTS:
-        step = max(1, CHUNK_ELEMENTS // per_row)
+    if rows * per_row <= chunk:
+        yield slice(None), slice(None)
+    elif per_row <= chunk:
+        step = max(1, chunk // per_row)
         for r in range(0, rows, step):
             yield slice(r, r + step), slice(None)
     else:
-        step = max(1, CHUNK_ELEMENTS // group)
+        step = max(1, chunk // group)
         for r in range(rows):
             for c in range(0, cols, step):
                 yield slice(r, r + 1), slice(c, c + step)
@@ -348,18 +354,24 @@ def dequantize(qt: QuantizedTensor, dtype: Any = None) -> Any:
     q = unpack_bits(packed, qt.bits, qt.numel).reshape(work_shape)
     q3, padded = _grouped(q, axis, qt.group_size)  # [R, g, Q]
     rows, g, cols = q3.shape
-    scale3 = scale.reshape(rows, 1, cols)
-    if not qt.symmetric:
-        zp3, _ = to_torch(qt.zero_point, "qt.zero_point")
-        zp3 = zp3.reshape(rows, 1, cols)
-    xh = torch.empty(q3.shape, dtype=out_dtype, device=q3.device)
-    for rs, cs in _blocks(rows, g, cols):
+    scale3 = scale.reshape(rows, 1, cols).to(math_dtype)
+    if qt.symmetric:
+        offset: Any = 1 << (qt.bits - 1)
+    else:
+        zp, _ = to_torch(qt.zero_point, "qt.zero_point")
+        offset = zp.reshape(rows, 1, cols).to(math_dtype)
+
+    def block(rs: slice, cs: slice) -> torch.Tensor:
         c = q3[rs, :, cs].to(math_dtype)
-        if qt.symmetric:
-            c.sub_(1 << (qt.bits - 1))
-        else:
-            c.sub_(zp3[rs, :, cs])
-        xh[rs, :, cs] = c.mul_(scale3[rs, :, cs])
+        c.sub_(offset if qt.symmetric else offset[rs, :, cs])
+        return c.mul_(scale3[rs, :, cs])
+
+    if rows * g * cols <= DEQUANT_CHUNK_ELEMENTS:
+        xh = block(slice(None), slice(None)).to(out_dtype)
+    else:
+        xh = torch.empty(q3.shape, dtype=out_dtype, device=q3.device)
+        for rs, cs in _blocks(rows, g, cols, DEQUANT_CHUNK_ELEMENTS):
+            xh[rs, :, cs] = block(rs, cs)
     xh = xh.reshape(*q.shape[:axis], padded, *q.shape[axis + 1 :])
     if padded != q.shape[axis]:
         xh = xh.narrow(axis, 0, q.shape[axis])

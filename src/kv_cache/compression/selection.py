@@ -247,8 +247,10 @@ def window_attention(
     if key_valid is not None:
         mask = mask & key_valid[:, None, None, None, :]
     logits = logits.masked_fill(~mask, float("-inf"))
-    # A padding query sees no valid key: its row is all -inf; define its attention as zero.
-    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+    probs = torch.softmax(logits, dim=-1)
+    if key_valid is not None:
+        # A padding query sees no valid key: its row is all -inf; define its attention as zero.
+        probs = probs.nan_to_num_(0.0)
     return probs.reshape(b, hq, w, T)
 
 

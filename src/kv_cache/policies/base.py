@@ -29,8 +29,8 @@ class ScoreInputs:
         Keys attention just used (dequantized), post-RoPE.
     query : torch.Tensor or None, shape ``[batch, q_heads, q_len, head_dim]``
         Post-RoPE queries of this forward call (None when the policy does not need them).
-    key_valid : torch.Tensor, shape ``[batch, kept_len]``, bool
-        False for padding.
+    key_valid : torch.Tensor or None, shape ``[batch, kept_len]``, bool
+        False for padding; None when every key is valid.
     scaling : float
     state : dict
         Per-layer state the policy keeps (e.g. H2O's accumulated scores), gathered by the
@@ -39,7 +39,7 @@ class ScoreInputs:
 
     keys: torch.Tensor
     query: torch.Tensor | None
-    key_valid: torch.Tensor
+    key_valid: torch.Tensor | None
     scaling: float
     state: dict
 

@@ -37,10 +37,13 @@ class H2O(EvictionPolicy):
             total[..., : acc.shape[-1]] = acc
         q_len = q.shape[2]
         # Column sums of softmax(q k^T) in chunks of queries: never a full T x T matrix.
+        # Causal: queries [s, e) never see keys past position T - q_len + e, so they are skipped.
         for s in range(0, q_len, QUERY_CHUNK):
             e = min(q_len, s + QUERY_CHUNK)
-            attn = window_attention(q[:, :, s:e], k, scaling=inputs.scaling, key_valid=inputs.key_valid,
+            end = T - q_len + e
+            valid = None if inputs.key_valid is None else inputs.key_valid[:, :end]
+            attn = window_attention(q[:, :, s:e], k[:, :, :end], scaling=inputs.scaling, key_valid=valid,
                                     query_start=T - q_len + s)
-            total += reduce_gqa(attn.sum(2), n_kv, self.gqa_reduce)
+            total[..., :end] += reduce_gqa(attn.sum(2), n_kv, self.gqa_reduce)
         inputs.state["h2o"] = total
         return total
