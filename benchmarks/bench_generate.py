@@ -16,6 +16,7 @@ Run: ``python benchmarks/bench_generate.py [--contexts 1024,2048,4096] [--decode
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import resource
 import statistics
@@ -109,7 +110,8 @@ def main() -> None:
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_generate_smollm2_ctx{args.contexts.replace(',', '-')}_dec{args.decode}"
+    methods_id = hashlib.sha256(args.methods.encode()).hexdigest()[:8]  # runs never overwrite each other
+    stem = f"bench_generate_smollm2_ctx{args.contexts.replace(',', '-')}_dec{args.decode}_methods-{methods_id}"
     (out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
     (out / f"{stem}.md").write_text(table + "\n")
 
