@@ -40,7 +40,9 @@ def markdown_table(doc: dict) -> str:
                         "-" if a is None else f"{a:.1%}"]
             else:
                 sc = te.get("score")
-                row.append("-" if sc is None else f"{sc:.1%}")
+                n, want = len(te.get("samples", [])), doc.get("config", {}).get("samples")
+                partial = f" (n={n})" if want and 0 < n < want else ""
+                row.append("-" if sc is None else f"{sc:.1%}{partial}")
         tps = m.get("decode_tokens_per_s")
         row.append("-" if tps is None else f"{tps:.1f}")
         if m.get("error"):
