@@ -141,3 +141,50 @@ def test_kvpress_adapter_evicts():
     with torch.no_grad(), ctx():
         model(torch.randint(3, 500, (1, 200)), past_key_values=cache)
     assert cache.layers[0].keys.shape[2] == 100
+
+
+def test_hf_fp8_matches_fp8_formula_and_counts_bytes():
+    from kv_cache.eval.fp8 import FP8_MAX, fp8_dequantize, fp8_quantize
+
+    method = parse_method("hf-fp8")
+    assert (method.family, method.bits) == ("hf", 8)
+    model, _ = load_model("stories260K")
+    cache, ctx = method.make(model)
+    ids = torch.randint(3, 500, (1, 64))
+    with torch.no_grad(), ctx():
+        out = model(ids, past_key_values=cache)
+        model(ids[:, :5], past_key_values=cache)  # appended with the frozen prefill scale
+    layer = cache.layers[0]
+    codes, scale = layer._quantized_keys
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape[2] == 69 and cache.get_seq_length() == 69
+    # One byte per cached element plus two float32 scales per layer.
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    elems = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 69
+    assert held_nbytes(cache) == elems + 2 * 4 * cfg.num_hidden_layers
+    # Formula: s = amax/448, c = e4m3(x / s); round trip error is e4m3's relative precision (2^-4).
+    x = torch.randn(2, 3, 17, 8) * 7
+    c, s = fp8_quantize(x)
+    assert torch.allclose(s, x.abs().amax() / FP8_MAX)
+    x_hat = fp8_dequantize(c, s, x.dtype)
+    assert x_hat.dtype == x.dtype and ((x_hat - x).abs() <= x.abs() * 2**-4 + s * 2**-9).all()
+    assert fp8_quantize(torch.zeros(3))[1] > 0  # an all-zero tensor gets a positive scale
+    with pytest.raises(TypeError, match="floating-point"):
+        fp8_quantize(torch.ones(3, dtype=torch.int32))
+    assert out.logits.isfinite().all()
+
+
+def test_fp8_backport_equals_transformers_fp8_layer():
+    from transformers import cache_utils
+
+    from kv_cache.eval.fp8 import Fp8QuantizedLayerBackport
+
+    if not hasattr(cache_utils, "Fp8QuantizedLayer"):
+        pytest.skip("the installed transformers has no Fp8QuantizedLayer (it ships from 5.24 at the latest)")
+    torch.manual_seed(0)
+    theirs, ours = cache_utils.Fp8QuantizedLayer(), Fp8QuantizedLayerBackport()
+    for n in (40, 1, 1, 7):  # prefill, two decode steps, a chunk
+        k, v = torch.randn(2, 3, n, 16) * 5, torch.randn(2, 3, n, 16)
+        for a, b in zip(theirs.update(k, v), ours.update(k.clone(), v.clone())):
+            assert torch.equal(a, b)
+    assert theirs.get_seq_length() == ours.get_seq_length() == 49

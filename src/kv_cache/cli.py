@@ -27,6 +27,8 @@ method specs (comma-separated, case-insensitive):
   q4+h2o@0.5                     both levers in one cache
   hf-quanto-int4  hf-quanto-int2 transformers QuantizedCache, quanto backend (pip install optimum-quanto)
   hf-hqq-int4 ...                transformers QuantizedCache, HQQ backend (pip install hqq)
+  hf-fp8                         transformers QuantizedCache, fp8 e4m3 backend with a per-tensor
+                                 scale (a line-for-line backport on transformers < its release)
   kvpress-<press>@K              kvpress at prefill keeping fraction K (pip install kvpress);
                                  press: snapkv, streamingllm, knorm, expectedattention, tova,
                                  observedattention

@@ -9,6 +9,8 @@ Grammar (case-insensitive)::
     q4+h2o@0.5                    both levers in one cache
     hf-quanto-int<2|4>            transformers' QuantizedCache, quanto backend (optimum-quanto)
     hf-hqq-int<2|4|8>             transformers' QuantizedCache, HQQ backend (hqq)
+    hf-fp8                        transformers' QuantizedCache, fp8 e4m3 backend (per-tensor scale);
+                                  on transformers releases without it, a line-for-line backport
     kvpress-<press>@<kept>        a kvpress press at prefill, keeping that fraction of the context;
                                   press in {snapkv, streamingllm, knorm, expectedattention, tova,
                                   observedattention}
@@ -41,7 +43,7 @@ HF_BACKENDS = {  # spec name -> (transformers backend, bits, pip package, import
     "hqq": ("HQQ", (2, 4, 8), "hqq", "hqq"),
 }
 EXAMPLES = ("full", "q8", "q4", "q2", "q4g64r128", "snapkv@0.5", "h2o@0.25", "streaming@512", "q4+h2o@0.5",
-            "hf-quanto-int4", "hf-hqq-int2", "kvpress-snapkv@0.5", "kvpress-streamingllm@0.75")
+            "hf-quanto-int4", "hf-hqq-int2", "hf-fp8", "kvpress-snapkv@0.5", "kvpress-streamingllm@0.75")
 
 _QUANT = re.compile(r"^q(?P<bits>\d+)(?:g(?P<g>\d+))?(?:r(?P<r>\d+))?(?:s(?P<s>\d+))?$")
 _POLICY = re.compile(r"^(?P<name>[a-z0-9_]+)@(?P<budget>\d+(?:\.\d+)?)$")
@@ -89,7 +91,7 @@ def _budget(text: str) -> float | int:
 def _unknown(spec: str, why: str) -> ValueError:
     return ValueError(
         f"unknown method {spec!r} ({why}); known forms: full, q<bits>[g<group>][r<residual>][s<sinks>], "
-        f"{{{', '.join(POLICY_NAMES)}}}@<budget>, their '+' combination, hf-quanto-int<2|4>, hf-hqq-int<2|4|8>, "
+        f"{{{', '.join(POLICY_NAMES)}}}@<budget>, their '+' combination, hf-quanto-int<2|4>, hf-hqq-int<2|4|8>, hf-fp8, "
         f"kvpress-{{{', '.join(KVPRESS_PRESSES)}}}@<kept fraction>; examples: {', '.join(EXAMPLES)}"
     )
 
@@ -149,6 +151,15 @@ def _hf(spec: str, backend: str, bits: int) -> Method:
     return Method(spec, "hf", bits, None, make)
 
 
+def _hf_fp8(spec: str) -> Method:
+    def make(model):
+        from .fp8 import make_fp8_cache
+
+        return make_fp8_cache(model.config), contextlib.nullcontext
+
+    return Method(spec, "hf", 8, None, make)
+
+
 def _kvpress(spec: str, press: str, kept: float) -> Method:
     if press not in KVPRESS_PRESSES:
         raise _unknown(spec, f"kvpress press must be one of {list(KVPRESS_PRESSES)}")
@@ -190,6 +201,8 @@ def parse_method(spec: str) -> Method:
     if not isinstance(spec, str) or not spec.strip():
         raise _unknown(str(spec), "empty")
     s = spec.strip().lower()
+    if s == "hf-fp8":
+        return _hf_fp8(spec)
     m = re.match(r"^hf-(quanto|hqq)-int(\d+)$", s)
     if m:
         return _hf(spec, m[1], int(m[2]))
