@@ -297,3 +297,26 @@ def test_eviction_works_with_eager_and_sdpa():
             outs[impl] = _greedy(model, ids, cache, 12, mask=mask)
         assert all(layer.kept_length() <= 24 for layer in cache.layers)
     assert torch.equal(outs["eager"], outs["sdpa"])
+
+
+def test_h2o_recent_window_fraction_of_budget():
+    """H2O's default window is half the budget (the paper's even split); a chunk fed after the
+    prompt (a question) stays whole when it fits in that window."""
+    assert H2O().recent_window == 0.5 and H2O(budget=64).window_tokens(64) == 32
+    assert H2O(budget=0.5, recent_window=0.25).window_tokens(40) == 10
+    model = tiny(LlamaConfig, 4, 2)
+    cache = CompressedCache(model.config, eviction=H2O(budget=0.5))  # 60 tokens -> 30 kept, 15 recent
+    ids = torch.randint(0, 97, (1, 72))
+    with compress(model, cache), torch.no_grad():
+        model(ids[:, :60], past_key_values=cache)
+        model(ids[:, 60:], past_key_values=cache)  # a 12-token "question"
+        full = DynamicCache()
+        model(ids, past_key_values=full)
+    k_kept, k_full = cache.layers[0].keys, full.layers[0].keys
+    assert k_kept.shape[2] == 30
+    assert torch.equal(k_kept[:, :, -15:], k_full[:, :, -15:])  # the question and 3 tokens before it
+    for bad in (1.5, -0.1, True, "half"):
+        with pytest.raises(ValueError, match=r"recent_window must be an int >= 0 \(tokens\) or a float in \[0, 1\]"):
+            H2O(budget=0.5, recent_window=bad)
+    with pytest.raises(ValueError, match="observation window, a token count"):
+        SnapKV(budget=0.5, recent_window=0.5)

@@ -57,6 +57,22 @@ def test_eval_end_to_end_schema_table_plot_and_resume(tmp_path, capsys):
     rc, _ = _eval(tmp_path)
     assert rc == 0 and json.loads((out / "results.json").read_text())["methods"] == json.loads(before)["methods"]
 
+    # A method whose settings changed since (e.g. a new default) is recomputed, the others reused.
+    doc = json.loads(before)
+    doc["methods"]["h2o@0.5"]["resolved"] = "kv_cache eviction=H2O(recent_window=32)"
+    for task in doc["methods"]["h2o@0.5"]["tasks"].values():
+        for s in task["samples"]:
+            s["nll" if "nll" in s else "score"] = -1.0
+    (out / "results.json").write_text(json.dumps(doc))
+    rc, _ = _eval(tmp_path)
+    after = json.loads((out / "results.json").read_text())["methods"]
+    assert rc == 0 and after["q4"] == json.loads(before)["methods"]["q4"]
+    old_h2o = json.loads(before)["methods"]["h2o@0.5"]
+    for task, t in after["h2o@0.5"]["tasks"].items():  # recomputed (deterministic, so equal again)
+        key = "nll" if task == "ppl" else "score"
+        assert [s[key] for s in t["samples"]] == [s[key] for s in old_h2o["tasks"][task]["samples"]]
+        assert all(s[key] >= 0 for s in t["samples"])
+
 
 def test_config_file(tmp_path):
     cfg = tmp_path / "grid.toml"
@@ -105,6 +121,13 @@ def test_method_specs():
         with pytest.raises(ValueError, match="unknown method"):
             parse_method(bad)
     assert resolve_task("needle") == "niah_single" and resolve_task("PPL") == "ppl"
+    model, _ = load_model("stories260K")
+    windows = {"h2o@0.5": 0.5, "h2o@0.5w32": 32, "h2o@512w0.25": 0.25, "snapkv@0.5": 32, "snapkv@0.5w64": 64}
+    for spec, window in windows.items():
+        assert parse_method(spec).make(model)[0].eviction.recent_window == window
+    for bad in ("h2o@0.5w1.5", "snapkv@0.5w0.5"):
+        with pytest.raises(ValueError, match="recent_window"):
+            parse_method(bad)
 
 
 def test_held_nbytes_matches_our_report():

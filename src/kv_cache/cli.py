@@ -24,6 +24,9 @@ method specs (comma-separated, case-insensitive):
                                  full-precision residual R (default 32), full-precision sinks S
   snapkv@B  h2o@B  streaming@B   kv_cache eviction keeping B: a fraction of the context (0.5)
                                  or a token count (512)
+  h2o@0.5w32  snapkv@0.5w64      ... with the always-kept recent window: a count (w32) or a
+                                 fraction of the budget (w0.5); default: h2o 0.5 (the H2O
+                                 paper's even split), snapkv 32 (its observation window)
   q4+h2o@0.5                     both levers in one cache
   hf-quanto-int4  hf-quanto-int2 transformers QuantizedCache, quanto backend (pip install optimum-quanto)
   hf-hqq-int4 ...                transformers QuantizedCache, HQQ backend (pip install hqq)

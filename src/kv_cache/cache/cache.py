@@ -54,12 +54,13 @@ class CompressedCache(Cache):
             quant.check_head_dim(head_dim)
             if eviction is not None and isinstance(eviction.budget, int):
                 res = max(quant.residual_length, quant.group_size) - 1
-                need = quant.sink_tokens + res + eviction.recent_window + eviction.sink_tokens
+                window = eviction.window_tokens(eviction.budget)
+                need = quant.sink_tokens + res + window + eviction.sink_tokens
                 if eviction.budget < need:
                     raise ValueError(
                         f"budget ({eviction.budget}) must be >= {need}: quantization sinks ({quant.sink_tokens}) + "
                         f"residual up to max(residual_length, group_size) - 1 ({res}) "
-                        f"+ recent_window ({eviction.recent_window}) + sink_tokens ({eviction.sink_tokens})"
+                        f"+ recent_window ({window}) + sink_tokens ({eviction.sink_tokens})"
                     )
         self.quant, self.eviction = quant, eviction
         self.head_dim = head_dim

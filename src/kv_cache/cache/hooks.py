@@ -71,7 +71,9 @@ def compress(model: torch.nn.Module, cache: CompressedCache) -> Iterator[Compres
         if policy.needs_attention:
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             q_len = hidden.shape[1]
-            n = q_len if not policy.prefill_only else min(q_len, max(1, policy.recent_window))
+            n = q_len
+            if policy.prefill_only:  # the observation window of the prompt (q_len tokens)
+                n = min(q_len, max(1, policy.window_tokens(policy.budget_tokens(idx, q_len))))
             with torch.no_grad():
                 query = _queries(module, hidden, kwargs["position_embeddings"], n)
         layer.observe(query, kwargs.get("attention_mask"), module.scaling)

@@ -261,17 +261,18 @@ class CompressedLayer(CacheLayerMixin):
         # it keeps every head's quantized part rectangular and the residual append-only.
         n_sink = 0 if self.sink_keys is None else self.sink_keys.shape[2]
         n_res = self.keys.shape[2] if self.packed else 0
+        window = pol.window_tokens(budget)
         if self.quant is not None:
-            if n_sink + n_res + pol.recent_window + pol.sink_tokens > budget:
+            if n_sink + n_res + window + pol.sink_tokens > budget:
                 raise ValueError(
                     f"budget of layer {self.layer_idx} ({budget} tokens) must be >= quantization sinks "
-                    f"({n_sink}) + full-precision residual ({n_res}) + recent_window ({pol.recent_window}) "
+                    f"({n_sink}) + full-precision residual ({n_res}) + recent_window ({window}) "
                     f"+ sink_tokens ({pol.sink_tokens}); raise the budget or lower QuantConfig.residual_length"
                 )
             scores[..., :n_sink] = _FORCE
             if n_res:
                 scores[..., T - n_res:] = _FORCE
-        keep = select_tokens(scores, budget, recent_window=pol.recent_window, sink_tokens=pol.sink_tokens,
+        keep = select_tokens(scores, budget, recent_window=window, sink_tokens=pol.sink_tokens,
                              valid=valid[:, None, :])
         self._evict(keep, n_sink, n_res)
 

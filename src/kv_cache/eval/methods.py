@@ -4,8 +4,12 @@ Grammar (case-insensitive)::
 
     full                          the uncompressed DynamicCache
     q<bits>[g<group>][r<residual>][s<sinks>]     our quantized storage, e.g. q4, q2g64r128
-    <policy>@<budget>             our eviction; policy in {snapkv, h2o, streaming};
-                                  budget: a fraction of the context (0.5) or a token count (512)
+    <policy>@<budget>[w<window>]  our eviction; policy in {snapkv, h2o, streaming};
+                                  budget: a fraction of the context (0.5) or a token count (512);
+                                  window: the always-kept recent tokens, a count (w32) or a
+                                  fraction of the budget (w0.5). Defaults: h2o 0.5 of the budget
+                                  (the H2O paper's even heavy/recent split), snapkv 32 (its
+                                  observation window), streaming: all but the 4 sinks
     q4+h2o@0.5                    both levers in one cache
     hf-quanto-int<2|4>            transformers' QuantizedCache, quanto backend (optimum-quanto)
     hf-hqq-int<2|4|8>             transformers' QuantizedCache, HQQ backend (hqq)
@@ -42,11 +46,11 @@ HF_BACKENDS = {  # spec name -> (transformers backend, bits, pip package, import
     "quanto": ("quanto", (2, 4), "optimum-quanto", "optimum.quanto"),
     "hqq": ("HQQ", (2, 4, 8), "hqq", "hqq"),
 }
-EXAMPLES = ("full", "q8", "q4", "q2", "q4g64r128", "snapkv@0.5", "h2o@0.25", "streaming@512", "q4+h2o@0.5",
+EXAMPLES = ("full", "q8", "q4", "q2", "q4g64r128", "snapkv@0.5", "h2o@0.25", "h2o@0.5w32", "streaming@512", "q4+h2o@0.5",
             "hf-quanto-int4", "hf-hqq-int2", "hf-fp8", "kvpress-snapkv@0.5", "kvpress-streamingllm@0.75")
 
 _QUANT = re.compile(r"^q(?P<bits>\d+)(?:g(?P<g>\d+))?(?:r(?P<r>\d+))?(?:s(?P<s>\d+))?$")
-_POLICY = re.compile(r"^(?P<name>[a-z0-9_]+)@(?P<budget>\d+(?:\.\d+)?)$")
+_POLICY = re.compile(r"^(?P<name>[a-z0-9_]+)@(?P<budget>\d+(?:\.\d+)?)(?:w(?P<w>\d+(?:\.\d+)?))?$")
 
 
 class MethodUnavailable(RuntimeError):
@@ -70,6 +74,9 @@ class Method:
     prefill_only_context : bool
         True when the context manager must wrap only the prefill (kvpress presses); ours
         wraps every forward call (H2O observes decoding too).
+    resolved : str
+        Every setting the spec expands to (defaults included). Saved samples are reused on a
+        restart only when it is unchanged, so a changed default never mixes into old results.
     """
 
     spec: str
@@ -78,6 +85,7 @@ class Method:
     budget: float | int | None
     make: Callable[[Any], tuple[Any, Callable[[], Any]]] = field(repr=False)
     prefill_only_context: bool = False
+    resolved: str = ""
 
     @property
     def is_peer(self) -> bool:
@@ -91,7 +99,7 @@ def _budget(text: str) -> float | int:
 def _unknown(spec: str, why: str) -> ValueError:
     return ValueError(
         f"unknown method {spec!r} ({why}); known forms: full, q<bits>[g<group>][r<residual>][s<sinks>], "
-        f"{{{', '.join(POLICY_NAMES)}}}@<budget>, their '+' combination, hf-quanto-int<2|4>, hf-hqq-int<2|4|8>, hf-fp8, "
+        f"{{{', '.join(POLICY_NAMES)}}}@<budget>[w<window>], their '+' combination, hf-quanto-int<2|4>, hf-hqq-int<2|4|8>, hf-fp8, "
         f"kvpress-{{{', '.join(KVPRESS_PRESSES)}}}@<kept fraction>; examples: {', '.join(EXAMPLES)}"
     )
 
@@ -117,7 +125,12 @@ def _ours(spec: str, parts: list[str]) -> Method:
                 raise _unknown(spec, "two eviction parts")
             cls = POLICY_NAMES[m["name"]]
             b = _budget(m["budget"])
-            window = 32 if not isinstance(b, int) else min(32, max(1, b // 4))
+            if m["w"] is not None:
+                window = _budget(m["w"])
+            elif cls is H2O:
+                window = 0.5  # H2O's paper: the budget split evenly, heavy hitters and recent tokens
+            else:
+                window = 32 if not isinstance(b, int) else min(32, max(1, b // 4))
             kw = {"budget": b, "recent_window": window}
             if cls is StreamingLLM:
                 kw["sink_tokens"] = 4
@@ -131,7 +144,7 @@ def _ours(spec: str, parts: list[str]) -> Method:
         return cache, ctx
 
     return Method(spec, "ours", None if quant is None else quant.bits, None if policy is None else policy.budget,
-                  make)
+                  make, resolved=f"kv_cache quant={quant!r} eviction={policy!r}")
 
 
 def _hf(spec: str, backend: str, bits: int) -> Method:
@@ -148,7 +161,9 @@ def _hf(spec: str, backend: str, bits: int) -> Method:
         return cache, contextlib.nullcontext
 
     _require(module, spec, package)
-    return Method(spec, "hf", bits, None, make)
+    return Method(spec, "hf", bits, None, make,
+                  resolved=f"transformers QuantizedCache({name!r}, nbits={bits}, axis_key=0, axis_value=0, "
+                           f"q_group_size=64, residual_length=128)")
 
 
 def _hf_fp8(spec: str) -> Method:
@@ -157,7 +172,7 @@ def _hf_fp8(spec: str) -> Method:
 
         return make_fp8_cache(model.config), contextlib.nullcontext
 
-    return Method(spec, "hf", 8, None, make)
+    return Method(spec, "hf", 8, None, make, resolved="transformers QuantizedCache('fp8') (per-tensor e4m3)")
 
 
 def _kvpress(spec: str, press: str, kept: float) -> Method:
@@ -174,7 +189,8 @@ def _kvpress(spec: str, press: str, kept: float) -> Method:
         press_obj = getattr(kvpress, KVPRESS_PRESSES[press])(compression_ratio=1.0 - kept)
         return DynamicCache(), lambda: press_obj(model)
 
-    return Method(spec, "kvpress", None, kept, make, prefill_only_context=True)
+    return Method(spec, "kvpress", None, kept, make, prefill_only_context=True,
+                  resolved=f"kvpress {KVPRESS_PRESSES[press]}(compression_ratio={1.0 - kept!r})")
 
 
 def _require(module: str, spec: str, package: str) -> None:

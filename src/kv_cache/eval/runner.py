@@ -292,9 +292,15 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
     done_count = 0
     full_argmax: dict[int, list[int]] = {}
     for method in methods:
-        entry = doc["methods"].setdefault(method.spec, {
-            "spec": method.spec, "family": method.family, "bits": method.bits, "budget": method.budget,
-            "tasks": {}})
+        entry = doc["methods"].get(method.spec)
+        if entry is not None and entry.get("resolved") != method.resolved:
+            log.info("%s: settings changed (%s -> %s); its saved samples are not reused",
+                     method.spec, entry.get("resolved"), method.resolved)
+            entry = None
+        if entry is None:
+            entry = doc["methods"][method.spec] = {
+                "spec": method.spec, "family": method.family, "bits": method.bits, "budget": method.budget,
+                "resolved": method.resolved, "tasks": {}}
         entry.pop("error", None)
         for task in tasks:
             tentry = entry["tasks"].setdefault(task, {"metric": "ppl" if task == "ppl" else "accuracy",

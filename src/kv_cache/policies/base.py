@@ -47,10 +47,12 @@ class ScoreInputs:
 @dataclass
 class EvictionPolicy(ABC):
     """Base class. ``budget`` is a token count (int) or a fraction (float in (0, 1]) of the
-    prompt length (resolved once, at the first forward call)."""
+    prompt length (resolved once, at the first forward call). ``recent_window`` is a token
+    count (int) or a fraction (float in [0, 1]) of the resolved token budget: H2O's paper
+    splits its budget evenly, ``H2O(budget=0.2, recent_window=0.5)`` = 10% heavy + 10% recent."""
 
     budget: int | float = 0.5
-    recent_window: int = 32
+    recent_window: int | float = 32
     sink_tokens: int = 0
 
     needs_attention: ClassVar[bool] = False
@@ -59,15 +61,25 @@ class EvictionPolicy(ABC):
     def __post_init__(self) -> None:
         for b in [self.budget]:
             resolve_budget(b, 10**9 if isinstance(b, int) else 100)  # validates type and range
-        for name in ("recent_window", "sink_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{type(self).__name__}.{name} must be an int >= 0; got {v!r}")
-        if isinstance(self.budget, int) and self.budget < self.recent_window + self.sink_tokens:
+        v = self.sink_tokens
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{type(self).__name__}.sink_tokens must be an int >= 0; got {v!r}")
+        w = self.recent_window
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0 or (isinstance(w, float) and not w <= 1.0):
+            raise ValueError(
+                f"{type(self).__name__}.recent_window must be an int >= 0 (tokens) or a float in [0, 1] "
+                f"(fraction of the budget); got {w!r}"
+            )
+        if isinstance(self.budget, int) and self.budget < self.window_tokens(self.budget) + self.sink_tokens:
             raise ValueError(
                 f"{type(self).__name__}: budget ({self.budget}) must be >= recent_window + sink_tokens "
-                f"({self.recent_window} + {self.sink_tokens})"
+                f"({self.window_tokens(self.budget)} + {self.sink_tokens})"
             )
+
+    def window_tokens(self, budget_tokens: int) -> int:
+        """Recent-window length in tokens for a resolved budget of ``budget_tokens``."""
+        w = self.recent_window
+        return int(w * budget_tokens) if isinstance(w, float) else int(w)
 
     def budget_tokens(self, layer_idx: int, prompt_len: int) -> int:
         """Token budget of ``layer_idx``; fractions resolve against the prompt length."""

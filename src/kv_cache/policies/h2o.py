@@ -4,6 +4,11 @@ Formula: ``math_dictionary/kv-compression-math.md`` section 9.1. Every query's a
 (reduced over the query heads of each KV head) is added to a per-token running sum kept in
 ``state["h2o"]``; whenever the layer holds more than the budget, the lowest sums outside the
 recent window are evicted at once, so the cache never grows past the budget.
+
+The recent window defaults to half the budget (``recent_window=0.5``), the H2O paper's even
+split between heavy hitters and recent tokens (e.g. its 20% budget = 10% + 10%). A small fixed
+window starves new tokens: they have been seen by few queries, so their sums are small, and a
+question fed after a compressed context would lose its own first tokens.
 """
 
 from __future__ import annotations
@@ -21,8 +26,12 @@ QUERY_CHUNK = 256
 
 @dataclass
 class H2O(EvictionPolicy):
-    """Recent window + heavy hitters, with ``gqa_reduce`` in {"mean", "max"} over query heads."""
+    """Recent window + heavy hitters, with ``gqa_reduce`` in {"mean", "max"} over query heads.
 
+    ``recent_window`` defaults to 0.5: half of the resolved budget (see the module docstring).
+    """
+
+    recent_window: int | float = 0.5
     gqa_reduce: str = "mean"
 
     needs_attention: ClassVar[bool] = True

@@ -29,6 +29,13 @@ class SnapKV(EvictionPolicy):
     needs_attention: ClassVar[bool] = True
     prefill_only: ClassVar[bool] = True
 
+    def __post_init__(self) -> None:
+        if isinstance(self.recent_window, float):
+            raise ValueError(
+                f"SnapKV.recent_window is the observation window, a token count (int >= 1); got {self.recent_window!r}"
+            )
+        super().__post_init__()
+
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         q = inputs.query
         w = max(1, min(self.recent_window, q.shape[2]))
