@@ -67,6 +67,7 @@ def test_eval_end_to_end_schema_table_plot_and_resume(tmp_path, capsys):
     rc, _ = _eval(tmp_path)
     after = json.loads((out / "results.json").read_text())["methods"]
     assert rc == 0 and after["q4"] == json.loads(before)["methods"]["q4"]
+    assert list(after) == ["full", "q4", "h2o@0.5"]  # the order asked for, recomputed rows included
     old_h2o = json.loads(before)["methods"]["h2o@0.5"]
     for task, t in after["h2o@0.5"]["tasks"].items():  # recomputed (deterministic, so equal again)
         key = "nll" if task == "ppl" else "score"

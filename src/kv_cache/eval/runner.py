@@ -342,6 +342,9 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
             if "error" in entry:
                 break
         _summarize(entry, doc["methods"].get("full"))
+    # Rows in the order asked for, then any kept from earlier runs of the same configuration.
+    order = [m.spec for m in methods if m.spec in doc["methods"]]
+    doc["methods"] = {k: doc["methods"][k] for k in order + [k for k in doc["methods"] if k not in order]}
     for entry in doc["methods"].values():
         _summarize(entry, doc["methods"].get("full"))
     _atomic_write(results_path, json.dumps(doc, indent=1))
