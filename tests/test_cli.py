@@ -91,6 +91,8 @@ def test_config_file(tmp_path):
         (["--methods", "full,turbo@0.5"], "unknown method 'turbo@0.5'"),
         (["--tasks", "ppl,haystack"], "unknown task 'haystack'; known tasks: ppl, niah_single"),
         (["--context", "4096"], "context"),
+        (["--depths", "0.5,deep"], "--depths must be comma-separated numbers in [0, 1]; got '0.5,deep'"),
+        (["--depths", "1.5"], "--depths must be comma-separated numbers in [0, 1]; got '1.5'"),
     ],
 )
 def test_errors_users_can_act_on(tmp_path, capsys, argv, match):
@@ -212,3 +214,14 @@ def test_fp8_backport_equals_transformers_fp8_layer():
         for a, b in zip(theirs.update(k, v), ours.update(k.clone(), v.clone())):
             assert torch.equal(a, b)
     assert theirs.get_seq_length() == ours.get_seq_length() == 49
+
+
+def test_eval_depths_place_the_needles(tmp_path):
+    out = tmp_path / "d"
+    rc = main(["eval", "--model", "stories260K", "--text", str(TEXT), "--tasks", "needle", "--methods", "full",
+               "--samples", "2", "--context", "400", "--depths", "0.1,0.9", "--out", str(out), "--quiet"])
+    doc = json.loads((out / "results.json").read_text())
+    assert rc == 0 and doc["config"]["depths"] == [0.1, 0.9]
+    got = [s["depth"] for s in doc["methods"]["full"]["tasks"]["niah_single"]["samples"]]
+    assert got[0] == pytest.approx(0.1, abs=0.15) and got[1] == pytest.approx(0.9, abs=0.15)
+

@@ -87,11 +87,26 @@ def _eval_parser(sub, name: str, help_text: str, defaults: dict[str, Any]) -> ar
                    help="retrieval: put the question before the context too, so compression can see it")
     p.add_argument("--haystack", choices=["text", "noise"], help="retrieval haystack [text]")
     p.add_argument("--seed", type=int, help="task seed [0]")
+    p.add_argument("--depths", help="retrieval: comma-separated needle depths in [0, 1], sample i uses "
+                                    "depths[i %% len]; default: a seeded random depth per sample")
     p.add_argument("--max-new-tokens", type=int, help="retrieval answer length cap [32]")
     p.add_argument("--out", help=f"output directory [{defaults.get('out', 'runs/eval')}]")
     p.add_argument("--quiet", action="store_true", help="no progress bar; print only the table and paths")
     p.set_defaults(_defaults=defaults)
     return p
+
+
+def _depths(value: Any) -> list[float] | None:
+    """``"0.1,0.5"`` (or a config file's list, already joined) -> ``[0.1, 0.5]``; None stays None."""
+    if value is None:
+        return None
+    try:
+        out = [float(x) for x in str(value).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--depths must be comma-separated numbers in [0, 1]; got {value!r}") from None
+    if not out or any(not 0.0 <= d <= 1.0 for d in out):
+        raise ValueError(f"--depths must be comma-separated numbers in [0, 1]; got {value!r}")
+    return out
 
 
 def _run_eval(args: argparse.Namespace) -> int:
@@ -100,7 +115,7 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     opts: dict[str, Any] = {"model": "smollm2", "tasks": "ppl", "methods": "full,q4", "samples": 8,
                             "context": 2048, "continuation": 256, "query_aware": False, "haystack": "text",
-                            "seed": 0, "max_new_tokens": 32, "out": "runs/eval", "text": None}
+                            "seed": 0, "max_new_tokens": 32, "out": "runs/eval", "text": None, "depths": None}
     opts.update(args._defaults)
     if args.config:
         opts.update(_load_config_file(args.config))
@@ -116,7 +131,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         methods=[m for m in str(opts["methods"]).split(",") if m.strip()],
         samples=int(opts["samples"]), context=int(opts["context"]), continuation=int(opts["continuation"]),
         query_aware=bool(opts["query_aware"]), haystack=str(opts["haystack"]), seed=int(opts["seed"]),
-        max_new_tokens=int(opts["max_new_tokens"]),
+        max_new_tokens=int(opts["max_new_tokens"]), depths=_depths(opts["depths"]),
     )
     from .eval.methods import MethodUnavailable, parse_method
     from .eval.runner import resolve_task

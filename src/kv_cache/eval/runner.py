@@ -204,10 +204,13 @@ class EvalConfig:
     haystack: str = "text"
     seed: int = 0
     max_new_tokens: int = 32
+    depths: list[float] | None = None
 
     def fingerprint(self, text_sha: str) -> str:
         d = {k: getattr(self, k) for k in ("model", "samples", "context", "continuation", "query_aware",
                                             "haystack", "seed", "max_new_tokens")}
+        if self.depths is not None:  # absent from runs that drew depths at random
+            d["depths"] = list(self.depths)
         d["text_sha256"] = text_sha
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -274,7 +277,7 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
         else:
             samples[task] = build_task(task, tokenizer, text if cfg.haystack == "text" else None,
                                        context=cfg.context, num_samples=cfg.samples, seed=cfg.seed,
-                                       haystack=cfg.haystack, query_aware=cfg.query_aware)
+                                       haystack=cfg.haystack, query_aware=cfg.query_aware, depths=cfg.depths)
 
     fp = cfg.fingerprint(text_sha)
     results_path = out_dir / "results.json"
