@@ -195,6 +195,9 @@ def test_hf_fp8_matches_fp8_formula_and_counts_bytes():
     x_hat = fp8_dequantize(c, s, x.dtype)
     assert x_hat.dtype == x.dtype and ((x_hat - x).abs() <= x.abs() * 2**-4 + s * 2**-9).all()
     assert fp8_quantize(torch.zeros(3))[1] > 0  # an all-zero tensor gets a positive scale
+    # A later token beyond the frozen prefill scale saturates at 448 s (no NaN).
+    c, s = fp8_quantize(torch.tensor([10.0, -10.0]), scale=torch.tensor(0.01))
+    assert fp8_dequantize(c, s, torch.float32).tolist() == pytest.approx([4.48, -4.48])
     with pytest.raises(TypeError, match="floating-point"):
         fp8_quantize(torch.ones(3, dtype=torch.int32))
     assert out.logits.isfinite().all()

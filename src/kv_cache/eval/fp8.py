@@ -10,7 +10,7 @@ algorithm line for line:
   ``s = max(amax(|x|) / 448, tiny)`` (448 = e4m3's largest finite value), separately for keys
   and values, and stores ``c = float8_e4m3fn(x / s)``;
 * later tokens are quantized with that frozen scale and appended: no residual buffer, no
-  re-quantization (values beyond ``448 s`` saturate to e4m3's largest value, as the cast does);
+  re-quantization (values beyond ``448 s`` saturate to +-448 s: torch 2.13's CPU cast saturates);
 * attention gets ``float(c) * s`` in the model's dtype.
 
 Formula: math dictionary §14. The layer holds the codes (1 byte per element) and two scalars.
