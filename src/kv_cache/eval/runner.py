@@ -209,6 +209,8 @@ class EvalConfig:
     def fingerprint(self, text_sha: str) -> str:
         d = {k: getattr(self, k) for k in ("model", "samples", "context", "continuation", "query_aware",
                                             "haystack", "seed", "max_new_tokens")}
+        if self.query_aware:  # the question now ends the compressed part (it preceded the context before)
+            d["query_layout"] = "question-last"
         if self.depths is not None:  # absent from runs that drew depths at random
             d["depths"] = list(self.depths)
         d["text_sha256"] = text_sha

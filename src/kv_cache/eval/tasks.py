@@ -521,21 +521,21 @@ def build_prompt(
     query_aware: bool,
     chat: bool | None = None,
 ) -> tuple[str, str]:
-    """Split a sample's prompt into the part to compress and the question part.
+    """Split a sample's prompt into the part to compress and the part fed after compression.
 
-    ``context_text + question_text`` is the full prompt.  The evaluator
-    prefills ``context_text``, compresses the KV cache, then feeds
-    ``question_text`` and decodes greedily.
+    Both modes render the same prompt (RULER's layout: instruction, context, then the question;
+    with a chat template, the user turn followed by the generation prompt and the answer
+    prefix), so the full cache sees identical tokens; only the compression boundary moves.
 
-    * Query-agnostic (``query_aware=False``): ``context_text`` is the
-      instruction and the haystack; the question comes only afterwards.
-    * Query-aware (``query_aware=True``): the question is also placed before
-      the haystack (right after the instruction) so that the compression
-      method can see it; it is asked again afterwards.
+    * Query-agnostic (``query_aware=False``): ``context_text`` is the instruction and the
+      haystack; the question is fed only after compression (kvpress' default pipeline).
+    * Query-aware (``query_aware=True``): ``context_text`` ends with the question, so the
+      compression method observes it (SnapKV's observation window is then the question, as in
+      the SnapKV paper; kvpress' ``compress_questions``); what follows is only the chat
+      template's tail and the answer prefix.
 
-    With a chat template, the user turn is ``instruction [+ question] + context
-    + "\\n" + question`` and the answer prefix follows the generation prompt.
-    Without one, the prompt is that same text followed by ``" " + answer_prefix``.
+    Without a chat template the prompt is ``instruction + context + "\\n" + question + " " +
+    answer_prefix``.
 
     Parameters
     ----------
@@ -544,7 +544,7 @@ def build_prompt(
     tokenizer : transformers tokenizer
         The model's tokenizer.
     query_aware : bool
-        Place the question before the context as well.
+        Compress the question together with the context.
     chat : bool or None, default None
         Use the chat template; ``None`` uses it when the tokenizer has one.
 
@@ -559,11 +559,12 @@ def build_prompt(
         raise TypeError(f"sample must be a RetrievalSample, got {type(sample).__name__}")
     query_aware = _check_bool("query_aware", query_aware)
     use_chat = _resolve_chat(tokenizer, chat)
-    lead = sample.instruction + (sample.question + "\n" if query_aware else "")
-    user_ctx = lead + sample.context
+    user_ctx = sample.instruction + sample.context
     user_text = user_ctx + "\n" + sample.question
     if not use_chat:
-        return user_ctx, "\n" + sample.question + " " + sample.answer_prefix
+        full = user_text + " " + sample.answer_prefix
+        split = len(user_text) if query_aware else len(user_ctx)
+        return full[:split], full[split:]
     full = format_chat(tokenizer, user_text)
     idx = full.find(user_text)
     if idx < 0:
@@ -571,7 +572,7 @@ def build_prompt(
             "the chat template altered the user message, so the prompt cannot be split "
             "into context and question; pass chat=False"
         )
-    split = idx + len(user_ctx)
+    split = idx + len(user_text if query_aware else user_ctx)
     return full[:split], full[split:] + sample.answer_prefix
 
 
@@ -1256,8 +1257,8 @@ def build_task(
     ``query_aware`` and ``chat`` settings, has between ``context -
     CONTEXT_SLACK`` and ``context`` tokens (counted by
     :func:`count_prompt_tokens`, i.e. ``len(tokenizer(prompt).input_ids)``).
-    Rendering in the other mode changes the length: query-aware prompts carry
-    the question twice.
+    Both modes render the same prompt (only the compression boundary differs),
+    so the length holds for either.
 
     Parameters
     ----------
@@ -1286,7 +1287,8 @@ def build_task(
         start.  ``"noise"``: RULER's repeated noise sentences (``cwe``: seeded
         pseudo-words instead of the text's vocabulary).
     query_aware : bool, default False
-        Fit the length for the query-aware rendering of :func:`build_prompt`.
+        Recorded in ``metadata["fit"]``; both renderings of :func:`build_prompt`
+        have the same length.
     chat : bool or None, default None
         Fit the length for the chat-template rendering; ``None`` uses the
         chat template when the tokenizer has one.
