@@ -84,7 +84,7 @@ def _eval_parser(sub, name: str, help_text: str, defaults: dict[str, Any]) -> ar
     p.add_argument("--continuation", type=int,
                    help=f"ppl: tokens scored after the compressed prefix [{defaults.get('continuation', 256)}]")
     p.add_argument("--query-aware", action="store_true", default=None,
-                   help="retrieval: put the question before the context too, so compression can see it")
+                   help="retrieval: compress the question together with the context, so compression can see it")
     p.add_argument("--haystack", choices=["text", "noise"], help="retrieval haystack [text]")
     p.add_argument("--seed", type=int, help="task seed [0]")
     p.add_argument("--depths", help="retrieval: comma-separated needle depths in [0, 1], sample i uses "
@@ -98,15 +98,14 @@ def _eval_parser(sub, name: str, help_text: str, defaults: dict[str, Any]) -> ar
 
 def _depths(value: Any) -> list[float] | None:
     """``"0.1,0.5"`` (or a config file's list, already joined) -> ``[0.1, 0.5]``; None stays None."""
+    from .eval.tasks import _check_depths
+
     if value is None:
         return None
     try:
-        out = [float(x) for x in str(value).split(",") if x.strip()]
+        return _check_depths([float(x) for x in str(value).split(",") if x.strip()])
     except ValueError:
         raise ValueError(f"--depths must be comma-separated numbers in [0, 1]; got {value!r}") from None
-    if not out or any(not 0.0 <= d <= 1.0 for d in out):
-        raise ValueError(f"--depths must be comma-separated numbers in [0, 1]; got {value!r}")
-    return out
 
 
 def _run_eval(args: argparse.Namespace) -> int:

@@ -125,13 +125,11 @@ def _ours(spec: str, parts: list[str]) -> Method:
                 raise _unknown(spec, "two eviction parts")
             cls = POLICY_NAMES[m["name"]]
             b = _budget(m["budget"])
+            kw: dict[str, Any] = {"budget": b}
             if m["w"] is not None:
-                window = _budget(m["w"])
-            elif cls is H2O:
-                window = 0.5  # H2O's paper: the budget split evenly, heavy hitters and recent tokens
-            else:
-                window = 32 if not isinstance(b, int) else min(32, max(1, b // 4))
-            kw = {"budget": b, "recent_window": window}
+                kw["recent_window"] = _budget(m["w"])
+            elif cls is not H2O:  # H2O keeps its own default: half the budget (the paper's split)
+                kw["recent_window"] = 32 if not isinstance(b, int) else min(32, max(1, b // 4))
             if cls is StreamingLLM:
                 kw["sink_tokens"] = 4
             policy = cls(**kw)
