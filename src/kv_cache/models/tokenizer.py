@@ -1,0 +1,125 @@
+"""Rebuild the tokenizer stored in a GGUF file, working around transformers 5.2 bugs.
+
+For a GGUF whose tokenizer is GPT-2 style byte-level BPE (``tokenizer.ggml.model ==
+"gpt2"``), such as SmolLM2's, transformers 5.2 builds a broken tokenizer: it declares
+``<|im_start|>`` as both BOS and EOS, prepends BOS to every text although the GGUF says
+``add_bos_token = False``, adds five CodeLlama infill tokens past the model's vocabulary,
+omits SmolLM2's digit pre-tokenizer (so ``"  1846"`` splits differently) and cleans up
+spaces when decoding (``decode(encode(text)) != text``). For the pre-tokenizers listed
+in ``_BYTE_LEVEL_PRE_TOKENIZERS`` this module rebuilds the tokenizer from the GGUF's
+vocabulary, merges and special-token ids instead. For other GGUF tokenizers (for example
+sentencepiece Llama ones, where 5.2 likewise sets EOS to the BOS token ``<s>`` and adds the
+five infill tokens) it keeps the transformers tokenizer and only corrects EOS, BOS and BOS
+insertion from the GGUF metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# llama.cpp's ``tokenizer.ggml.pre`` names whose pre-tokenization this module can rebuild:
+# True = split digits one by one before the GPT-2 byte-level regex, False = GPT-2 regex only.
+_BYTE_LEVEL_PRE_TOKENIZERS: dict[str, bool] = {"smollm": True, "starcoder": True, "gpt-2": False}
+
+
+def _gguf_field(reader: Any, key: str) -> Any:
+    """Return a GGUF metadata value as a Python object, or None when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    if hasattr(field, "contents"):  # gguf >= 0.11
+        return field.contents()
+    from gguf import GGUFValueType
+
+    item_type = field.types[-1]
+    values = []
+    for idx in field.data:
+        part = field.parts[idx]
+        values.append(bytes(part).decode("utf-8") if item_type == GGUFValueType.STRING else part.tolist()[0])
+    return values if field.types[0] == GGUFValueType.ARRAY else values[0]
+
+
+def gguf_tokenizer(gguf_path: Path) -> Any:
+    """Build the tokenizer of a GGUF file, working around transformers 5.2 bugs.
+
+    See the module docstring for what is wrong with the stock conversion.
+    """
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+
+    reader = GGUFReader(str(gguf_path))
+    tok_model = _gguf_field(reader, "tokenizer.ggml.model")
+    pre = _gguf_field(reader, "tokenizer.ggml.pre")
+    tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError(f"{gguf_path} has no tokenizer (tokenizer.ggml.tokens is missing)")
+
+    def special(name: str) -> str | None:
+        idx = _gguf_field(reader, f"tokenizer.ggml.{name}_token_id")
+        return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
+
+    bos, eos, unk, pad = special("bos"), special("eos"), special("unknown"), special("padding")
+    add_bos = _gguf_field(reader, "tokenizer.ggml.add_bos_token")
+    add_eos = _gguf_field(reader, "tokenizer.ggml.add_eos_token")
+    chat_template = _gguf_field(reader, "tokenizer.chat_template")
+
+    if tok_model == "gpt2" and pre in _BYTE_LEVEL_PRE_TOKENIZERS:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+
+        merges = [tuple(m.split(" ", 1)) for m in _gguf_field(reader, "tokenizer.ggml.merges") or []]
+        types = _gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if _BYTE_LEVEL_PRE_TOKENIZERS[pre]:
+            backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            backend.pre_tokenizer = byte_level
+        backend.decoder = decoders.ByteLevel()
+        # token_type 3 = CONTROL, 4 = USER_DEFINED (llama.cpp's LLAMA_TOKEN_TYPE_*).
+        backend.add_tokens(
+            [AddedToken(t, special=int(ty) == 3, normalized=False) for t, ty in zip(tokens, types) if int(ty) in (3, 4)]
+        )
+        prefix = [bos] if add_bos and bos is not None else []
+        suffix = [eos] if add_eos and eos is not None else []
+        if prefix or suffix:
+            def template(seq: str, type_id: int) -> list[str]:
+                return [f"{t}:{type_id}" for t in prefix] + [f"{seq}:{type_id}"] + [f"{t}:{type_id}" for t in suffix]
+
+            backend.post_processor = processors.TemplateProcessing(
+                single=template("$A", 0),
+                pair=template("$A", 0) + template("$B", 1),
+                special_tokens=[(t, tokens.index(t)) for t in dict.fromkeys(prefix + suffix)],
+            )
+        else:
+            backend.post_processor = processors.ByteLevel(trim_offsets=False)
+        kwargs = {"bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": pad}
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=backend,
+            chat_template=chat_template,
+            clean_up_tokenization_spaces=False,
+            **{k: v for k, v in kwargs.items() if v is not None},
+        )
+        return tokenizer
+
+    log.info(
+        "GGUF tokenizer %r (pre %r) is not rebuilt here; using transformers' conversion with "
+        "special tokens corrected from the GGUF metadata",
+        tok_model,
+        pre,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if eos is not None and tokenizer.eos_token != eos:
+        log.info("setting eos_token to %r (transformers chose %r)", eos, tokenizer.eos_token)
+        tokenizer.eos_token = eos
+    if bos is not None and tokenizer.bos_token != bos:
+        tokenizer.bos_token = bos
+    # TokenizersBackend rebuilds its post-processor when add_bos_token is assigned.
+    if add_bos is not None and getattr(tokenizer, "add_bos_token", None) not in (None, bool(add_bos)):
+        log.info("setting add_bos_token to %s as the GGUF metadata says", bool(add_bos))
+        tokenizer.add_bos_token = bool(add_bos)
+    return tokenizer
