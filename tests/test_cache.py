@@ -27,11 +27,6 @@ def tiny(cfg_cls, heads=4, kv_heads=2, **kw):
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
-@pytest.fixture(scope="module")
-def stories():
-    return load_model("stories260K")  # sdpa, left padding, pad token set
-
-
 def _greedy(model, ids, cache, n, mask=None):
     kw = {} if mask is None else {"attention_mask": mask}
     return model.generate(ids, past_key_values=cache, max_new_tokens=n, do_sample=False, min_new_tokens=n,

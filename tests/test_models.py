@@ -23,11 +23,6 @@ from kv_cache.models import (
 from kv_cache.models.tokenizer import gguf_tokenizer
 
 
-@pytest.fixture(scope="module")
-def stories():
-    return load_model("stories260K")
-
-
 def test_stories_alias_gives_logits_of_the_right_shape(stories):
     model, tok = stories
     assert not model.training
