@@ -71,8 +71,10 @@ def test_not_an_array():
 
 
 def test_wrong_rank():
-    with pytest.raises(ValueError, match="rank"):
+    with pytest.raises(ValueError, match=r"^x must be rank >= 2 when axis=None .*; got rank 1 with shape \(5,\)$"):
         quantize_per_channel_symmetric(np.ones(5, np.float32), 4)
+    with pytest.raises(ValueError, match=r"^scores must be rank >= 1 \[\.\.\., num_tokens\]; got rank 0"):
+        select_tokens(torch.tensor(1.0), 1)
     with pytest.raises(ValueError, match=r"rank 2 \[num_steps, num_tokens\]"):
         keep_recent_and_heavy_hitters(np.ones((2, 3, 4), np.float32), 2, 1)
     with pytest.raises(ValueError, match=r"rank 1 \[num_tokens\]"):

@@ -91,6 +91,14 @@ def check_rank(x: torch.Tensor, ranks: tuple[int, ...], name: str, layout: str) 
         )
 
 
+def check_min_rank(x: torch.Tensor, minimum: int, name: str, layout: str) -> None:
+    """Raise ``ValueError`` unless ``x.ndim >= minimum`` (for layouts like ``[..., C]``)."""
+    if x.ndim < minimum:
+        raise ValueError(
+            f"{name} must be rank >= {minimum} {layout}; got rank {x.ndim} with shape {tuple(x.shape)}"
+        )
+
+
 def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
     """Return ``value`` as ``int`` after checking it is an integer (not bool) >= minimum."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._arrays import check_float, raise_non_finite, check_int, check_rank, to_numpy, to_torch
+from ._arrays import check_float, check_int, check_min_rank, raise_non_finite, to_numpy, to_torch
 from .packing import SUPPORTED_BITS, pack_bits, unpack_bits
 
 SCALE_FLOOR = 1e-8
@@ -240,7 +240,7 @@ def quantize(
         raise TypeError(f"symmetric must be a bool; got {symmetric!r}")
     orig_shape = tuple(t.shape)
     if axis is None:
-        check_rank(t, tuple(range(2, 33)), "x", "when axis=None ([..., C]; the last dim is the channel)")
+        check_min_rank(t, 2, "x", "when axis=None ([..., C]; the last dim is the channel)")
         t = t.reshape(-1, orig_shape[-1])
         work_axis = 0
     else:

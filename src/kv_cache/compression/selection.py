@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ._arrays import check_float, check_int, check_rank
+from ._arrays import check_float, check_int, check_min_rank, check_rank
 
 POOLINGS = ("avg", "max")
 GQA_REDUCTIONS = ("mean", "max")
@@ -109,7 +109,7 @@ def select_tokens(
     """
     if not isinstance(scores, torch.Tensor):
         raise TypeError(f"scores must be a torch.Tensor; got {type(scores).__name__}")
-    check_rank(scores, tuple(range(1, 9)), "scores", "[..., num_tokens]")
+    check_min_rank(scores, 1, "scores", "[..., num_tokens]")
     check_float(scores, "scores")
     budget = check_int(budget, "budget", minimum=1)
     recent_window = check_int(recent_window, "recent_window", minimum=0)
