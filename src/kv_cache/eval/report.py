@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,23 @@ def markdown_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _plain_log_labels(axis: Any) -> None:
+    """Label a log-scaled matplotlib axis with plain numbers (``20``, ``0.5``), not ``2×10^1``.
+
+    Minor ticks are labelled only at 2, 3 and 5 times a power of ten, and only while the
+    axis spans at most two decades, so that labels do not run into each other.
+    """
+    from matplotlib.ticker import FuncFormatter
+
+    def minor(value: float, _pos: Any) -> str:
+        lo, hi = axis.get_view_interval()
+        lead = round(value / 10 ** math.floor(math.log10(value)))
+        return f"{value:g}" if hi <= 100 * lo and lead in (2, 3, 5) else ""
+
+    axis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
+    axis.set_minor_formatter(FuncFormatter(minor))
+
+
 def pareto_plot(doc: dict, path: str | Path) -> Path:
     """One panel per task: quality against measured KV bytes; ours as circles, peers as triangles."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -85,8 +103,10 @@ def pareto_plot(doc: dict, path: str | Path) -> Path:
             ax.annotate(m["spec"], (x, y), fontsize=7, xytext=(4, 4 + 9 * (j % 3)), textcoords="offset points",
                         arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "0.6"})
         ax.set_xscale("log")
+        _plain_log_labels(ax.xaxis)
         if task == "ppl":
             ax.set_yscale("log")  # one bad configuration must not flatten the rest
+            _plain_log_labels(ax.yaxis)
         ax.set_xlabel("KV bytes held after prefill (MiB, log)")
         ax.set_ylabel("perplexity (log, lower is better)" if task == "ppl" else "accuracy (higher is better)")
         ax.set_title(task)
