@@ -33,7 +33,8 @@ def _one(method_spec: str, context: int, decode: int) -> dict:
     import torch
 
     from kv_cache.eval.methods import MethodUnavailable, parse_method
-    from kv_cache.eval.runner import _forward, _prefill, fp16_nbytes, held_nbytes
+    from kv_cache.cache.report import fp16_kv_bytes
+    from kv_cache.eval.runner import _forward, _prefill, held_nbytes
     from kv_cache.models import load_model, shared_data_dir
 
     try:
@@ -63,8 +64,8 @@ def _one(method_spec: str, context: int, decode: int) -> dict:
     return {
         "method": method_spec, "context": context, "decode": decode,
         "kv_bytes_prefill": bytes_prefill, "kv_bytes_end": held_nbytes(pre.cache),
-        "fp16_bytes_prefill": fp16_nbytes(model.config, context),
-        "fp16_bytes_end": fp16_nbytes(model.config, context + decode),
+        "fp16_bytes_prefill": fp16_kv_bytes(model.config, context),
+        "fp16_bytes_end": fp16_kv_bytes(model.config, context + decode),
         "prefill_s": prefill_s, "decode_tokens_per_s": 1.0 / statistics.median(timed),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }

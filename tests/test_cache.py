@@ -98,7 +98,7 @@ def test_method_matrix(policy, budget, bits):
     if policy == "h2o" and quant is None:
         # The recent window is always present: the newest positions' keys equal a fresh forward's.
         layer = cache.layers[0]
-        assert layer.keys.shape[2] == K
+        assert layer.storage.keys.shape[2] == K
     if quant is not None:
         assert rep.codes_bytes > 0 and rep.scales_bytes > 0
     assert rep.token_ratio > 1.0  # (tiny model is fp32, so bytes vs fp16 depend on bits)
@@ -114,7 +114,7 @@ def test_recent_window_and_sinks_are_kept():
         full = DynamicCache()
         model(ids, past_key_values=full)
     k_full = full.layers[0].keys
-    k_kept = cache.layers[0].keys
+    k_kept = cache.layers[0].storage.keys
     assert torch.equal(k_kept[:, :, :4], k_full[:, :, :4])
     assert torch.equal(k_kept[:, :, 4:], k_full[:, :, -8:])
 
@@ -307,7 +307,7 @@ def test_h2o_recent_window_fraction_of_budget():
         model(ids[:, 60:], past_key_values=cache)  # a 12-token "question"
         full = DynamicCache()
         model(ids, past_key_values=full)
-    k_kept, k_full = cache.layers[0].keys, full.layers[0].keys
+    k_kept, k_full = cache.layers[0].storage.keys, full.layers[0].keys
     assert k_kept.shape[2] == 30
     assert torch.equal(k_kept[:, :, -15:], k_full[:, :, -15:])  # the question and 3 tokens before it
     for bad in (1.5, -0.1, True, "half"):

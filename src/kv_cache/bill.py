@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache.report import fp16_kv_bytes
 from .compression import dequantize, quantize, resolve_budget, select_tokens, total_gain
 from .compression.selection import snapkv_scores, window_attention
 
@@ -55,7 +56,7 @@ def bill(model, input_ids: torch.Tensor, window: int = 16) -> list[dict]:
     cfg = model.config
     n_kv = cfg.num_key_value_heads
     T = input_ids.shape[1]
-    fp16_bytes = sum(2 * (k.numel() + v.numel()) for k, v in kv)
+    fp16_bytes = fp16_kv_bytes(cfg, T, batch=input_ids.shape[0])
     rows = []
     for c in CONFIGS:
         held = 0

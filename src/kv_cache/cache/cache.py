@@ -9,7 +9,7 @@ from transformers.cache_utils import Cache
 from ..policies.base import EvictionPolicy
 from .config import QuantConfig
 from .layer import CompressedLayer
-from .report import MemoryReport
+from .report import MemoryReport, fp16_kv_bytes, kv_geometry
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -38,20 +38,18 @@ class CompressedCache(Cache):
     """
 
     def __init__(self, config: Any, *, quant: QuantConfig | None = None, eviction: EvictionPolicy | None = None):
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        model_type = getattr(text, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        geometry = kv_geometry(config)
+        if geometry.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"CompressedCache supports model types {list(SUPPORTED_MODEL_TYPES)}; got {model_type!r}"
+                f"CompressedCache supports model types {list(SUPPORTED_MODEL_TYPES)}; got {geometry.model_type!r}"
             )
         if quant is not None and not isinstance(quant, QuantConfig):
             raise TypeError(f"quant must be a QuantConfig or None; got {type(quant).__name__}")
         if eviction is not None and not isinstance(eviction, EvictionPolicy):
             raise TypeError(f"eviction must be an EvictionPolicy (SnapKV, H2O, StreamingLLM) or None; "
                             f"got {type(eviction).__name__}")
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         if quant is not None:
-            quant.check_head_dim(head_dim)
+            quant.check_head_dim(geometry.head_dim)
             if eviction is not None and isinstance(eviction.budget, int):
                 res = max(quant.residual_length, quant.group_size) - 1
                 window = eviction.window_tokens(eviction.budget)
@@ -63,14 +61,25 @@ class CompressedCache(Cache):
                         f"+ recent_window ({window}) + sink_tokens ({eviction.sink_tokens})"
                     )
         self.quant, self.eviction = quant, eviction
-        self.head_dim = head_dim
-        layers = [CompressedLayer(i, quant, eviction) for i in range(text.num_hidden_layers)]
+        self.config, self.geometry = config, geometry
+        self.head_dim = geometry.head_dim
+        layers = [CompressedLayer(i, quant, eviction) for i in range(geometry.layers)]
         super().__init__(layers=layers)
 
     @property
     def needs_hooks(self) -> bool:
         """True when the eviction policy needs ``kv_cache.compress(model, cache)``."""
         return self.eviction is not None and self.eviction.needs_attention
+
+    @property
+    def observed(self) -> bool:
+        """True while :func:`kv_cache.compress` observes the model's attention for this cache."""
+        return any(layer.observed for layer in self.layers)
+
+    @observed.setter
+    def observed(self, value: bool) -> None:
+        for layer in self.layers:
+            layer.observed = bool(value)
 
     def held_tensors(self) -> dict[str, Any]:
         """Every tensor held, keyed ``"layer{i}.{slot}"``."""
@@ -82,25 +91,20 @@ class CompressedCache(Cache):
 
     def memory_report(self) -> MemoryReport:
         """Bytes actually held, by category, against an fp16 cache of every token seen."""
-        cat = dict(codes=0, scales=0, zero_points=0, residual=0, indices=0, scores=0)
-        per_layer, kept, elements, fp16 = [], 0, 0, 0
-        seen = 0
+        cat = dict.fromkeys(("codes", "scales", "zero_points", "residual", "indices", "scores"), 0)
+        per_layer, kept, elements, fp16, seen = [], 0, 0, 0, 0
         for layer in self.layers:
-            lb = 0
-            for name, t in layer.held_tensors().items():
-                key = ("codes" if name.endswith("_codes") else "scales" if name.endswith("_scale")
-                       else "zero_points" if name.endswith("_zero") else "indices" if name.endswith("_group")
-                       else "scores" if name.startswith("state.") else "residual")
-                cat[key] += t.nbytes
-                lb += t.nbytes
-            per_layer.append(lb)
+            by_cat = layer.nbytes_by_category()
+            for key, nbytes in by_cat.items():
+                cat[key] += nbytes
+            per_layer.append(sum(by_cat.values()))
             if layer.is_initialized:
-                b, h, _, d = layer.keys.shape
+                b = layer.storage.batch
                 seen = layer.seen
                 k = layer.kept_length()
                 kept += k
-                elements += 2 * b * h * d * k
-                fp16 += 2 * 2 * b * h * d * layer.seen
+                elements += 2 * b * self.geometry.kv_heads * self.head_dim * k
+                fp16 += fp16_kv_bytes(self.config, layer.seen, batch=b, layers=1)
         n = max(1, sum(1 for layer in self.layers if layer.is_initialized))
         return MemoryReport(
             codes_bytes=cat["codes"], scales_bytes=cat["scales"], zero_points_bytes=cat["zero_points"],

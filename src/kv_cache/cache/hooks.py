@@ -1,10 +1,13 @@
 """``compress(model, cache)``: forward hooks that feed attention statistics to eviction policies.
 
 The hooks are registered on the attention modules only inside the ``with`` block and removed
-in ``finally``; the model's code and config are not touched. After each attention call the
-hook recomputes the post-RoPE queries the policy needs (SnapKV: the observation window; H2O:
-all queries of the call) from the module's own ``q_proj`` (and ``q_norm`` for Qwen3), and
-hands them to the layer, which scores and evicts.
+in ``finally``; the model's code and config are not touched. While they are on, the cache's
+layers know they are observed (``layer.observed``). After each attention call whose layer
+:attr:`~CompressedLayer.awaits_observation`, the hook recomputes the last
+:meth:`~CompressedLayer.query_window` post-RoPE queries (the policy says how many: SnapKV its
+observation window, H2O every query of the call, StreamingLLM none) from the module's own
+``q_proj`` (and ``q_norm`` for Qwen3) and hands them to :meth:`~CompressedLayer.observe`, which
+scores and evicts. The hook knows nothing about any one policy.
 """
 
 from __future__ import annotations
@@ -64,23 +67,22 @@ def compress(model: torch.nn.Module, cache: CompressedCache) -> Iterator[Compres
         if idx >= len(cache.layers):
             return
         layer = cache.layers[idx]
-        if layer._pending is None:
+        if not layer.awaits_observation:
             return
-        policy = layer.policy
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        n = layer.query_window(hidden.shape[1])
         query = None
-        if policy.needs_attention:
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
-            q_len = hidden.shape[1]
-            n = q_len
-            if policy.prefill_only:  # the observation window of the prompt (q_len tokens)
-                n = min(q_len, max(1, policy.window_tokens(policy.budget_tokens(idx, q_len))))
+        if n:
             with torch.no_grad():
                 query = _queries(module, hidden, kwargs["position_embeddings"], n)
         layer.observe(query, kwargs.get("attention_mask"), module.scaling)
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
+    was_observed = cache.observed
+    cache.observed = True
     try:
         yield cache
     finally:
+        cache.observed = was_observed
         for h in handles:
             h.remove()

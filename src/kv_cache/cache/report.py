@@ -3,6 +3,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+
+class KVGeometry(NamedTuple):
+    """The K/V cache shape of a model: ``layers`` x ``kv_heads`` x ``head_dim`` per token."""
+
+    model_type: str | None
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+
+def kv_geometry(config: Any) -> KVGeometry:
+    """Read the K/V shape from a transformers config (a multimodal config's text part)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return KVGeometry(getattr(text, "model_type", None), text.num_hidden_layers, kv_heads, head_dim)
+
+
+def fp16_kv_bytes(config: Any, tokens: int, batch: int = 1, layers: int | None = None) -> int:
+    """Bytes of an fp16 full K/V cache holding ``tokens`` tokens of ``batch`` rows:
+    ``2 (K, V) * 2 bytes * batch * kv_heads * head_dim * tokens * layers``.
+
+    ``layers`` defaults to every layer of ``config``. This is the reference of every ratio
+    the library reports (``MemoryReport``, ``kvcache eval``, ``kvcache bill``).
+    """
+    g = kv_geometry(config)
+    return 2 * 2 * batch * g.kv_heads * g.head_dim * tokens * (g.layers if layers is None else layers)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from .quantizer import (
     quantize_per_channel_symmetric,
 )
 from .selection import (
+    check_budget,
     pool_scores,
     reduce_gqa,
     resolve_budget,
@@ -32,6 +33,7 @@ from .sparsifier import (
 __all__ = [
     "SUPPORTED_BITS",
     "QuantizedTensor",
+    "check_budget",
     "code_range",
     "compression_ratio",
     "cumulative_attention_scores",

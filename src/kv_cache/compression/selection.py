@@ -23,6 +23,28 @@ POOLINGS = ("avg", "max")
 GQA_REDUCTIONS = ("mean", "max")
 
 
+def check_budget(budget: int | float) -> int | float:
+    """Validate a budget without resolving it: an ``int >= 1`` or a ``float`` in ``(0, 1]``.
+
+    Raises
+    ------
+    ValueError
+        Non-positive count or fraction outside ``(0, 1]``.
+    TypeError
+        Budget neither int nor float.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(
+            f"budget must be an int token count or a float fraction in (0, 1]; got {budget!r}"
+        )
+    if isinstance(budget, float):
+        if not (0.0 < budget <= 1.0) or math.isnan(budget):
+            raise ValueError(f"a fractional budget must be in (0, 1]; got {budget}")
+    elif budget < 1:
+        raise ValueError(f"a token-count budget must be >= 1; got {budget}")
+    return budget
+
+
 def resolve_budget(budget: int | float, total_tokens: int) -> int:
     """Turn a budget into a token count ``K`` with ``1 <= K <= total_tokens`` (section 6).
 
@@ -42,16 +64,9 @@ def resolve_budget(budget: int | float, total_tokens: int) -> int:
         Budget neither int nor float.
     """
     total_tokens = check_int(total_tokens, "total_tokens", minimum=1)
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise TypeError(
-            f"budget must be an int token count or a float fraction in (0, 1]; got {budget!r}"
-        )
+    check_budget(budget)
     if isinstance(budget, float):
-        if not (0.0 < budget <= 1.0) or math.isnan(budget):
-            raise ValueError(f"a fractional budget must be in (0, 1]; got {budget}")
         return max(1, min(total_tokens, int(round(budget * total_tokens))))
-    if budget < 1:
-        raise ValueError(f"a token-count budget must be >= 1; got {budget}")
     return min(int(budget), total_tokens)
 
 
@@ -302,6 +317,7 @@ __all__ = [
     "forced_mask",
     "pool_scores",
     "reduce_gqa",
+    "check_budget",
     "resolve_budget",
     "select_tokens",
     "snapkv_scores",

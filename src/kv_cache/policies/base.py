@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from ..compression.selection import resolve_budget
+from ..compression.selection import check_budget, resolve_budget
 
 
 @dataclass
@@ -59,8 +59,7 @@ class EvictionPolicy(ABC):
     prefill_only: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        for b in [self.budget]:
-            resolve_budget(b, 10**9 if isinstance(b, int) else 100)  # validates type and range
+        check_budget(self.budget)
         v = self.sink_tokens
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{type(self).__name__}.sink_tokens must be an int >= 0; got {v!r}")
@@ -87,6 +86,14 @@ class EvictionPolicy(ABC):
         if isinstance(b, float):
             return resolve_budget(b, prompt_len)
         return int(b)
+
+    def query_window(self, q_len: int, budget_tokens: int) -> int:
+        """How many trailing queries of a ``q_len``-token forward call :meth:`score` needs.
+
+        0 for a policy that needs no attention statistics; policies that do override it. The
+        observer computes (or receives) only these queries.
+        """
+        return 0
 
     @abstractmethod
     def score(self, inputs: ScoreInputs) -> torch.Tensor:

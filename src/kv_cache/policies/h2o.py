@@ -37,6 +37,10 @@ class H2O(EvictionPolicy):
     needs_attention: ClassVar[bool] = True
     prefill_only: ClassVar[bool] = False
 
+    def query_window(self, q_len: int, budget_tokens: int) -> int:
+        """Every query of the call: each one adds its attention to the running sums."""
+        return q_len
+
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         q, k = inputs.query, inputs.keys
         n_kv, T = k.shape[1], k.shape[2]

@@ -36,6 +36,10 @@ class SnapKV(EvictionPolicy):
             )
         super().__post_init__()
 
+    def query_window(self, q_len: int, budget_tokens: int) -> int:
+        """The observation window: the last ``recent_window`` queries of the prompt."""
+        return min(q_len, max(1, self.window_tokens(budget_tokens)))
+
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         q = inputs.query
         w = max(1, min(self.recent_window, q.shape[2]))

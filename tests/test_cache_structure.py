@@ -1,0 +1,199 @@
+"""The cache's inner seams: storage layouts, the observer seam, policies that cannot act, byte counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from kv_cache import H2O, CompressedCache, QuantConfig, SnapKV, StreamingLLM, compress
+from kv_cache.cache.report import fp16_kv_bytes, kv_geometry
+from kv_cache.cache.storage import FullPrecisionStorage, QuantizedStorage, make_storage
+from kv_cache.compression import dequantize, quantize
+from kv_cache.eval.runner import held_nbytes, walked_nbytes
+
+from test_cache import tiny
+
+# --------------------------------------------------------------------------- storage, model-free
+
+
+def _kv(b=2, h=3, n=70, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, h, n, d, generator=g), torch.randn(b, h, n, d, generator=g)
+
+
+def test_full_precision_storage_is_a_dynamic_cache():
+    k, v = _kv()
+    st = make_storage(None, k[:, :, :0], v[:, :, :0], track_groups=False)
+    assert isinstance(st, FullPrecisionStorage)
+    out_k, out_v = st.update(k[:, :, :50], v[:, :, :50])
+    out_k, out_v = st.update(k[:, :, 50:], v[:, :, 50:])
+    assert torch.equal(out_k, k) and torch.equal(out_v, v) and st.length == 70
+    assert st.nbytes_by_category()["residual"] == k.nbytes + v.nbytes
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_quantized_storage_layout_and_reads(bits, sinks):
+    """sinks | packed blocks of group_size | residual; reads are the quantizer's round trip."""
+    q = QuantConfig(bits=bits, group_size=16, residual_length=16, sink_tokens=sinks)
+    k, v = _kv()
+    st = make_storage(q, k[:, :, :0], v[:, :, :0], track_groups=False)
+    assert isinstance(st, QuantizedStorage)
+    got_k, got_v = st.update(k[:, :, :37], v[:, :, :37])
+    assert torch.equal(got_k, k[:, :, :37])  # this call's tokens come back as given
+    got_k, got_v = st.update(k[:, :, 37:], v[:, :, 37:])
+    n_packed = ((70 - sinks) // 16) * 16 if (70 - sinks) >= 16 else 0
+    # 37 - sinks tokens were flushed in whole groups at the first call, the rest at the second
+    first = ((37 - sinks) // 16) * 16
+    second = ((70 - sinks - first) // 16) * 16
+    assert st.n_sinks == sinks and st.packed.length == first + second <= n_packed
+    assert st.length == 70 and st.protected() == (sinks, 70 - sinks - first - second)
+    # Stored-before tokens of the second call: sinks exact, packed = quantize round trip.
+    assert torch.equal(got_k[:, :, :sinks], k[:, :, :sinks])
+    blk = k[:, :, sinks:sinks + first]
+    ref = dequantize(quantize(blk, bits, axis=-2, group_size=16, scale_dtype=torch.float16))
+    assert torch.equal(got_k[:, :, sinks:sinks + first], ref)
+    ref_v = dequantize(quantize(v[:, :, sinks:sinks + first], bits, axis=-1, group_size=16,
+                                scale_dtype=torch.float16))
+    assert torch.equal(got_v[:, :, sinks:sinks + first], ref_v)
+    cats = st.nbytes_by_category()
+    assert sum(cats.values()) == sum(t.nbytes for t in st.named_tensors().values())
+    assert cats["codes"] == 2 * 2 * 3 * st.packed.length * 16 * bits // 8
+
+
+def test_quantized_storage_gather_keeps_protected_and_frees_groups():
+    q = QuantConfig(bits=4, group_size=8, residual_length=8, sink_tokens=2)
+    k, v = _kv(b=1, h=2, n=42)
+    st = make_storage(q, k[:, :, :0], v[:, :, :0], track_groups=True)
+    st.append(k, v)
+    lead, trail = st.protected()
+    assert (lead, trail) == (2, 0) and st.packed.length == 40
+    before_k, before_v = st.read()
+    # keep the sinks, then group 0 and group 4 of head 0, groups 1 and 4 of head 1 (16 packed each)
+    h0 = list(range(2, 10)) + list(range(34, 42))
+    h1 = list(range(10, 18)) + list(range(34, 42))
+    keep = torch.tensor([[[0, 1] + h0, [0, 1] + h1]])
+    st.gather(keep)
+    assert st.length == 18 and st.packed.k_scale.shape[2] == 3  # groups 0, 1, 4 survive
+    after_k, after_v = st.read()
+    for h, idx in enumerate([[0, 1] + h0, [0, 1] + h1]):
+        assert torch.equal(after_k[0, h], before_k[0, h, idx])
+        assert torch.equal(after_v[0, h], before_v[0, h, idx])
+
+
+# --------------------------------------------------------------------------- policies that cannot act
+
+BUDGET = 24
+POLICY_MAKERS = {
+    "snapkv": lambda: SnapKV(budget=BUDGET, recent_window=4),
+    "h2o": lambda: H2O(budget=BUDGET, recent_window=4),
+    "streaming": lambda: StreamingLLM(budget=BUDGET, recent_window=8, sink_tokens=2),
+}
+
+
+def _run(model, cache, ids, how):
+    with torch.no_grad():
+        if how == "generate":
+            model.generate(ids, past_key_values=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                           pad_token_id=0)
+        else:
+            out = model(ids, past_key_values=cache, use_cache=True)
+            for _ in range(6):
+                out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("how", ["generate", "forward"])
+@pytest.mark.parametrize("quant", [None, QuantConfig(bits=4, group_size=4, residual_length=4)])
+@pytest.mark.parametrize("in_context", [True, False])
+@pytest.mark.parametrize("policy", sorted(POLICY_MAKERS))
+def test_every_policy_acts_or_raises(policy, in_context, quant, how):
+    """Never keep everything quietly: evict within the budget, or raise the documented error."""
+    model = tiny(LlamaConfig, 4, 2)
+    ids = torch.randint(3, 97, (1, 60))
+    cache = CompressedCache(model.config, quant=quant, eviction=POLICY_MAKERS[policy]())
+    if not in_context and cache.needs_hooks:
+        with pytest.raises(RuntimeError, match=r"kv_cache\.compress\(model, cache\)"):
+            _run(model, cache, ids, how)
+        return
+    if in_context:
+        with compress(model, cache):
+            _run(model, cache, ids, how)
+    else:
+        _run(model, cache, ids, how)
+    assert cache.get_seq_length() == (65 if how == "generate" else 66)  # generate never feeds its last token
+    kept = [layer.kept_length() for layer in cache.layers]
+    limit = BUDGET + (0 if policy != "snapkv" else 6)  # SnapKV evicts once, then decoding appends
+    assert all(k <= limit for k in kept), kept
+
+
+def test_streaming_without_context_matches_with_context():
+    model = tiny(LlamaConfig, 4, 2)
+    ids = torch.randint(3, 97, (1, 60))
+    caches = [CompressedCache(model.config, eviction=StreamingLLM(budget=BUDGET, recent_window=8, sink_tokens=2))
+              for _ in range(2)]
+    _run(model, caches[0], ids, "forward")
+    with compress(model, caches[1]):
+        _run(model, caches[1], ids, "forward")
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.storage.keys, b.storage.keys)
+
+
+def test_streaming_batch_without_context_raises():
+    """Without the mask the cache cannot tell left padding from sink tokens."""
+    model = tiny(LlamaConfig, 4, 2)
+    cache = CompressedCache(model.config, eviction=StreamingLLM(budget=BUDGET, recent_window=8, sink_tokens=2))
+    with pytest.raises(RuntimeError, match="padding"):
+        _run(model, cache, torch.randint(3, 97, (2, 30)), "forward")
+
+
+# --------------------------------------------------------------------------- the observer seam
+
+
+def test_observer_seam_is_public_and_policy_agnostic():
+    snap, h2o, stream = SnapKV(budget=64, recent_window=16), H2O(budget=64), StreamingLLM(budget=64)
+    assert snap.query_window(100, 64) == 16 and snap.query_window(5, 64) == 5
+    assert h2o.query_window(100, 64) == 100 and h2o.query_window(1, 64) == 1
+    assert stream.query_window(100, 64) == 0
+    model = tiny(LlamaConfig, 4, 2)
+    cache = CompressedCache(model.config, eviction=snap)
+    assert not cache.observed
+    with compress(model, cache):
+        assert cache.observed
+        layer = cache.layers[0]
+        k = torch.randn(1, 2, 100, 16)
+        layer.update(k, k)
+        assert layer.awaits_observation and layer.query_window(100) == 16
+        layer.observe(torch.randn(1, 4, 16, 16), None, 0.25)
+        assert not layer.awaits_observation and layer.kept_length() == 64
+    assert not cache.observed
+
+
+# --------------------------------------------------------------------------- bytes counted in one place
+
+
+def test_fp16_reference_formula():
+    model = tiny(LlamaConfig, 4, 2)
+    g = kv_geometry(model.config)
+    assert (g.layers, g.kv_heads, g.head_dim) == (2, 2, 16)
+    assert fp16_kv_bytes(model.config, 100, batch=3) == 2 * 2 * 3 * 2 * 16 * 100 * 2
+    assert fp16_kv_bytes(model.config, 100, layers=1) == 2 * 2 * 2 * 16 * 100
+
+
+@pytest.mark.parametrize("quant", [None, QuantConfig(bits=3, group_size=8, residual_length=8, sink_tokens=2)])
+def test_memory_report_equals_the_generic_tensor_walk(quant):
+    """Quantized, evicted, batched: the report, the held tensors and the runner's walk agree."""
+    model = tiny(LlamaConfig, 4, 2)
+    ids = torch.randint(3, 97, (3, 70))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # left padding
+    cache = CompressedCache(model.config, quant=quant, eviction=H2O(budget=40, recent_window=0.5))
+    with torch.no_grad(), compress(model, cache):
+        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                       pad_token_id=0)
+    rep = cache.memory_report()
+    assert rep.total_bytes == walked_nbytes(cache) == held_nbytes(cache)
+    assert rep.total_bytes == sum(t.nbytes for t in cache.held_tensors().values())
+    assert rep.scores_bytes > 0 and (quant is None or rep.codes_bytes > 0)
+    assert rep.tokens_seen == 74  # generate never feeds its last token
+    assert rep.fp16_bytes == fp16_kv_bytes(model.config, 74, batch=3)
