@@ -6,6 +6,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kv_cache.eval import tasks as T
@@ -119,8 +120,9 @@ def test_ppl_bad_arguments(tok, shakes, kwargs):
 @pytest.mark.parametrize("haystack", ["text", "noise"])
 @pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
 def test_needle_at_requested_depth(tok, shakes, task, haystack, depth):
-    (s,) = T.build_task(task, tok, shakes, context=1500, num_samples=1, depths=[depth],
-                        haystack=haystack, seed=5)
+    request = T.TaskRequest(tok, shakes, context=1500, num_samples=1, depths=[depth],
+                            haystack=haystack, seed=5)
+    (s,) = T.build_task(task, request)
     needle = s.metadata["needles"][0]
     assert s.depth == depth
     pos = s.context.find(needle)
@@ -141,10 +143,11 @@ def test_needle_at_requested_depth(tok, shakes, task, haystack, depth):
 
 
 def test_default_depths_are_random_and_recorded(tok, shakes):
-    ss = T.build_task("niah_single", tok, shakes, context=400, num_samples=4, seed=1)
+    ss = T.build_task("niah_single", T.TaskRequest(tok, shakes, context=400, num_samples=4, seed=1))
     depths = [s.depth for s in ss]
     assert all(0.0 <= d <= 1.0 for d in depths) and len(set(depths)) == 4
-    ss = T.build_task("niah_single", tok, shakes, context=400, num_samples=3, depths=[0.2, 0.8])
+    request = T.TaskRequest(tok, shakes, context=400, num_samples=3, depths=[0.2, 0.8])
+    ss = T.build_task("niah_single", request)
     assert [s.depth for s in ss] == [0.2, 0.8, 0.2]
 
 
@@ -154,8 +157,9 @@ def test_default_depths_are_random_and_recorded(tok, shakes):
 def test_prompt_length_within_slack(tok, shakes, task, haystack):
     opts = {"top_k": 3} if task == "cwe" else {}
     for context in (500, 1200, 3000):
-        ss = T.build_task(task, tok, shakes, context=context, num_samples=2, haystack=haystack,
-                          seed=context, **opts)
+        request = T.TaskRequest(tok, shakes, context=context, num_samples=2, haystack=haystack,
+                                seed=context)
+        ss = T.build_task(task, request, **opts)
         for s in ss:
             n = n_tokens(tok, s)
             assert context - T.CONTEXT_SLACK <= n <= context, (task, context, n)
@@ -170,8 +174,9 @@ def test_prompt_length_chat_bpe_tokenizer(bpe_chat_tok, shakes, task, query_awar
     tok = bpe_chat_tok
     opts = {"top_k": 5} if task == "cwe" else {}
     for context in (700, 2000):
-        ss = T.build_task(task, tok, shakes, context=context, num_samples=2,
-                          query_aware=query_aware, **opts)
+        request = T.TaskRequest(tok, shakes, context=context, num_samples=2,
+                                query_aware=query_aware)
+        ss = T.build_task(task, request, **opts)
         for s in ss:
             assert s.metadata["fit"] == {"query_aware": query_aware, "chat": True}
             n = n_tokens(tok, s, query_aware=query_aware)
@@ -180,14 +185,15 @@ def test_prompt_length_chat_bpe_tokenizer(bpe_chat_tok, shakes, task, query_awar
 
 def test_context_too_small(tok, shakes):
     with pytest.raises(ValueError, match="too small"):
-        T.build_task("niah_multiquery", tok, shakes, context=100, num_samples=1)
+        T.build_task("niah_multiquery", T.TaskRequest(tok, shakes, context=100, num_samples=1))
     with pytest.raises(ValueError, match="too small for task 'cwe'"):
-        T.build_task("cwe", tok, shakes, context=200, num_samples=1)
+        T.build_task("cwe", T.TaskRequest(tok, shakes, context=200, num_samples=1))
 
 
 # ----------------------------------------------------------------- prompt building
 def test_build_prompt_modes(tok, shakes):
-    (s,) = T.build_task("niah_single", tok, shakes, context=400, num_samples=1, depths=[0.5])
+    request = T.TaskRequest(tok, shakes, context=400, num_samples=1, depths=[0.5])
+    (s,) = T.build_task("niah_single", request)
     ctx, q = T.build_prompt(s, tok, query_aware=False)
     assert ctx == s.instruction + s.context
     assert q == "\n" + s.question + " " + s.answer_prefix
@@ -204,7 +210,7 @@ def test_build_prompt_modes(tok, shakes):
 
 def test_build_prompt_chat(bpe_chat_tok, shakes):
     tok = bpe_chat_tok
-    (s,) = T.build_task("passkey", tok, shakes, context=600, num_samples=1)
+    (s,) = T.build_task("passkey", T.TaskRequest(tok, shakes, context=600, num_samples=1))
     chat_text = T.format_chat(tok, "hi")
     assert chat_text == (
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -260,7 +266,7 @@ def test_score_validation():
 def test_generated_answer_scores_perfectly(tok, shakes):
     for task in sorted(T.TASKS):
         opts = {"top_k": 3} if task == "cwe" else {}
-        (s,) = T.build_task(task, tok, shakes, context=700, num_samples=1, **opts)
+        (s,) = T.build_task(task, T.TaskRequest(tok, shakes, context=700, num_samples=1), **opts)
         answer = s.answer_prefix + " " + ", ".join(s.expected) + "."
         assert T.score_retrieval(answer, s.expected) == 1.0
         assert T.score_retrieval(s.answer_prefix, s.expected) == 0.0
@@ -270,9 +276,9 @@ def test_generated_answer_scores_perfectly(tok, shakes):
 @pytest.mark.parametrize("task", sorted(T.TASKS))
 def test_determinism(tok, shakes, task):
     opts = {"top_k": 3} if task == "cwe" else {}
-    a = T.build_task(task, tok, shakes, context=500, num_samples=2, seed=7, **opts)
-    b = T.build_task(task, tok, shakes, context=500, num_samples=2, seed=7, **opts)
-    c = T.build_task(task, tok, shakes, context=500, num_samples=2, seed=8, **opts)
+    a = T.build_task(task, T.TaskRequest(tok, shakes, context=500, num_samples=2, seed=7), **opts)
+    b = T.build_task(task, T.TaskRequest(tok, shakes, context=500, num_samples=2, seed=7), **opts)
+    c = T.build_task(task, T.TaskRequest(tok, shakes, context=500, num_samples=2, seed=8), **opts)
     assert a == b
     assert [s.context for s in a] != [s.context for s in c]
     assert [s.expected for s in a] != [s.expected for s in c]
@@ -281,7 +287,7 @@ def test_determinism(tok, shakes, task):
 
 # ----------------------------------------------------------------- task content
 def test_niah_multikey_has_distractors(tok, shakes):
-    for s in T.build_task("niah_multikey", tok, shakes, context=800, num_samples=3):
+    for s in T.build_task("niah_multikey", T.TaskRequest(tok, shakes, context=800, num_samples=3)):
         keys = s.metadata["keys"]
         (query,) = s.metadata["query_keys"]
         assert len(keys) == len(set(keys)) == 4
@@ -297,12 +303,12 @@ def test_niah_multikey_has_distractors(tok, shakes):
 
 
 def test_niah_multivalue_and_multiquery(tok, shakes):
-    (mv,) = T.build_task("niah_multivalue", tok, shakes, context=800, num_samples=1)
+    (mv,) = T.build_task("niah_multivalue", T.TaskRequest(tok, shakes, context=800, num_samples=1))
     (key,) = mv.metadata["query_keys"]
     assert len(mv.expected) == len(set(mv.expected)) == 4
     assert sorted(re.findall(rf"for {key} is: (\d+)\.", mv.context)) == sorted(mv.expected)
     assert "numbers" in mv.question and mv.answer_prefix.endswith("are")
-    (mq,) = T.build_task("niah_multiquery", tok, shakes, context=800, num_samples=1)
+    (mq,) = T.build_task("niah_multiquery", T.TaskRequest(tok, shakes, context=800, num_samples=1))
     assert len(mq.metadata["query_keys"]) == 4 and len(mq.expected) == 4
     for k, v in zip(mq.metadata["query_keys"], mq.expected):
         assert k in mq.question and f"for {k} is: {v}." in mq.context
@@ -310,7 +316,8 @@ def test_niah_multivalue_and_multiquery(tok, shakes):
 
 def test_vt_chain_is_consistent(tok, shakes):
     for haystack in ("text", "noise"):
-        for s in T.build_task("vt", tok, shakes, context=800, num_samples=2, haystack=haystack):
+        request = T.TaskRequest(tok, shakes, context=800, num_samples=2, haystack=haystack)
+        for s in T.build_task("vt", request):
             assign = dict(re.findall(r"^VAR ([A-Z]{5}) = (\d+|VAR [A-Z]{5})$", s.context, re.M))
             assert len(assign) == 5
 
@@ -329,8 +336,8 @@ def test_vt_chain_is_consistent(tok, shakes):
 
 @pytest.mark.parametrize("haystack", ["text", "noise"])
 def test_cwe_expected_are_most_frequent(tok, shakes, haystack):
-    for s in T.build_task("cwe", tok, shakes, context=1500, num_samples=2, haystack=haystack,
-                          top_k=5):
+    request = T.TaskRequest(tok, shakes, context=1500, num_samples=2, haystack=haystack)
+    for s in T.build_task("cwe", request, top_k=5):
         items = re.findall(r"(\d+)\. ([a-z]+)", s.context)
         assert [int(i) for i, _ in items] == list(range(1, len(items) + 1))
         counts = Counter(w for _, w in items)
@@ -344,8 +351,8 @@ def test_cwe_expected_are_most_frequent(tok, shakes, haystack):
 
 
 def test_noise_haystack_and_passkey_needle(tok):
-    (s,) = T.build_task("passkey", tok, None, context=600, num_samples=1, haystack="noise",
-                        depths=[0.3])
+    request = T.TaskRequest(tok, None, context=600, num_samples=1, haystack="noise", depths=[0.3])
+    (s,) = T.build_task("passkey", request)
     key = s.expected[0]
     assert re.fullmatch(r"\d{5}", key)
     assert f"The pass key is {key}. Remember it." in s.context
@@ -355,13 +362,14 @@ def test_noise_haystack_and_passkey_needle(tok):
 
 # ----------------------------------------------------------------- errors
 def test_text_too_short_for_retrieval(tok):
+    request = T.TaskRequest(tok, "The cat sat. " * 20, context=1000, num_samples=1)
     with pytest.raises(ValueError, match=r"text too short .* tokens"):
-        T.build_task("niah_single", tok, "The cat sat. " * 20, context=1000, num_samples=1)
+        T.build_task("niah_single", request)
 
 
 def test_unknown_task_lists_known_names(tok, shakes):
     with pytest.raises(ValueError, match="unknown task 'niah_bogus'") as info:
-        T.build_task("niah_bogus", tok, shakes, context=500, num_samples=1)
+        T.build_task("niah_bogus", T.TaskRequest(tok, shakes, context=500, num_samples=1))
     for name in T.TASKS:
         assert name in str(info.value)
 
@@ -377,15 +385,43 @@ def test_unknown_task_lists_known_names(tok, shakes):
         (dict(context="500"), TypeError, "context"),
     ],
 )
-def test_invalid_build_arguments(tok, shakes, kwargs, exc, pattern):
+def test_invalid_request_arguments(tok, shakes, kwargs, exc, pattern):
     args = dict(context=500, num_samples=1) | kwargs
     with pytest.raises(exc, match=pattern):
-        T.build_task("niah_single", tok, shakes, **args)
+        T.TaskRequest(tok, shakes, **args)
 
 
 def test_text_required_for_text_haystack(tok):
     with pytest.raises(ValueError, match="haystack='noise'"):
-        T.build_task("passkey", tok, None, context=500, num_samples=1)
+        T.TaskRequest(tok, None, context=500, num_samples=1)
+
+
+def test_task_request_is_normalised_once_and_frozen(tok):
+    import dataclasses
+
+    r = T.TaskRequest(tok, "a\r\nb", context=np.int64(500), num_samples=2, depths=0.25)
+    assert r.text == "a\nb" and r.depths == (0.25,) and type(r.context) is int
+    assert r.use_chat is False and "a\nb" not in repr(r)  # the haystack text stays out of repr
+    assert T.TaskRequest(tok, "x", context=9, num_samples=1, depths=[0, 1]).depths == (0.0, 1.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.seed = 1  # type: ignore[misc]
+    with pytest.raises(ValueError, match="no chat template"):
+        T.TaskRequest(tok, "x", context=9, num_samples=1, chat=True)
+
+
+def test_build_task_takes_a_request_and_rejects_unknown_options(tok, shakes):
+    with pytest.raises(TypeError, match="request must be a TaskRequest, got dict"):
+        T.build_task("passkey", {"context": 500, "num_samples": 1})
+    request = T.TaskRequest(tok, shakes, context=500, num_samples=1)
+    with pytest.raises(TypeError, match=r"unexpected options for passkey: \['top_k'\]"):
+        T.build_task("passkey", request, top_k=3)
+
+
+def test_eval_package_reexports_exactly_the_tasks_api():
+    import kv_cache.eval as E
+
+    assert E.__all__ == T.__all__
+    assert all(getattr(E, name) is getattr(T, name) for name in T.__all__)
 
 
 def test_check_context_fits():

@@ -98,12 +98,12 @@ def _eval_parser(sub, name: str, help_text: str, defaults: dict[str, Any]) -> ar
 
 def _depths(value: Any) -> list[float] | None:
     """``"0.1,0.5"`` (or a config file's list, already joined) -> ``[0.1, 0.5]``; None stays None."""
-    from .eval.tasks import _check_depths
+    from .eval.tasks import check_depths
 
     if value is None:
         return None
     try:
-        return _check_depths([float(x) for x in str(value).split(",") if x.strip()])
+        return check_depths([float(x) for x in str(value).split(",") if x.strip()])
     except ValueError:
         raise ValueError(f"--depths must be comma-separated numbers in [0, 1]; got {value!r}") from None
 

@@ -1,43 +1,6 @@
 """Offline evaluation: task builders (:mod:`kv_cache.eval.tasks`) for ``kvcache eval``."""
 
-from kv_cache.eval.tasks import (
-    CONTEXT_SLACK,
-    HAYSTACK_KINDS,
-    NOISE_HAYSTACK,
-    SNAP_CHARS,
-    SNAP_FRACTION,
-    TASKS,
-    PplSample,
-    RetrievalSample,
-    build_prompt,
-    build_task,
-    check_context_fits,
-    count_prompt_tokens,
-    format_chat,
-    has_chat_template,
-    normalize_text,
-    perplexity_windows,
-    read_text,
-    score_retrieval,
-)
+from kv_cache.eval import tasks
+from kv_cache.eval.tasks import *  # noqa: F403 - the names are exactly tasks.__all__
 
-__all__ = [
-    "CONTEXT_SLACK",
-    "HAYSTACK_KINDS",
-    "NOISE_HAYSTACK",
-    "SNAP_CHARS",
-    "SNAP_FRACTION",
-    "TASKS",
-    "PplSample",
-    "RetrievalSample",
-    "build_prompt",
-    "build_task",
-    "check_context_fits",
-    "count_prompt_tokens",
-    "format_chat",
-    "has_chat_template",
-    "normalize_text",
-    "perplexity_windows",
-    "read_text",
-    "score_retrieval",
-]
+__all__ = [*tasks.__all__]

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from .methods import Method, MethodUnavailable, parse_method
-from .tasks import TASKS, build_prompt, build_task, check_context_fits, perplexity_windows, score_retrieval
+from .tasks import (TASKS, TaskRequest, build_prompt, build_task, check_context_fits, perplexity_windows,
+                    score_retrieval)
 
 log = logging.getLogger(__name__)
 
@@ -277,9 +278,10 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
             samples[task] = perplexity_windows(tokenizer, text, context=cfg.context,
                                                prefix_len=cfg.context - cfg.continuation, num_windows=cfg.samples)
         else:
-            samples[task] = build_task(task, tokenizer, text if cfg.haystack == "text" else None,
-                                       context=cfg.context, num_samples=cfg.samples, seed=cfg.seed,
-                                       haystack=cfg.haystack, query_aware=cfg.query_aware, depths=cfg.depths)
+            request = TaskRequest(tokenizer, text if cfg.haystack == "text" else None, context=cfg.context,
+                                  num_samples=cfg.samples, depths=cfg.depths, seed=cfg.seed,
+                                  haystack=cfg.haystack, query_aware=cfg.query_aware)
+            samples[task] = build_task(task, request)
 
     fp = cfg.fingerprint(text_sha)
     results_path = out_dir / "results.json"
