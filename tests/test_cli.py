@@ -228,3 +228,48 @@ def test_eval_depths_place_the_needles(tmp_path):
     got = [s["depth"] for s in doc["methods"]["full"]["tasks"]["niah_single"]["samples"]]
     assert got[0] == pytest.approx(0.1, abs=0.15) and got[1] == pytest.approx(0.9, abs=0.15)
 
+
+
+class _Stop(Exception):
+    """Raised by a stand-in ``run_eval``: the CLI's parsing is under test, not the evaluation."""
+
+
+def _config_from_cli(monkeypatch, argv):
+    from kv_cache.eval import runner
+
+    seen = {}
+
+    def run_eval(cfg, out, progress=None):
+        seen.update(cfg=cfg, out=out)
+        raise _Stop
+
+    monkeypatch.setattr(runner, "run_eval", run_eval)
+    with pytest.raises(_Stop):
+        main([*argv, "--quiet"])
+    return seen["cfg"], seen["out"]
+
+
+def test_cli_defaults_are_the_config_dataclass(monkeypatch, capsys):
+    from kv_cache.eval.methods import grammar_help
+    from kv_cache.eval.runner import EvalConfig
+
+    assert _config_from_cli(monkeypatch, ["eval"]) == (EvalConfig(), "runs/eval")
+    demo = EvalConfig(model="smollm2", tasks=["ppl", "needle"], samples=2, context=1024, continuation=128,
+                      methods=["full", "q8", "q4", "q2", "snapkv@0.5", "h2o@0.5", "q4+h2o@0.5"])
+    assert _config_from_cli(monkeypatch, ["demo"]) == (demo, "runs/demo")
+    flags = ["eval", "--tasks", "ppl,needle", "--query-aware", "--depths", "0.1,0.9", "--samples", "3",
+             "--haystack", "noise", "--text", str(TEXT), "--out", "o"]
+    want = EvalConfig(tasks=["ppl", "needle"], query_aware=True, depths=[0.1, 0.9], samples=3, haystack="noise",
+                      text=str(TEXT))
+    assert _config_from_cli(monkeypatch, flags) == (want, "o")
+
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    out = capsys.readouterr().out
+    assert grammar_help() in out
+    for shown in ("[smollm2]", "tasks [ppl]", "specs [full,q4]", "task [8]", "tokens [2048]", "prefix [256]",
+                  "haystack [text]", "seed [0]", "cap [32]", "directory [runs/eval]", "depths[i % len]"):
+        assert shown in " ".join(out.split()), shown
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "task [2]" in " ".join(capsys.readouterr().out.split())

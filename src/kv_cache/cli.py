@@ -12,43 +12,27 @@ bill   the byte bill of one captured KV cache under several quantization/selecti
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
-METHODS_HELP = """\
-method specs (comma-separated, case-insensitive):
-  full                           the uncompressed cache (always run, as the reference)
-  q<bits>[g<G>][r<R>][s<S>]      kv_cache quantization: bits 2/3/4/8, group G (default 32),
-                                 full-precision residual R (default 32), full-precision sinks S
-  snapkv@B  h2o@B  streaming@B   kv_cache eviction keeping B: a fraction of the context (0.5)
-                                 or a token count (512)
-  h2o@0.5w32  snapkv@0.5w64      ... with the always-kept recent window: a count (w32) or a
-                                 fraction of the budget (w0.5); default: h2o 0.5 (the H2O
-                                 paper's even split), snapkv 32 (its observation window)
-  q4+h2o@0.5                     both levers in one cache
-  hf-quanto-int4  hf-quanto-int2 transformers QuantizedCache, quanto backend (pip install optimum-quanto)
-  hf-hqq-int4 ...                transformers QuantizedCache, HQQ backend (pip install hqq)
-  hf-fp8                         transformers QuantizedCache, fp8 e4m3 backend with a per-tensor
-                                 scale (a line-for-line backport on transformers < its release)
-  kvpress-<press>@K              kvpress at prefill keeping fraction K (pip install kvpress);
-                                 press: snapkv, streamingllm, knorm, expectedattention, tova,
-                                 observedattention
+TASKS_HELP = """\
 tasks: ppl (teacher-forced continuation perplexity), needle (=niah_single), multikey,
   multivalue, multiquery, vt, cwe, passkey
 """
 
+EVAL_OUT = "runs/eval"
+# What the demo changes from the defaults of `kvcache eval` (those are EvalConfig's).
 DEMO_DEFAULTS = dict(
     model="smollm2", tasks="ppl,needle", methods="full,q8,q4,q2,snapkv@0.5,h2o@0.5,q4+h2o@0.5",
     samples=2, context=1024, continuation=128, out="runs/demo",
 )
 
 
-def _default_text() -> str:
-    from .models import shared_data_dir
-
-    return str(shared_data_dir() / "wikitext-2-raw" / "wiki.test.raw")
+def _field_default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def _load_config_file(path: str) -> dict[str, Any]:
@@ -71,26 +55,28 @@ def _load_config_file(path: str) -> dict[str, Any]:
 
 
 def _eval_parser(sub, name: str, help_text: str, defaults: dict[str, Any]) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help_text, description=help_text, epilog=METHODS_HELP,
+    from .eval.methods import grammar_help
+    from .eval.runner import EvalConfig
+    from .eval.tasks import HAYSTACK_KINDS
+
+    p = sub.add_parser(name, help=help_text, description=help_text, epilog=grammar_help() + TASKS_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML or YAML file with any of these options (flags override it)")
-    p.add_argument("--model", help="alias (smollm2, stories260K), local HF directory, .gguf file or hub id "
-                                    f"[{defaults.get('model', 'smollm2')}]")
-    p.add_argument("--text", help="haystack / perplexity text file [wikitext-2 test from ../shared/data]")
-    p.add_argument("--tasks", help=f"comma-separated tasks [{defaults.get('tasks', 'ppl')}]")
-    p.add_argument("--methods", help=f"comma-separated method specs [{defaults.get('methods', 'full,q4')}]")
-    p.add_argument("--samples", type=int, help=f"samples per task [{defaults.get('samples', 8)}]")
-    p.add_argument("--context", type=int, help=f"context length in tokens [{defaults.get('context', 2048)}]")
-    p.add_argument("--continuation", type=int,
-                   help=f"ppl: tokens scored after the compressed prefix [{defaults.get('continuation', 256)}]")
-    p.add_argument("--query-aware", action="store_true", default=None,
-                   help="retrieval: compress the question together with the context, so compression can see it")
-    p.add_argument("--haystack", choices=["text", "noise"], help="retrieval haystack [text]")
-    p.add_argument("--seed", type=int, help="task seed [0]")
-    p.add_argument("--depths", help="retrieval: comma-separated needle depths in [0, 1], sample i uses "
-                                    "depths[i %% len]; default: a seeded random depth per sample")
-    p.add_argument("--max-new-tokens", type=int, help="retrieval answer length cap [32]")
-    p.add_argument("--out", help=f"output directory [{defaults.get('out', 'runs/eval')}]")
+    for f in dataclasses.fields(EvalConfig):  # one option per field: its default and help are the field's
+        default = defaults.get(f.name, _field_default(f))
+        shown = ",".join(map(str, default)) if isinstance(default, list) else default
+        about = f.metadata["help"].replace("%", "%%")
+        if shown is not None and not isinstance(shown, bool):
+            about += f" [{shown}]"
+        kw: dict[str, Any] = {}
+        if isinstance(default, bool):
+            kw = {"action": "store_true", "default": None}  # None: a config file's value stands
+        elif isinstance(default, int):
+            kw = {"type": int}
+        elif f.name == "haystack":
+            kw = {"choices": list(HAYSTACK_KINDS)}
+        p.add_argument("--" + f.name.replace("_", "-"), help=about, **kw)
+    p.add_argument("--out", help=f"output directory [{defaults.get('out', EVAL_OUT)}]")
     p.add_argument("--quiet", action="store_true", help="no progress bar; print only the table and paths")
     p.set_defaults(_defaults=defaults)
     return p
@@ -108,38 +94,35 @@ def _depths(value: Any) -> list[float] | None:
         raise ValueError(f"--depths must be comma-separated numbers in [0, 1]; got {value!r}") from None
 
 
+def _option_value(f: dataclasses.Field, value: Any) -> Any:
+    """A flag's or config file's value of EvalConfig field ``f``, as the type of its default."""
+    if f.name == "depths":
+        return _depths(value)
+    default = _field_default(f)
+    if isinstance(default, list):  # comma-separated (a config file's list is already joined)
+        return [x for x in str(value).split(",") if x.strip()]
+    return str(value) if default is None else type(default)(value)
+
+
 def _run_eval(args: argparse.Namespace) -> int:
     from .eval.report import write_reports
     from .eval.runner import EvalConfig, run_eval
 
-    opts: dict[str, Any] = {"model": "smollm2", "tasks": "ppl", "methods": "full,q4", "samples": 8,
-                            "context": 2048, "continuation": 256, "query_aware": False, "haystack": "text",
-                            "seed": 0, "max_new_tokens": 32, "out": "runs/eval", "text": None, "depths": None}
-    opts.update(args._defaults)
+    opts: dict[str, Any] = {"out": EVAL_OUT, **args._defaults}  # the rest defaults to EvalConfig's
     if args.config:
         opts.update(_load_config_file(args.config))
     for k, v in vars(args).items():
         if not k.startswith("_") and k not in ("config", "quiet", "command") and v is not None:
             opts[k] = v
-    unknown = set(opts) - {f for f in EvalConfig.__dataclass_fields__} - {"out"}
+    fields = {f.name: f for f in dataclasses.fields(EvalConfig)}
+    unknown = set(opts) - set(fields) - {"out"}
     if unknown:
         raise SystemExit(f"kvcache: unknown option(s) {sorted(unknown)}")
-    cfg = EvalConfig(
-        model=str(opts["model"]), text=str(opts["text"] or _default_text()),
-        tasks=[t for t in str(opts["tasks"]).split(",") if t.strip()],
-        methods=[m for m in str(opts["methods"]).split(",") if m.strip()],
-        samples=int(opts["samples"]), context=int(opts["context"]), continuation=int(opts["continuation"]),
-        query_aware=bool(opts["query_aware"]), haystack=str(opts["haystack"]), seed=int(opts["seed"]),
-        max_new_tokens=int(opts["max_new_tokens"]), depths=_depths(opts["depths"]),
-    )
-    from .eval.methods import MethodUnavailable, parse_method
+    cfg = EvalConfig(**{k: _option_value(fields[k], v) for k, v in opts.items() if k != "out" and v is not None})
+    from .eval.methods import parse_methods
     from .eval.runner import resolve_task
 
-    for spec in cfg.methods:  # fail fast on typos, before any model is loaded
-        try:
-            parse_method(spec)
-        except MethodUnavailable:
-            pass
+    methods, _ = parse_methods(cfg.methods)  # fail fast on typos, before any model is loaded
     for task in cfg.tasks:
         resolve_task(task)
     bar = None
@@ -147,8 +130,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     if not args.quiet:
         from tqdm import tqdm
 
-        n_methods = len({m.strip().lower() for m in cfg.methods} | {"full"})
-        bar = tqdm(total=n_methods * len(cfg.tasks) * cfg.samples, unit="sample", dynamic_ncols=True)
+        bar = tqdm(total=len(methods) * len(cfg.tasks) * cfg.samples, unit="sample", dynamic_ncols=True)
 
         def progress(n: int, what: str) -> None:
             bar.set_postfix_str(what)

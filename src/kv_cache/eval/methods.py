@@ -1,23 +1,15 @@
 """Method specs for evaluation: short strings that build a compressed cache (ours or a peer's).
 
-Grammar (case-insensitive)::
+Specs are case-insensitive. Their grammar is the table :data:`METHOD_GRAMMAR` (one row per form:
+``full``, ``q4g64``, ``h2o@0.5w32``, ``q4+h2o@0.5``, ``hf-quanto-int4``, ``kvpress-snapkv@0.5``,
+...); :func:`grammar_help` renders it, and that text is also ``kvcache eval --help`` and the list
+of known forms in the error for an unknown spec. The tables the rows draw on:
 
-    full                          the uncompressed DynamicCache
-    q<bits>[g<group>][r<residual>][s<sinks>]     our quantized storage, e.g. q4, q2g64r128
-    <policy>@<budget>[w<window>]  our eviction; policy in {snapkv, h2o, streaming};
-                                  budget: a fraction of the context (0.5) or a token count (512);
-                                  window: the always-kept recent tokens, a count (w32) or a
-                                  fraction of the budget (w0.5). Defaults: h2o 0.5 of the budget
-                                  (the H2O paper's even heavy/recent split), snapkv 32 (its
-                                  observation window), streaming: all but the 4 sinks
-    q4+h2o@0.5                    both levers in one cache
-    hf-quanto-int<2|4>            transformers' QuantizedCache, quanto backend (optimum-quanto)
-    hf-hqq-int<2|4|8>             transformers' QuantizedCache, HQQ backend (hqq)
-    hf-fp8                        transformers' QuantizedCache, fp8 e4m3 backend (per-tensor scale);
-                                  on transformers releases without it, a line-for-line backport
-    kvpress-<press>@<kept>        a kvpress press at prefill, keeping that fraction of the context;
-                                  press in {snapkv, streamingllm, knorm, expectedattention, tova,
-                                  observedattention}
+* :data:`QUANT_OPTIONS`: the letters of our quantization part, ``q<bits>[g<group>]...``, each
+  setting one :class:`kv_cache.QuantConfig` field (its default is the dataclass's);
+* :data:`kv_cache.policies.POLICIES`: the eviction policies, ``<policy>@<budget>[w<window>]``
+  (their defaults are the policy dataclasses');
+* :data:`HF_BACKENDS` and :data:`KVPRESS_PRESSES`: the peers.
 
 A :class:`Method` knows how to make a fresh cache and the context manager that must be active
 while the context is prefilled (our ``compress`` hooks, a kvpress press, or nothing).
@@ -26,15 +18,41 @@ while the context is prefilled (our ``compress`` hooks, a kvpress press, or noth
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import re
+import textwrap
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from ..cache import CompressedCache, QuantConfig, compress
-from ..policies import H2O, SnapKV, StreamingLLM
+from ..compression.packing import SUPPORTED_BITS
+from ..policies import POLICIES, EvictionPolicy
 
-POLICY_NAMES = {"snapkv": SnapKV, "h2o": H2O, "streaming": StreamingLLM}
-KVPRESS_PRESSES = {
+REFERENCE_SPEC = "full"  # the uncompressed cache every other method is measured against
+
+
+class QuantOption(NamedTuple):
+    """One row of :data:`QUANT_OPTIONS`: ``<letter><value>`` sets ``QuantConfig.<field>``."""
+
+    letter: str
+    field: str  # a QuantConfig field; also the regex group name
+    placeholder: str  # shown in the grammar: ``g<group>``
+    about: str  # shown in the help, followed by the field's default
+    value: str = r"\d+"  # regex of the value; "" makes the letter a flag (convert then gets "")
+    convert: Callable[[str], Any] = int
+
+
+# Our quantization part: the first row is its required head (q<bits>), the others optional
+# suffixes in this order. The regex, the parser, the help and the errors are generated from it.
+QUANT_OPTIONS: tuple[QuantOption, ...] = (
+    QuantOption("q", "bits", "bits", f"bits {'/'.join(map(str, SUPPORTED_BITS))}"),
+    QuantOption("g", "group_size", "group", "group"),
+    QuantOption("r", "residual_length", "residual", "full-precision residual"),
+    QuantOption("s", "sink_tokens", "sinks", "full-precision sinks"),
+)
+
+KVPRESS_PRESSES = {  # spec name -> kvpress class
     "snapkv": "SnapKVPress",
     "streamingllm": "StreamingLLMPress",
     "knorm": "KnormPress",
@@ -42,15 +60,24 @@ KVPRESS_PRESSES = {
     "tova": "TOVAPress",
     "observedattention": "ObservedAttentionPress",
 }
-HF_BACKENDS = {  # spec name -> (transformers backend, bits, pip package, import name)
-    "quanto": ("quanto", (2, 4), "optimum-quanto", "optimum.quanto"),
-    "hqq": ("HQQ", (2, 4, 8), "hqq", "hqq"),
-}
-EXAMPLES = ("full", "q8", "q4", "q2", "q4g64r128", "snapkv@0.5", "h2o@0.25", "h2o@0.5w32", "streaming@512", "q4+h2o@0.5",
-            "hf-quanto-int4", "hf-hqq-int2", "hf-fp8", "kvpress-snapkv@0.5", "kvpress-streamingllm@0.75")
 
-_QUANT = re.compile(r"^q(?P<bits>\d+)(?:g(?P<g>\d+))?(?:r(?P<r>\d+))?(?:s(?P<s>\d+))?$")
-_POLICY = re.compile(r"^(?P<name>[a-z0-9_]+)@(?P<budget>\d+(?:\.\d+)?)(?:w(?P<w>\d+(?:\.\d+)?))?$")
+
+class HFBackend(NamedTuple):
+    """One row of :data:`HF_BACKENDS`: a backend of transformers' ``QuantizedCache``."""
+
+    name: str  # transformers' backend name
+    bits: tuple[int, ...]
+    package: str  # pip package
+    module: str  # its import name
+    example_bits: int
+
+
+HF_BACKENDS = {  # spec name (hf-<name>-int<bits>) -> backend
+    "quanto": HFBackend("quanto", (2, 4), "optimum-quanto", "optimum.quanto", 4),
+    "hqq": HFBackend("HQQ", (2, 4, 8), "hqq", "hqq", 2),
+}
+# transformers' documented defaults: per-channel keys and values, group 64, residual 128.
+HF_QUANT_KWARGS = {"axis_key": 0, "axis_value": 0, "q_group_size": 64, "residual_length": 128}
 
 
 class MethodUnavailable(RuntimeError):
@@ -77,6 +104,8 @@ class Method:
     resolved : str
         Every setting the spec expands to (defaults included). Saved samples are reused on a
         restart only when it is unchanged, so a changed default never mixes into old results.
+    requires : tuple of (import name, pip package), or None
+        The optional package a peer needs.
     """
 
     spec: str
@@ -86,53 +115,69 @@ class Method:
     make: Callable[[Any], tuple[Any, Callable[[], Any]]] = field(repr=False)
     prefill_only_context: bool = False
     resolved: str = ""
+    requires: tuple[str, str] | None = None
 
     @property
     def is_peer(self) -> bool:
         return self.family != "ours"
 
+    @property
+    def is_reference(self) -> bool:
+        """True for the uncompressed cache (``full``) that every other method is measured against."""
+        return self.spec.strip().lower() == REFERENCE_SPEC
 
-def _budget(text: str) -> float | int:
+
+def _default(cls: type, name: str) -> Any:
+    """The default of dataclass field ``name`` of ``cls``."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def _number(text: str) -> float | int:
     return float(text) if "." in text else int(text)
 
 
-def _unknown(spec: str, why: str) -> ValueError:
-    return ValueError(
-        f"unknown method {spec!r} ({why}); known forms: full, q<bits>[g<group>][r<residual>][s<sinks>], "
-        f"{{{', '.join(POLICY_NAMES)}}}@<budget>[w<window>], their '+' combination, hf-quanto-int<2|4>, hf-hqq-int<2|4|8>, hf-fp8, "
-        f"kvpress-{{{', '.join(KVPRESS_PRESSES)}}}@<kept fraction>; examples: {', '.join(EXAMPLES)}"
-    )
+_HEAD, *_SUFFIXES = QUANT_OPTIONS
+_QUANT = re.compile(f"^{_HEAD.letter}(?P<{_HEAD.field}>{_HEAD.value})"
+                    + "".join(f"(?:{o.letter}(?P<{o.field}>{o.value}))?" for o in _SUFFIXES) + "$")
+_QUANT_GRAMMAR = f"{_HEAD.letter}<{_HEAD.placeholder}>" + "".join(f"[{o.letter}<{o.placeholder}>]"
+                                                                  for o in _SUFFIXES)
+_POLICY = re.compile(r"^(?P<name>[a-z0-9_]+)@(?P<budget>\d+(?:\.\d+)?)(?:w(?P<w>\d+(?:\.\d+)?))?$")
+
+
+def _quant_config(m: re.Match[str]) -> QuantConfig:
+    return QuantConfig(**{o.field: o.convert(m[o.field]) for o in QUANT_OPTIONS if m[o.field] is not None})
+
+
+def _policy(m: re.Match[str]) -> EvictionPolicy:
+    cls = POLICIES[m["name"]]
+    budget = _number(m["budget"])
+    kw: dict[str, Any] = {"budget": budget}
+    if m["w"] is not None:
+        kw["recent_window"] = _number(m["w"])
+    else:
+        window = _default(cls, "recent_window")
+        if isinstance(window, int) and isinstance(budget, int):
+            # A small token budget must still hold more than its window: cap it at a quarter.
+            kw["recent_window"] = min(window, max(1, budget // 4))
+    return cls(**kw)
 
 
 def _ours(spec: str, parts: list[str]) -> Method:
     quant, policy = None, None
     for part in parts:
-        if part == "full":
+        if part == REFERENCE_SPEC:
             continue
         m = _QUANT.match(part)
         if m:
             if quant is not None:
                 raise _unknown(spec, "two quantization parts")
-            kw = {"bits": int(m["bits"])}
-            for key, name in (("g", "group_size"), ("r", "residual_length"), ("s", "sink_tokens")):
-                if m[key] is not None:
-                    kw[name] = int(m[key])
-            quant = QuantConfig(**kw)
+            quant = _quant_config(m)
             continue
         m = _POLICY.match(part)
-        if m and m["name"] in POLICY_NAMES:
+        if m and m["name"] in POLICIES:
             if policy is not None:
                 raise _unknown(spec, "two eviction parts")
-            cls = POLICY_NAMES[m["name"]]
-            b = _budget(m["budget"])
-            kw: dict[str, Any] = {"budget": b}
-            if m["w"] is not None:
-                kw["recent_window"] = _budget(m["w"])
-            elif cls is not H2O:  # H2O keeps its own default: half the budget (the paper's split)
-                kw["recent_window"] = 32 if not isinstance(b, int) else min(32, max(1, b // 4))
-            if cls is StreamingLLM:
-                kw["sink_tokens"] = 4
-            policy = cls(**kw)
+            policy = _policy(m)
             continue
         raise _unknown(spec, f"cannot parse {part!r}")
 
@@ -145,26 +190,23 @@ def _ours(spec: str, parts: list[str]) -> Method:
                   make, resolved=f"kv_cache quant={quant!r} eviction={policy!r}")
 
 
-def _hf(spec: str, backend: str, bits: int) -> Method:
-    name, allowed, package, module = HF_BACKENDS[backend]
-    if bits not in allowed:
-        raise _unknown(spec, f"{backend} supports int{list(allowed)}")
+def _hf(backend: str, spec: str, m: re.Match[str]) -> Method:
+    hf = HF_BACKENDS[backend]
+    bits = int(m["bits"])
+    if bits not in hf.bits:
+        raise _unknown(spec, f"{backend} supports int{list(hf.bits)}")
 
     def make(model):
         from transformers import QuantizedCache
 
-        # transformers' documented defaults: per-channel keys and values, group 64, residual 128.
-        cache = QuantizedCache(name, model.config, nbits=bits, axis_key=0, axis_value=0, q_group_size=64,
-                               residual_length=128)
-        return cache, contextlib.nullcontext
+        return QuantizedCache(hf.name, model.config, nbits=bits, **HF_QUANT_KWARGS), contextlib.nullcontext
 
-    _require(module, spec, package)
-    return Method(spec, "hf", bits, None, make,
-                  resolved=f"transformers QuantizedCache({name!r}, nbits={bits}, axis_key=0, axis_value=0, "
-                           f"q_group_size=64, residual_length=128)")
+    settings = ", ".join(f"{k}={v!r}" for k, v in HF_QUANT_KWARGS.items())
+    return Method(spec, "hf", bits, None, make, resolved=f"transformers QuantizedCache({hf.name!r}, nbits={bits}, "
+                  f"{settings})", requires=(hf.module, hf.package))
 
 
-def _hf_fp8(spec: str) -> Method:
+def _hf_fp8(spec: str, m: re.Match[str]) -> Method:
     def make(model):
         from .fp8 import make_fp8_cache
 
@@ -173,12 +215,12 @@ def _hf_fp8(spec: str) -> Method:
     return Method(spec, "hf", 8, None, make, resolved="transformers QuantizedCache('fp8') (per-tensor e4m3)")
 
 
-def _kvpress(spec: str, press: str, kept: float) -> Method:
+def _kvpress(spec: str, m: re.Match[str]) -> Method:
+    press, kept = m["press"], float(m["kept"])
     if press not in KVPRESS_PRESSES:
         raise _unknown(spec, f"kvpress press must be one of {list(KVPRESS_PRESSES)}")
     if not 0.0 < kept <= 1.0:
         raise _unknown(spec, "kvpress specs take the kept fraction in (0, 1]")
-    _require("kvpress", spec, "kvpress")
 
     def make(model):
         import kvpress
@@ -188,7 +230,84 @@ def _kvpress(spec: str, press: str, kept: float) -> Method:
         return DynamicCache(), lambda: press_obj(model)
 
     return Method(spec, "kvpress", None, kept, make, prefill_only_context=True,
-                  resolved=f"kvpress {KVPRESS_PRESSES[press]}(compression_ratio={1.0 - kept!r})")
+                  resolved=f"kvpress {KVPRESS_PRESSES[press]}(compression_ratio={1.0 - kept!r})",
+                  requires=("kvpress", "kvpress"))
+
+
+def _choices(names) -> str:
+    return "{" + ", ".join(names) + "}"
+
+
+def _quant_about() -> str:
+    suffixes = ", ".join(f"{o.about} <{o.placeholder}> (default {_default(QuantConfig, o.field)})"
+                         for o in _SUFFIXES)
+    return f"kv_cache quantized storage: {_HEAD.about}, {suffixes}"
+
+
+def _policy_about() -> str:
+    defaults = []
+    for name, cls in POLICIES.items():
+        sinks = _default(cls, "sink_tokens")
+        defaults.append(f"{name} {_default(cls, 'recent_window')}" + (f" after {sinks} sinks" if sinks else ""))
+    return ("kv_cache eviction keeping <budget>: a fraction of the context (0.5) or a token count (512); <window>: the "
+            "always-kept recent tokens, a count (w32) or a fraction of the budget (w0.5); default window: "
+            + ", ".join(defaults) + " (see each policy's docstring for why)")
+
+
+class MethodForm(NamedTuple):
+    """One row of :data:`METHOD_GRAMMAR`."""
+
+    family: str  # Method.family; peers' specs start with "<family>-"
+    grammar: str
+    about: str
+    examples: tuple[str, ...]
+    pattern: re.Pattern[str] | None = None  # a whole peer spec (lower case); None: a part of ours
+    build: Callable[[str, re.Match[str]], Method] | None = None  # (spec as given, match) -> Method
+
+
+# Every form a spec can take, in the order of the help. Ours ('+'-joined parts) is parsed by
+# `_ours`; a peer by the first row whose pattern matches.
+METHOD_GRAMMAR: tuple[MethodForm, ...] = (
+    MethodForm("ours", REFERENCE_SPEC, "the uncompressed cache (always run, as the reference)", (REFERENCE_SPEC,)),
+    MethodForm("ours", _QUANT_GRAMMAR, _quant_about(), ("q8", "q4", "q2", "q4g64r128")),
+    MethodForm("ours", f"{_choices(POLICIES)}@<budget>[w<window>]", _policy_about(),
+               ("snapkv@0.5", "h2o@0.25", "h2o@0.5w32", "streaming@512")),
+    MethodForm("ours", "<quantization>+<eviction>", "both levers in one cache", ("q4+h2o@0.5",)),
+    *(MethodForm("hf", f"hf-{key}-int<{'|'.join(map(str, hf.bits))}>",
+                 f"transformers' QuantizedCache, {hf.name} backend (pip install {hf.package})",
+                 (f"hf-{key}-int{hf.example_bits}",), re.compile(rf"^hf-{key}-int(?P<bits>\d+)$"),
+                 functools.partial(_hf, key))
+      for key, hf in HF_BACKENDS.items()),
+    MethodForm("hf", "hf-fp8", "transformers' QuantizedCache, fp8 e4m3 backend with a per-tensor scale (on "
+               "transformers releases without it, a line-for-line backport)", ("hf-fp8",), re.compile("^hf-fp8$"),
+               _hf_fp8),
+    MethodForm("kvpress", f"kvpress-{_choices(KVPRESS_PRESSES)}@<kept>",
+               "a kvpress press at prefill, keeping that fraction of the context (pip install kvpress)",
+               ("kvpress-snapkv@0.5", "kvpress-streamingllm@0.75"),
+               re.compile(r"^kvpress-(?P<press>[a-z]+)@(?P<kept>\d*\.?\d+)$"), _kvpress),
+)
+EXAMPLES = tuple(e for form in METHOD_GRAMMAR for e in form.examples)
+_PEER_PREFIXES = tuple(dict.fromkeys(f"{form.family}-" for form in METHOD_GRAMMAR if form.pattern))
+
+
+def grammar_help(width: int = 100, column: int = 33) -> str:
+    """The method grammar as help text: one row of :data:`METHOD_GRAMMAR` per entry."""
+    lines = ["method specs (comma-separated, case-insensitive):"]
+    for form in METHOD_GRAMMAR:
+        head = f"  {form.grammar}"
+        body = textwrap.wrap(form.about, width - column, break_on_hyphens=False) or [""]
+        if len(head) < column:
+            lines.append(head.ljust(column) + body.pop(0))
+        else:
+            lines.append(head)
+        lines += [" " * column + line for line in body]
+    lines.append("examples: " + ", ".join(EXAMPLES))
+    return "\n".join(lines) + "\n"
+
+
+def _unknown(spec: str, why: str) -> ValueError:
+    return ValueError(f"unknown method {spec!r} ({why}); known forms: "
+                      f"{', '.join(form.grammar for form in METHOD_GRAMMAR)}; examples: {', '.join(EXAMPLES)}")
 
 
 def _require(module: str, spec: str, package: str) -> None:
@@ -202,8 +321,15 @@ def _require(module: str, spec: str, package: str) -> None:
         raise MethodUnavailable(f"{spec} needs the package {package!r}: pip install {package}")
 
 
-def parse_method(spec: str) -> Method:
-    """Parse one method spec (see the module docstring).
+def parse_method(spec: str, *, check_packages: bool = True) -> Method:
+    """Parse one method spec (see :data:`METHOD_GRAMMAR`).
+
+    Parameters
+    ----------
+    spec : str
+    check_packages : bool, default True
+        Raise :class:`MethodUnavailable` for a peer whose package is missing. False parses it
+        anyway (its ``resolved`` settings are known; ``make`` needs the package).
 
     Raises
     ------
@@ -215,17 +341,44 @@ def parse_method(spec: str) -> Method:
     if not isinstance(spec, str) or not spec.strip():
         raise _unknown(str(spec), "empty")
     s = spec.strip().lower()
-    if s == "hf-fp8":
-        return _hf_fp8(spec)
-    m = re.match(r"^hf-(quanto|hqq)-int(\d+)$", s)
-    if m:
-        return _hf(spec, m[1], int(m[2]))
-    m = re.match(r"^kvpress-([a-z]+)@(\d*\.?\d+)$", s)
-    if m:
-        return _kvpress(spec, m[1], float(m[2]))
-    if s.startswith(("hf-", "kvpress-")):
+    for form in METHOD_GRAMMAR:
+        m = form.pattern.match(s) if form.pattern is not None else None
+        if m:
+            method = form.build(spec, m)
+            if check_packages and method.requires is not None:
+                _require(method.requires[0], spec, method.requires[1])
+            return method
+    if s.startswith(_PEER_PREFIXES):
         raise _unknown(spec, "malformed peer spec")
     return _ours(spec, s.split("+"))
 
 
-__all__ = ["EXAMPLES", "KVPRESS_PRESSES", "Method", "MethodUnavailable", "POLICY_NAMES", "parse_method"]
+def parse_methods(specs: list[str]) -> tuple[list[Method], dict[str, str]]:
+    """Parse the specs of a run: the reference (``full``) first, given or not, then the others in order.
+
+    Returns
+    -------
+    methods : list of Method
+    skipped : dict
+        Spec -> why, for each peer whose package is missing.
+
+    Raises
+    ------
+    ValueError
+        An unknown spec (before anything is run).
+    """
+    methods: list[Method] = [parse_method(REFERENCE_SPEC)]
+    skipped: dict[str, str] = {}
+    for spec in specs:
+        try:
+            method = parse_method(spec)
+        except MethodUnavailable as exc:
+            skipped[spec] = str(exc)
+            continue
+        if not method.is_reference:
+            methods.append(method)
+    return methods, skipped
+
+
+__all__ = ["EXAMPLES", "HF_BACKENDS", "KVPRESS_PRESSES", "METHOD_GRAMMAR", "QUANT_OPTIONS", "REFERENCE_SPEC", "Method",
+           "MethodForm", "MethodUnavailable", "QuantOption", "grammar_help", "parse_method", "parse_methods"]

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .methods import Method, MethodUnavailable, parse_method
+from .methods import REFERENCE_SPEC, Method, MethodUnavailable, parse_methods
 from .tasks import (TASKS, TaskRequest, build_prompt, build_task, check_context_fits, perplexity_windows,
                     score_retrieval)
 
@@ -190,22 +190,41 @@ def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, 
             "context_tokens": int(ctx_ids.shape[1]), "decode_tokens_per_s": tps}
 
 
+def _option(default: Any, help_text: str) -> Any:
+    """A field of :class:`EvalConfig`: its default and its help (``kvcache eval --help`` shows both)."""
+    if isinstance(default, list):
+        return field(default_factory=default.copy, metadata={"help": help_text})
+    return field(default=default, metadata={"help": help_text})
+
+
 @dataclass
 class EvalConfig:
-    """Everything that defines a run (and decides whether saved samples can be reused)."""
+    """Everything that defines a run (and decides whether saved samples can be reused).
 
-    model: str
-    text: str
-    tasks: list[str]
-    methods: list[str]
-    samples: int = 8
-    context: int = 2048
-    continuation: int = 256
-    query_aware: bool = False
-    haystack: str = "text"
-    seed: int = 0
-    max_new_tokens: int = 32
-    depths: list[float] | None = None
+    The defaults are ``kvcache eval``'s, and each field's ``metadata["help"]`` is its option's
+    help. ``text`` None (or empty) is the wikitext-2 test split in the shared data folder.
+    """
+
+    model: str = _option("smollm2", "alias (smollm2, stories260K), local HF directory, .gguf file or hub id")
+    text: str | None = _option(None, "haystack / perplexity text file [wikitext-2 test from ../shared/data]")
+    tasks: list[str] = _option(["ppl"], "comma-separated tasks")
+    methods: list[str] = _option(["full", "q4"], "comma-separated method specs")
+    samples: int = _option(8, "samples per task")
+    context: int = _option(2048, "context length in tokens")
+    continuation: int = _option(256, "ppl: tokens scored after the compressed prefix")
+    query_aware: bool = _option(False, "retrieval: compress the question together with the context, so "
+                                       "compression can see it")
+    haystack: str = _option("text", "retrieval haystack")
+    seed: int = _option(0, "task seed")
+    max_new_tokens: int = _option(32, "retrieval answer length cap")
+    depths: list[float] | None = _option(None, "retrieval: comma-separated needle depths in [0, 1], sample i "
+                                               "uses depths[i % len]; default: a seeded random depth per sample")
+
+    def __post_init__(self) -> None:
+        if not self.text:
+            from ..models import shared_data_dir
+
+            self.text = str(shared_data_dir() / "wikitext-2-raw" / "wiki.test.raw")
 
     def fingerprint(self, text_sha: str) -> str:
         d = {k: getattr(self, k) for k in ("model", "samples", "context", "continuation", "query_aware",
@@ -251,17 +270,10 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
 
     out_dir = check_out_dir(out)
     tasks = [resolve_task(t) for t in cfg.tasks]
-    methods: list[Method] = []
-    skipped: dict[str, str] = {}
-    for spec in cfg.methods:
-        try:
-            methods.append(parse_method(spec))
-        except MethodUnavailable as exc:
-            skipped[spec] = str(exc)
-            log.warning("skipping %s", exc)
-    # The full cache runs first: every delta and greedy agreement is measured against it.
-    methods = [m for m in methods if m.spec.strip().lower() != "full"]
-    methods.insert(0, parse_method("full"))
+    # The reference runs first: every delta and greedy agreement is measured against it.
+    methods, skipped = parse_methods(cfg.methods)
+    for why in skipped.values():
+        log.warning("skipping %s", why)
     text = read_text(cfg.text)
     text_sha = hashlib.sha256(text.encode()).hexdigest()
     if model is None:
@@ -315,7 +327,7 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
             finished = {s["index"]: s for s in tentry["samples"]}
             for i, sample in enumerate(samples[task]):
                 if i in finished:
-                    if task == "ppl" and method.spec.lower() == "full":
+                    if task == "ppl" and method.is_reference:
                         full_argmax[i] = finished[i]["argmax"]
                     done_count += 1
                     if progress:
@@ -325,7 +337,7 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
                     if task == "ppl":
                         res = run_ppl_sample(model, method, sample, full_argmax.get(i))
                         res["index"] = i
-                        if method.spec.lower() == "full":
+                        if method.is_reference:
                             full_argmax[i] = res["argmax"]
                     else:
                         res = run_retrieval_sample(model, tokenizer, method, sample, cfg.query_aware,
@@ -342,18 +354,18 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
                     break
                 tentry["samples"].append(res)
                 done_count += 1
-                _summarize(entry, doc["methods"].get("full"))
+                _summarize(entry, doc["methods"].get(REFERENCE_SPEC))
                 _atomic_write(results_path, json.dumps(doc, indent=1))
                 if progress:
                     progress(1, f"{method.spec} {task}")
             if "error" in entry:
                 break
-        _summarize(entry, doc["methods"].get("full"))
+        _summarize(entry, doc["methods"].get(REFERENCE_SPEC))
     # Rows in the order asked for, then any kept from earlier runs of the same configuration.
     order = [m.spec for m in methods if m.spec in doc["methods"]]
     doc["methods"] = {k: doc["methods"][k] for k in order + [k for k in doc["methods"] if k not in order]}
     for entry in doc["methods"].values():
-        _summarize(entry, doc["methods"].get("full"))
+        _summarize(entry, doc["methods"].get(REFERENCE_SPEC))
     _atomic_write(results_path, json.dumps(doc, indent=1))
     log.info("%d/%d samples done", done_count, total)
     return doc

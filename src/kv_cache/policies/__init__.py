@@ -5,6 +5,8 @@ from .h2o import H2O
 from .snapkv import SnapKV
 from .streaming_llm import StreamingLLM
 
-POLICIES = {"h2o": H2O, "snapkv": SnapKV, "streaming_llm": StreamingLLM}
+# The one registry, keyed by the names method specs use (``snapkv@0.5``); its defaults are the
+# dataclasses' own. Adding a policy here adds it to the spec parser, its errors and the CLI help.
+POLICIES: dict[str, type[EvictionPolicy]] = {"snapkv": SnapKV, "h2o": H2O, "streaming": StreamingLLM}
 
 __all__ = ["POLICIES", "EvictionPolicy", "H2O", "ScoreInputs", "SnapKV", "StreamingLLM"]

@@ -1,0 +1,120 @@
+"""Method specs are table-driven: every table row parses, renders and keeps the committed evidence.
+
+Model-free: nothing here loads a model or runs an evaluation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kv_cache import QuantConfig
+from kv_cache.eval.methods import (
+    EXAMPLES,
+    METHOD_GRAMMAR,
+    QUANT_OPTIONS,
+    REFERENCE_SPEC,
+    MethodUnavailable,
+    grammar_help,
+    parse_method,
+    parse_methods,
+)
+from kv_cache.policies import POLICIES
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+
+
+def _evidence() -> dict[str, str]:
+    """Spec -> ``resolved`` of every method in the committed results documents."""
+    found: dict[str, str] = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        methods = json.loads(path.read_text())["methods"]
+        for spec, entry in methods.items():
+            assert found.setdefault(spec, entry["resolved"]) == entry["resolved"], (path.name, spec)
+    return found
+
+
+EVIDENCE = _evidence()
+
+
+def test_evidence_covers_the_documented_commands():
+    readme = (RESULTS / "README.md").read_text()
+    documented = {s for run in re.findall(r"--methods (\S+)", readme) if "," in run for s in run.split(",")}
+    assert len(EVIDENCE) == 16 and documented == set(EVIDENCE)
+
+
+@pytest.mark.parametrize("spec", sorted(EVIDENCE))
+def test_resolved_settings_of_the_committed_evidence_are_unchanged(spec):
+    # A changed string would make a restarted run discard these results (see Method.resolved).
+    assert parse_method(spec, check_packages=False).resolved == EVIDENCE[spec]
+
+
+def test_missing_peer_package_is_reported_only_when_checked(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(MethodUnavailable, match="pip install kvpress"):
+        parse_method("kvpress-snapkv@0.5")
+    assert parse_method("kvpress-snapkv@0.5", check_packages=False).requires == ("kvpress", "kvpress")
+    assert parse_method("hf-fp8").requires is None  # a backport ships with us
+
+
+def test_every_quantization_option_sets_its_field():
+    head, *suffixes = QUANT_OPTIONS
+    assert head.field == "bits"
+    values = {o.field: 2 + 8 * i for i, o in enumerate(suffixes)}  # distinct, valid for every field
+    spec = "q4" + "".join(f"{o.letter}{values[o.field]}" for o in suffixes)
+    assert parse_method(spec).resolved == f"kv_cache quant={QuantConfig(bits=4, **values)!r} eviction=None"
+    for o in suffixes:  # each alone, the others at QuantConfig's defaults
+        method = parse_method(f"q2{o.letter}{values[o.field]}")
+        assert method.resolved == f"kv_cache quant={QuantConfig(bits=2, **{o.field: values[o.field]})!r} eviction=None"
+    assert "q<bits>" + "".join(f"[{o.letter}<{o.placeholder}>]" for o in suffixes) in grammar_help()
+
+
+def test_quantization_options_keep_their_order():
+    letters = [o.letter for o in QUANT_OPTIONS[1:]]
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_method("q4" + "".join(f"{letter}8" for letter in reversed(letters)))
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_policy_defaults_are_the_dataclasses(name):
+    cls = POLICIES[name]
+    assert parse_method(f"{name}@0.5").resolved == f"kv_cache quant=None eviction={cls(budget=0.5)!r}"
+    # A token window is capped at a quarter of a token budget, so a small budget keeps room beyond it.
+    window = next(f.default for f in dataclasses.fields(cls) if f.name == "recent_window")
+    expected = cls(budget=16, recent_window=min(window, 4)) if isinstance(window, int) else cls(budget=16)
+    assert parse_method(f"{name}@16").resolved == f"kv_cache quant=None eviction={expected!r}"
+    assert name in grammar_help()
+
+
+def test_streaming_keeps_its_spec_name():
+    assert "StreamingLLM(budget=512, recent_window=32, sink_tokens=4)" in parse_method("streaming@512").resolved
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_method("streaming_llm@512")
+
+
+def test_every_form_renders_in_the_help_and_the_error():
+    text = grammar_help()
+    with pytest.raises(ValueError) as err:
+        parse_method("turbo@0.5")
+    message = str(err.value)
+    for form in METHOD_GRAMMAR:
+        assert form.grammar in text and form.grammar in message
+        for example in form.examples:
+            method = parse_method(example, check_packages=False)
+            assert method.family == form.family and example in message
+    assert EXAMPLES[0] == REFERENCE_SPEC and len(set(EXAMPLES)) == len(EXAMPLES)
+
+
+def test_reference_property_and_run_order():
+    assert [parse_method(s).is_reference for s in ("full", " FULL ", "q4", "full+q4")] == [True, True, False, False]
+    methods, skipped = parse_methods(["q4", "FULL", "h2o@0.5", "full"])
+    assert [m.spec for m in methods] == ["full", "q4", "h2o@0.5"] and skipped == {}
+    assert methods[0].is_reference and not any(m.is_reference for m in methods[1:])
+    with pytest.raises(ValueError, match="unknown method 'turbo'"):
+        parse_methods(["q4", "turbo"])
