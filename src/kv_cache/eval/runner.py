@@ -31,6 +31,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ..cache import CompressedCache
+from ..cache.report import fp16_kv_bytes
+from ..cache.storage import LayerStorage, PackedKV
 from .methods import REFERENCE_SPEC, Method, MethodUnavailable, parse_methods
 from .tasks import (TASKS, TaskRequest, build_prompt, build_task, check_context_fits, perplexity_windows,
                     score_retrieval)
@@ -72,24 +75,31 @@ def _inner_tensors(obj: Any, seen: set[int]) -> list[torch.Tensor]:
         return [t for v in obj.values() for t in _inner_tensors(v, seen)]
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _inner_tensors(v, seen)]
+    if isinstance(obj, (LayerStorage, PackedKV)):  # our storage objects: walked like a dict
+        return _inner_tensors(vars(obj), seen)
     return []
 
 
 def held_nbytes(cache: Any) -> int:
-    """Bytes of every tensor held by ``cache``'s layers (any transformers ``Cache``)."""
+    """Bytes of every tensor held by ``cache``'s layers.
+
+    Ours: :meth:`CompressedCache.memory_report`'s total (a test proves it equals this walk).
+    Any other transformers ``Cache`` (the peers): the ``nbytes`` of every distinct tensor
+    reachable from its layers' attributes, tensor subclasses flattened.
+    """
+    if isinstance(cache, CompressedCache):
+        return cache.memory_report().total_bytes
+    return walked_nbytes(cache)
+
+
+def walked_nbytes(cache: Any) -> int:
+    """The generic count of :func:`held_nbytes`: walk the layers' attributes for tensors."""
     seen: set[int] = set()
     total = 0
     for layer in getattr(cache, "layers", []):
         for value in vars(layer).values():
             total += sum(t.nbytes for t in _inner_tensors(value, seen))
     return total
-
-
-def fp16_nbytes(config: Any, tokens: int, batch: int = 1) -> int:
-    """Bytes of an fp16 full K/V cache of ``tokens`` tokens for ``config``."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * 2 * batch * text.num_key_value_heads * head_dim * tokens * text.num_hidden_layers
 
 
 def _forward(model, cache, ids: torch.Tensor, pos: int) -> torch.Tensor:
@@ -163,7 +173,7 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None)
             pre.scope.close()
     agreement = None if full_argmax is None else sum(a == b for a, b in zip(argmax, full_argmax)) / len(argmax)
     return {"index": sample.index, "nll": nll, "ppl": math.exp(nll), "agreement": agreement, "argmax": argmax,
-            "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_nbytes(model.config, prefix.shape[1]),
+            "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_kv_bytes(model.config, prefix.shape[1]),
             "decode_tokens_per_s": tps}
 
 
@@ -186,7 +196,7 @@ def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, 
     prediction = tok.decode(out, skip_special_tokens=True)
     return {"index": sample.metadata.get("index", 0), "prediction": prediction, "expected": list(sample.expected),
             "score": score_retrieval(prediction, sample.expected), "depth": sample.depth,
-            "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_nbytes(model.config, ctx_ids.shape[1]),
+            "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_kv_bytes(model.config, ctx_ids.shape[1]),
             "context_tokens": int(ctx_ids.shape[1]), "decode_tokens_per_s": tps}
 
 
@@ -395,5 +405,5 @@ def _summarize(entry: dict, full: dict | None) -> None:
         t["kv_bytes"] = _mean([s["kv_bytes"] for s in t["samples"]])
 
 
-__all__ = ["EvalConfig", "KNOWN_TASKS", "TASK_ALIASES", "check_out_dir", "fp16_nbytes", "held_nbytes",
+__all__ = ["EvalConfig", "KNOWN_TASKS", "TASK_ALIASES", "check_out_dir", "held_nbytes", "walked_nbytes",
            "resolve_task", "run_eval"]
