@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH)
 	$(PY) -m pip install -q -e ".[test,peers]" "transformers==$(TRANSFORMERS)"
+	$(PY) -m kv_cache.kernels || echo "warning: compiled kernels not built; kv_cache falls back to torch"
 	touch $@
 
 demo: setup

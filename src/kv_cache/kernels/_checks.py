@@ -1,0 +1,130 @@
+"""Argument checks shared by the compiled ops (:mod:`.ops`) and the torch reference."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .qblock import SCALE_DTYPES, QBlock, _names, check_bits, check_grouping
+
+X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_block(block, name: str) -> QBlock:
+    if not isinstance(block, QBlock):
+        raise TypeError(f"{name} must be a QBlock; got {type(block).__name__}")
+    return block
+
+
+def check_out_dtype(out_dtype) -> torch.dtype:
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {_names(OUT_DTYPES)}; got {out_dtype!r}")
+    return out_dtype
+
+
+@dataclass(frozen=True)
+class QuantizeArgs:
+    x: torch.Tensor
+    bits: int
+    grouping: str
+    group_size: int
+    symmetric: bool
+    scale_dtype: torch.dtype
+    lut: torch.Tensor | None
+
+
+def check_quantize_args(x, bits, grouping, group_size, symmetric, scale_dtype, lut) -> QuantizeArgs:
+    """Validate :func:`~kv_cache.kernels.quantize_block`'s arguments (finiteness is checked later)."""
+    bits = check_bits(bits)
+    grouping = check_grouping(grouping)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}")
+    if x.dtype not in X_DTYPES:
+        raise TypeError(f"x must be one of {_names(X_DTYPES)}; got {x.dtype}")
+    if x.dim() != 3:
+        raise ValueError(f"x must be rank 3 [R, N, d]; got shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"x is empty (shape {tuple(x.shape)}); nothing to compress")
+    _, N, d = x.shape
+    if (d * bits) % 8:
+        raise ValueError(f"d * bits must be a multiple of 8 (whole bytes per token); got d={d}, bits={bits}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1; got {group_size!r}")
+    if grouping == "channel" and N % group_size:
+        raise ValueError(f"channel grouping needs N a multiple of group_size; got N={N}, group_size={group_size}")
+    if grouping == "token" and d % group_size:
+        raise ValueError(f"token grouping needs group_size dividing d={d}; got group_size={group_size}")
+    if not isinstance(symmetric, bool):
+        raise TypeError(f"symmetric must be a bool; got {symmetric!r}")
+    if scale_dtype not in SCALE_DTYPES:
+        raise TypeError(f"scale_dtype must be one of {_names(SCALE_DTYPES)}; got {scale_dtype!r}")
+    if lut is not None:
+        if not isinstance(lut, torch.Tensor):
+            raise TypeError(f"lut must be None or a torch.Tensor; got {type(lut).__name__}")
+        if lut.dtype != torch.float32 or tuple(lut.shape) != (1 << bits,):
+            raise ValueError(
+                f"lut must be float32 of shape [{1 << bits}] for {bits}-bit codes; got {lut.dtype} "
+                f"of shape {tuple(lut.shape)}")
+        if not bool(torch.isfinite(lut).all()) or not bool((lut[1:] > lut[:-1]).all()):
+            raise ValueError("lut (codebook levels) must be finite and strictly increasing")
+        lut = lut.to(x.device)
+    return QuantizeArgs(x, bits, grouping, group_size, symmetric, scale_dtype, lut)
+
+
+def midpoints(lut: torch.Tensor) -> torch.Tensor:
+    """Decision boundaries of a sorted codebook: ``(lut[i] + lut[i+1]) / 2`` in float32."""
+    return ((lut[:-1] + lut[1:]) * 0.5).contiguous()
+
+
+@dataclass(frozen=True)
+class AttendArgs:
+    q: torch.Tensor
+    k: QBlock
+    v: QBlock
+    scaling: float
+    start: torch.Tensor | None
+    length: torch.Tensor | None
+
+
+def _row_index(t, name: str, R: int) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be None or an integer tensor [R]; got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor (int32); got {t.dtype}")
+    if tuple(t.shape) != (R,):
+        raise ValueError(f"{name} must have shape [R] = [{R}]; got {list(t.shape)}")
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+def check_attend_args(q, kblock, vblock, scaling, start, length) -> AttendArgs:
+    """Validate :func:`~kv_cache.kernels.attend_block`'s arguments."""
+    k = check_block(kblock, "kblock")
+    v = check_block(vblock, "vblock")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor; got {type(q).__name__}")
+    if q.dtype != torch.float32:
+        raise TypeError(f"q must be float32; got {q.dtype}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be rank 3 [R, G, d]; got shape {tuple(q.shape)}")
+    R = k.codes.shape[0]
+    if q.shape[0] != R or v.codes.shape[0] != R:
+        raise ValueError(
+            f"q, kblock and vblock must have the same rows R; got {q.shape[0]}, {R}, {v.codes.shape[0]}")
+    if k.codes.shape[1] != v.codes.shape[1]:
+        raise ValueError(f"kblock and vblock must hold the same N tokens; got {k.codes.shape[1]} and {v.codes.shape[1]}")
+    if q.shape[2] != k.head_dim:
+        raise ValueError(f"q has d={q.shape[2]} but kblock holds d={k.head_dim}")
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
+        raise TypeError(f"scaling must be a finite float; got {scaling!r}")
+    return AttendArgs(q, k, v, float(scaling), _row_index(start, "start", R), _row_index(length, "length", R))
+
+
+def bad_group_error() -> ValueError:
+    return ValueError(
+        "a group index in gid is outside [0, scale.shape[1]) (or gid is None and N exceeds "
+        "scale.shape[1] * group_size)")

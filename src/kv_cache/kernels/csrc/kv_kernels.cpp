@@ -1,0 +1,567 @@
+// Compiled CPU kernels of kv_cache.kernels: fused quantize+pack, unpack+dequantize, and
+// attention computed from packed codes (split-K online softmax). Python side:
+// src/kv_cache/kernels/ops.py (dispatch, validation) and reference.py (the torch oracle).
+//
+// Layout of a quantized block (rows r = batch * kv_heads):
+//   codes uint8 [R, N, P], P = d * bits / 8 bytes per token, packed as
+//   kv_cache.compression.packing.pack_bits packs a C-order [R, N, d] code tensor;
+//   x_hat[r, t, c] = scale * (lut[code] - zero), scale/zero per "channel" group
+//   ([R, NG, d], token t uses group gid[r, t] or t / gs) or per "token" group
+//   ([R, N, d / gs]). Math: math_dictionary/kv-compression-math.md section 15.
+//
+// Portability: the file is compiled with plain -O3 (any x86_64). The AVX2/FMA/F16C bodies
+// are compiled under a function-level target pragma and only called when the CPU reports
+// those features (__builtin_cpu_supports), so the extension loads and runs everywhere.
+
+#include <torch/extension.h>
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace kvk {
+
+enum DT : int { DT_F32 = 0, DT_F16, DT_BF16, DT_I16, DT_I8, DT_U8, DT_NONE };
+enum Grouping : int { kChannel = 0, kToken = 1 };
+enum Status : int { kOk = 0, kNonFinite = 1, kScaleUnrepresentable = 2, kBadGroup = 3 };
+
+constexpr int kPad = 16;        // decoded rows are padded to a multiple of this many floats
+constexpr int kTile = 32;       // attention: tokens decoded per tile (L1-resident)
+constexpr int kTokChunk = 64;   // (de)quantize: tokens per work item
+
+static inline int pad_to(int n) { return (n + kPad - 1) / kPad * kPad; }
+
+static inline size_t dt_size(DT dt) {
+  switch (dt) {
+    case DT_F32: return 4;
+    case DT_F16: case DT_BF16: case DT_I16: return 2;
+    default: return 1;
+  }
+}
+
+static DT dt_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DT_F32;
+    case at::kHalf: return DT_F16;
+    case at::kBFloat16: return DT_BF16;
+    case at::kShort: return DT_I16;
+    case at::kChar: return DT_I8;
+    case at::kByte: return DT_U8;
+    default: TORCH_CHECK(false, "kv_kernels: unsupported dtype ", t.scalar_type());
+  }
+}
+
+static inline float f16_to_f32(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+static inline uint16_t f32_to_f16(float f) { return c10::detail::fp16_ieee_from_fp32_value(f); }
+static inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return 0x7fc0;
+  u += 0x7fff + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// A metadata array (scale or zero point) of any supported dtype; DT_NONE reads as zeros.
+struct Meta {
+  const void* p = nullptr;
+  DT dt = DT_NONE;
+};
+
+// dst[0..n) = m[off .. off + n) as float32. Metadata is at most 1/8 of the codes, so it is
+// converted here, a tile or a group at a time, instead of in a separate pass.
+static inline void meta_load(const Meta& m, int64_t off, int64_t n, float* dst) {
+  switch (m.dt) {
+    case DT_F32: std::memcpy(dst, static_cast<const float*>(m.p) + off, sizeof(float) * n); break;
+    case DT_F16: {
+      const uint16_t* s = static_cast<const uint16_t*>(m.p) + off;
+      for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
+      break;
+    }
+    case DT_BF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(m.p) + off;
+      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+      break;
+    }
+    case DT_I16: {
+      const int16_t* s = static_cast<const int16_t*>(m.p) + off;
+      for (int64_t i = 0; i < n; ++i) dst[i] = s[i];
+      break;
+    }
+    case DT_I8: {
+      const int8_t* s = static_cast<const int8_t*>(m.p) + off;
+      for (int64_t i = 0; i < n; ++i) dst[i] = s[i];
+      break;
+    }
+    case DT_U8: {
+      const uint8_t* s = static_cast<const uint8_t*>(m.p) + off;
+      for (int64_t i = 0; i < n; ++i) dst[i] = s[i];
+      break;
+    }
+    default: std::fill(dst, dst + n, 0.0f);
+  }
+}
+
+// Code c of one token's packed bytes p (little-endian words of lcm(8, bits) bits).
+static inline int code_at(const uint8_t* p, int c, int bits) {
+  switch (bits) {
+    case 2: return (p[c >> 2] >> ((c & 3) * 2)) & 3;
+    case 4: return (p[c >> 1] >> ((c & 1) * 4)) & 15;
+    case 8: return p[c];
+    default: {  // 3: 8 codes per 3 bytes, code j at bits 3j..3j+2 of the 24-bit word
+      const uint8_t* w = p + 3 * (c >> 3);
+      const uint32_t v = w[0] | (w[1] << 8) | (w[2] << 16);
+      return (v >> (3 * (c & 7))) & 7;
+    }
+  }
+}
+
+// Pack d code bytes (values < 2**bits) into the token's P bytes: the shift-and-mask folds of
+// packing.py, eight codes (one 64-bit word) at a time.
+static inline void pack_row(const uint8_t* q, int d, int bits, uint8_t* out) {
+  int c = 0;
+  if (bits == 8) {
+    std::memcpy(out, q, d);
+    return;
+  }
+  for (; c + 8 <= d; c += 8) {
+    uint64_t x;
+    std::memcpy(&x, q + c, 8);
+    if (bits == 4) {
+      x = (x | (x >> 4)) & 0x00FF00FF00FF00FFull;
+      x = (x | (x >> 8)) & 0x0000FFFF0000FFFFull;
+      x = (x | (x >> 16)) & 0xFFFFFFFFull;
+      const uint32_t w = static_cast<uint32_t>(x);
+      std::memcpy(out + c / 2, &w, 4);
+    } else if (bits == 2) {
+      x = (x | (x >> 6)) & 0x000F000F000F000Full;
+      x = (x | (x >> 12)) & 0x000000FF000000FFull;
+      x = (x | (x >> 24)) & 0xFFFFull;
+      const uint16_t w = static_cast<uint16_t>(x);
+      std::memcpy(out + c / 4, &w, 2);
+    } else {  // 3
+      x = (x | (x >> 5)) & 0x003F003F003F003Full;
+      x = (x | (x >> 10)) & 0x00000FFF00000FFFull;
+      x = (x | (x >> 20)) & 0xFFFFFFull;
+      uint8_t* o = out + 3 * (c / 8);
+      o[0] = static_cast<uint8_t>(x);
+      o[1] = static_cast<uint8_t>(x >> 8);
+      o[2] = static_cast<uint8_t>(x >> 16);
+    }
+  }
+  // tails: 4-bit d is even, 2-bit d is a multiple of 4, 3-bit d a multiple of 8
+  if (bits == 4) {
+    for (; c < d; c += 2) out[c / 2] = static_cast<uint8_t>(q[c] | (q[c + 1] << 4));
+  } else if (bits == 2) {
+    for (; c < d; c += 4)
+      out[c / 4] = static_cast<uint8_t>(q[c] | (q[c + 1] << 2) | (q[c + 2] << 4) | (q[c + 3] << 6));
+  }
+}
+
+// Per-thread scratch buffers, reused across the items a thread processes.
+struct Scratch {
+  std::vector<float> f0, f1, f2, f3;
+  std::vector<double> d0;
+  std::vector<uint8_t> u8;
+};
+
+struct BlockView {
+  const uint8_t* codes = nullptr;
+  int64_t R = 0, N = 0;
+  int d = 0, P = 0, bits = 0;
+  float lut[256];  // 2**bits entries, zero padded to 256
+  int grouping = kChannel;
+  Meta scale, zero;
+  const int32_t* gid = nullptr;
+  int64_t NG = 0;  // channel: groups in the scale table
+  int gs = 1;      // channel: tokens per group (gid is None); token: channels per group
+};
+
+struct QuantArgs {
+  const void* x;
+  DT xdt;
+  int64_t R, N;
+  int d, P, bits, grouping, gs;
+  bool symmetric, codebook;
+  float qlo, qhi, qadd;   // uniform: clamp range and the implicit code offset
+  const float* mids;      // codebook: sorted midpoints between levels
+  int nmids;
+  uint8_t* codes;
+  void* scale;
+  DT sdt;
+  int16_t* zero;          // asymmetric uniform only
+  std::atomic<int>* status;
+};
+
+struct DequantArgs {
+  BlockView blk;
+  void* out;
+  DT odt;
+  std::atomic<int>* status;
+};
+
+struct AttendItem {
+  int64_t r, t0, t1;
+};
+
+struct AttendArgs {
+  const float* q;  // [R, G, dk]
+  int G;
+  BlockView k, v;
+  float scaling;
+  const AttendItem* items;
+  float* logits;   // [R, G, N] or null
+  float* pm;       // [items, G] chunk max
+  float* pl;       // [items, G] chunk sum of exp(s - max)
+  float* pacc;     // [items, G, pad(dv)] chunk sum of exp(s - max) * v
+  std::atomic<int>* status;
+};
+
+// Stored-scale conversion of the quantizer: store in sdt, read back as float32.
+static inline float store_scale(const QuantArgs& a, int64_t off, float s) {
+  switch (a.sdt) {
+    case DT_F16: {
+      const uint16_t h = f32_to_f16(s);
+      static_cast<uint16_t*>(a.scale)[off] = h;
+      return f16_to_f32(h);
+    }
+    case DT_BF16: {
+      const uint16_t h = f32_to_bf16(s);
+      static_cast<uint16_t*>(a.scale)[off] = h;
+      return bf16_to_f32(h);
+    }
+    default:
+      static_cast<float*>(a.scale)[off] = s;
+      return s;
+  }
+}
+
+// Uniform scale and zero point of one group, exactly as kv_cache.compression.quantizer.quantize
+// computes them (float32 statistics, SCALE_FLOOR, zero-point guard, constant groups).
+// Returns false (and sets the status) when scale_dtype cannot hold the scale.
+static inline bool uniform_scale(const QuantArgs& a, float mn, float mx, int64_t off, float& s_used,
+                                 float& zp) {
+  const float amax = std::max(std::fabs(mn), std::fabs(mx));
+  const bool constant = (mn == mx) && (amax > 0.0f);
+  const float qmax = a.qhi;
+  float s;
+  if (a.symmetric) {
+    s = std::max(amax, 1e-8f) / qmax;
+  } else {
+    s = std::max(mx - mn, 1e-8f) / qmax;  // qmax - qmin with qmin = 0
+    s = std::max(s, amax * 0x1p-14f);
+  }
+  if (constant) s = amax;
+  const float back = store_scale(a, off, s);
+  if (a.sdt != DT_F32 && (!std::isfinite(back) || back == 0.0f)) {
+    a.status->store(kScaleUnrepresentable);
+    return false;
+  }
+  s_used = back;
+  if (a.symmetric) {
+    zp = 0.0f;
+  } else {
+    zp = std::nearbyint(0.0f - mn / s_used);
+    a.zero[off] = static_cast<int16_t>(zp);
+  }
+  return true;
+}
+
+// Codebook scale: RMS of the group (sum of squares in float64), stored in sdt. A zero stored
+// scale is allowed (the group dequantizes to 0); a non-finite one is an error.
+static inline bool rms_scale(const QuantArgs& a, double sumsq, int n, int64_t off, float& s_used) {
+  if (!std::isfinite(sumsq)) {
+    a.status->store(kNonFinite);
+    return false;
+  }
+  const float rms = static_cast<float>(std::sqrt(sumsq / n));
+  const float back = store_scale(a, off, rms);
+  if (!std::isfinite(back)) {
+    a.status->store(kScaleUnrepresentable);
+    return false;
+  }
+  s_used = back;
+  return true;
+}
+
+// q[c] = number of midpoints strictly below x[c] / s (the nearest level; ties go down);
+// s == 0 maps to x / s = 0.
+static inline void book_row(const float* x, const float* s, bool s_arr, int n, const float* mids, int nmids,
+                            uint8_t* q) {
+  for (int c = 0; c < n; ++c) {
+    const float sc = s[s_arr ? c : 0];
+    const float v = sc != 0.0f ? x[c] / sc : 0.0f;
+    // branchless lower bound over nmids + 1 (a power of two) slots; slot nmids is +inf
+    int pos = 0;
+    for (int step = (nmids + 1) >> 1; step > 0; step >>= 1)
+      if (pos + step - 1 < nmids && mids[pos + step - 1] < v) pos += step;
+    q[c] = static_cast<uint8_t>(pos);
+  }
+}
+
+namespace generic {
+#define KVK_AVX2 0
+#include "kv_kernels_impl.h"
+#undef KVK_AVX2
+}  // namespace generic
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+#define KVK_AVX2 1
+#include "kv_kernels_impl.h"
+#undef KVK_AVX2
+}  // namespace avx2
+#pragma GCC pop_options
+
+// ----------------------------------------------------------------------------- dispatch
+static bool cpu_has_avx2() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return ok;
+}
+
+// isa: 0 = best the CPU supports, 1 = portable C++ only
+static bool use_avx2(int64_t isa) { return isa == 0 && cpu_has_avx2(); }
+
+static std::string isa_name(int64_t isa) { return use_avx2(isa) ? "avx2" : "generic"; }
+
+// Run fn(item, scratch) for item in [0, n) on at::get_num_threads() OpenMP threads
+// (serially when there is little work or when already inside a parallel region).
+template <typename F>
+static void run_items(int64_t n, int64_t work, F fn) {
+  const int nt = std::max(1, at::get_num_threads());
+  if (nt == 1 || n == 1 || work < (1 << 15) || omp_in_parallel()) {
+    Scratch s;
+    for (int64_t i = 0; i < n; ++i) fn(i, s);
+    return;
+  }
+#pragma omp parallel num_threads(nt)
+  {
+    Scratch s;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) fn(i, s);
+  }
+}
+
+static BlockView make_block(const at::Tensor& codes, int64_t bits, const at::Tensor& lut, int64_t grouping,
+                            const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
+                            const c10::optional<at::Tensor>& gid, int64_t group_size) {
+  BlockView b;
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes");
+  b.codes = codes.data_ptr<uint8_t>();
+  b.R = codes.size(0);
+  b.N = codes.size(1);
+  b.P = static_cast<int>(codes.size(2));
+  b.bits = static_cast<int>(bits);
+  b.d = b.P * 8 / b.bits;
+  TORCH_CHECK(lut.scalar_type() == at::kFloat && lut.is_contiguous() && lut.numel() == (1 << bits), "lut");
+  std::fill(b.lut, b.lut + 256, 0.0f);
+  std::memcpy(b.lut, lut.data_ptr<float>(), sizeof(float) * lut.numel());
+  b.grouping = static_cast<int>(grouping);
+  TORCH_CHECK(scale.is_contiguous() && scale.dim() == 3, "scale");
+  b.scale.p = scale.data_ptr();
+  b.scale.dt = dt_of(scale);
+  if (zero.has_value()) {
+    TORCH_CHECK(zero->is_contiguous() && zero->sizes() == scale.sizes(), "zero");
+    b.zero.p = zero->data_ptr();
+    b.zero.dt = dt_of(*zero);
+  }
+  if (gid.has_value()) {
+    TORCH_CHECK(gid->scalar_type() == at::kInt && gid->is_contiguous() && gid->numel() == b.R * b.N, "gid");
+    b.gid = gid->data_ptr<int32_t>();
+  }
+  b.gs = static_cast<int>(group_size);
+  b.NG = grouping == kChannel ? scale.size(1) : 0;
+  return b;
+}
+
+static void raise_bad_group() {
+  throw pybind11::value_error(
+      "a group index in gid is outside [0, scale.shape[1]) (or gid is None and N exceeds "
+      "scale.shape[1] * group_size)");
+}
+
+// ----------------------------------------------------------------------------- ops
+// Returns a Status: kOk, kNonFinite or kScaleUnrepresentable (Python raises the message).
+int64_t quantize(const at::Tensor& x, int64_t bits, int64_t grouping, int64_t group_size, bool symmetric,
+                 const c10::optional<at::Tensor>& mids, at::Tensor& codes, at::Tensor& scale,
+                 const c10::optional<at::Tensor>& zero, int64_t isa) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && codes.is_contiguous() && scale.is_contiguous(), "layout");
+  std::atomic<int> status{kOk};
+  QuantArgs a;
+  a.x = x.data_ptr();
+  a.xdt = dt_of(x);
+  a.R = x.size(0);
+  a.N = x.size(1);
+  a.d = static_cast<int>(x.size(2));
+  a.P = static_cast<int>(codes.size(2));
+  a.bits = static_cast<int>(bits);
+  a.grouping = static_cast<int>(grouping);
+  a.gs = static_cast<int>(group_size);
+  a.symmetric = symmetric;
+  a.codebook = mids.has_value();
+  const int qmax_sym = (1 << (bits - 1)) - 1;
+  a.qlo = symmetric ? -static_cast<float>(qmax_sym) : 0.0f;
+  a.qhi = symmetric ? static_cast<float>(qmax_sym) : static_cast<float>((1 << bits) - 1);
+  a.qadd = symmetric ? static_cast<float>(1 << (bits - 1)) : 0.0f;
+  a.mids = a.codebook ? mids->data_ptr<float>() : nullptr;
+  a.nmids = a.codebook ? static_cast<int>(mids->numel()) : 0;
+  a.codes = codes.data_ptr<uint8_t>();
+  a.scale = scale.data_ptr();
+  a.sdt = dt_of(scale);
+  a.zero = zero.has_value() ? zero->data_ptr<int16_t>() : nullptr;
+  a.status = &status;
+  const int64_t items = grouping == kChannel ? a.R * (a.N / a.gs) : a.R * ((a.N + kTokChunk - 1) / kTokChunk);
+  const bool fast = use_avx2(isa);
+  run_items(items, a.R * a.N * a.d, [&](int64_t i, Scratch& s) {
+    if (status.load(std::memory_order_relaxed) != kOk) return;
+    if (fast)
+      avx2::quantize_item(a, i, s);
+    else
+      generic::quantize_item(a, i, s);
+  });
+  return status.load();
+}
+
+void dequantize(const at::Tensor& codes, int64_t bits, const at::Tensor& lut, int64_t grouping,
+                const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
+                const c10::optional<at::Tensor>& gid, int64_t group_size, at::Tensor& out, int64_t isa) {
+  std::atomic<int> status{kOk};
+  DequantArgs a;
+  a.blk = make_block(codes, bits, lut, grouping, scale, zero, gid, group_size);
+  TORCH_CHECK(out.is_contiguous() && out.numel() == a.blk.R * a.blk.N * a.blk.d, "out");
+  a.out = out.data_ptr();
+  a.odt = dt_of(out);
+  a.status = &status;
+  const int64_t items = a.blk.R * ((a.blk.N + kTokChunk - 1) / kTokChunk);
+  const bool fast = use_avx2(isa);
+  run_items(items, a.blk.R * a.blk.N * a.blk.d, [&](int64_t i, Scratch& s) {
+    if (fast)
+      avx2::dequantize_item(a, i, s);
+    else
+      generic::dequantize_item(a, i, s);
+  });
+  if (status.load() == kBadGroup) raise_bad_group();
+}
+
+// out [R, G, dv] float32, lse [R, G] float32, logits [R, G, N] float32 (optional), all
+// preallocated by the caller.
+void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, const at::Tensor& k_lut,
+            int64_t k_grouping, const at::Tensor& k_scale, const c10::optional<at::Tensor>& k_zero,
+            const c10::optional<at::Tensor>& k_gid, int64_t k_group_size, const at::Tensor& v_codes,
+            int64_t v_bits, const at::Tensor& v_lut, int64_t v_grouping, const at::Tensor& v_scale,
+            const c10::optional<at::Tensor>& v_zero, const c10::optional<at::Tensor>& v_gid,
+            int64_t v_group_size, double scaling, const c10::optional<at::Tensor>& start,
+            const c10::optional<at::Tensor>& length, at::Tensor& out, at::Tensor& lse,
+            const c10::optional<at::Tensor>& logits, int64_t isa) {
+  std::atomic<int> status{kOk};
+  AttendArgs a;
+  a.k = make_block(k_codes, k_bits, k_lut, k_grouping, k_scale, k_zero, k_gid, k_group_size);
+  a.v = make_block(v_codes, v_bits, v_lut, v_grouping, v_scale, v_zero, v_gid, v_group_size);
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q");
+  const int64_t R = a.k.R, N = a.k.N;
+  const int G = static_cast<int>(q.size(1));
+  const int dv = a.v.d, dvp = pad_to(dv);
+  a.q = q.data_ptr<float>();
+  a.G = G;
+  a.scaling = static_cast<float>(scaling);
+  a.status = &status;
+  const int32_t* st = start.has_value() ? start->data_ptr<int32_t>() : nullptr;
+  const int32_t* ln = length.has_value() ? length->data_ptr<int32_t>() : nullptr;
+  a.logits = logits.has_value() ? logits->data_ptr<float>() : nullptr;
+  // valid tokens of row r: [lo, hi) = [start, length) clipped to [0, N)
+  std::vector<int64_t> lo(R), hi(R);
+  int64_t total = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    lo[r] = st ? std::min<int64_t>(std::max<int64_t>(st[r], 0), N) : 0;
+    hi[r] = ln ? std::min<int64_t>(std::max<int64_t>(ln[r], 0), N) : N;
+    if (hi[r] < lo[r]) hi[r] = lo[r];
+    total += hi[r] - lo[r];
+  }
+  // split-K: about 16 chunks per thread in all, at least 256 tokens each
+  const int nt = std::max(1, at::get_num_threads());
+  int64_t chunk = std::max<int64_t>(256, (total + 16 * nt - 1) / (16 * nt));
+  chunk = (chunk + kTile - 1) / kTile * kTile;
+  std::vector<AttendItem> items;
+  std::vector<int64_t> first(R + 1);
+  for (int64_t r = 0; r < R; ++r) {
+    first[r] = static_cast<int64_t>(items.size());
+    for (int64_t t = lo[r]; t < hi[r]; t += chunk) items.push_back({r, t, std::min(hi[r], t + chunk)});
+  }
+  first[R] = static_cast<int64_t>(items.size());
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  std::vector<float> pm(n_items * G), pl(n_items * G), pacc(n_items * G * dvp);
+  a.items = items.data();
+  a.pm = pm.data();
+  a.pl = pl.data();
+  a.pacc = pacc.data();
+  if (a.logits) {  // masked positions
+    const float ninf = -std::numeric_limits<float>::infinity();
+    for (int64_t r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) {
+        float* row = a.logits + (r * G + g) * N;
+        std::fill(row, row + lo[r], ninf);
+        std::fill(row + hi[r], row + N, ninf);
+      }
+  }
+  const bool fast = use_avx2(isa);
+  if (n_items > 0) {
+    run_items(n_items, total * G * (a.k.d + dv) / 4, [&](int64_t i, Scratch& s) {
+      if (fast)
+        avx2::attend_item(a, i, s);
+      else
+        generic::attend_item(a, i, s);
+    });
+  }
+  if (status.load() == kBadGroup) raise_bad_group();
+  // merge the chunks of each row by log-sum-exp
+  float* o = out.data_ptr<float>();
+  float* L = lse.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) {
+      float* orow = o + (r * G + g) * dv;
+      std::fill(orow, orow + dv, 0.0f);
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t i = first[r]; i < first[r + 1]; ++i) M = std::max(M, pm[i * G + g]);
+      if (!(M > -std::numeric_limits<float>::infinity())) {
+        L[r * G + g] = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      double sum = 0.0;
+      for (int64_t i = first[r]; i < first[r + 1]; ++i) {
+        const float w = std::exp(pm[i * G + g] - M);
+        sum += static_cast<double>(w) * pl[i * G + g];
+        const float* pa = pacc.data() + (i * G + g) * dvp;
+        for (int c = 0; c < dv; ++c) orow[c] += w * pa[c];
+      }
+      const float inv = static_cast<float>(1.0 / sum);
+      for (int c = 0; c < dv; ++c) orow[c] *= inv;
+      L[r * G + g] = M + static_cast<float>(std::log(sum));
+    }
+}
+
+}  // namespace kvk
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kv_cache compiled kernels (CPU): fused (de)quantization and attention from packed codes";
+  m.def("quantize", &kvk::quantize, "fused quantize + pack (see kv_cache.kernels.ops.quantize_block)");
+  m.def("dequantize", &kvk::dequantize, "fused unpack + dequantize (see kv_cache.kernels.ops.dequantize_block)");
+  m.def("attend", &kvk::attend, "attention from packed codes (see kv_cache.kernels.ops.attend_block)");
+  m.def("isa", &kvk::isa_name, "name of the code path a call with this isa flag takes");
+}

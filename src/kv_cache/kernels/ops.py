@@ -1,0 +1,255 @@
+"""Public ops on quantized blocks: compiled CPU kernels, or the torch reference.
+
+Each op validates its arguments, then runs the compiled extension (built lazily by
+:mod:`._build`) when it is available and every tensor is on the CPU, else
+:mod:`.reference`. Both give the same results (bit-exact for the (de)quantizers up to the
+documented float rounding; see the tests). Formulas: ``math_dictionary/kv-compression-math.md``
+§15.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..compression._arrays import raise_non_finite
+from . import _build, reference
+from ._checks import (
+    bad_group_error,
+    check_attend_args,
+    check_block,
+    check_out_dtype,
+    check_quantize_args,
+    midpoints,
+)
+from .qblock import QBlock, uniform_lut
+
+_GROUPING_ID = {"channel": 0, "token": 1}
+_OK, _NON_FINITE, _SCALE_UNREPRESENTABLE = 0, 1, 2
+
+
+def _compiled(*tensors: torch.Tensor | None):
+    """The extension module if it is available and every tensor is on the CPU, else None."""
+    for t in tensors:
+        if t is not None and t.device.type != "cpu":
+            return None
+    return _build.load()
+
+
+def _c(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def dequantize_block(block: QBlock, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Fused unpack + dequantize: ``x_hat = scale * (lut[code] - zero)`` in one pass (§15.1).
+
+    Parameters
+    ----------
+    block : QBlock
+        ``R`` rows of ``N`` tokens of ``d`` channels.
+    out_dtype : {torch.float32, torch.float16, torch.bfloat16}, default float32
+        The arithmetic is float32; the result is rounded (to nearest even) to ``out_dtype``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[R, N, d]`` of ``out_dtype``, on ``block.codes.device``. Equal to
+        :func:`kv_cache.compression.quantizer.dequantize` of the same codes and metadata.
+
+    Raises
+    ------
+    TypeError
+        ``block`` is not a :class:`QBlock` or ``out_dtype`` is unsupported.
+    ValueError
+        A group index of a ``"channel"`` block lies outside its scale table.
+
+    Examples
+    --------
+    >>> x = torch.randn(2, 64, 32)
+    >>> b = quantize_block(x, 4, "channel", 32)
+    >>> dequantize_block(b).shape
+    torch.Size([2, 64, 32])
+    """
+    block = check_block(block, "block")
+    out_dtype = check_out_dtype(out_dtype)
+    ext = _compiled(block.codes)
+    if ext is None:
+        return reference._dequantize(block, out_dtype)
+    R, N, _ = block.codes.shape
+    out = torch.empty((R, N, block.head_dim), dtype=out_dtype)
+    ext.dequantize(block.codes.contiguous(), block.bits, block.lut.contiguous(), _GROUPING_ID[block.grouping],
+                   block.scale.contiguous(), _c(block.zero), _c(block.gid), block.group_size, out,
+                   _build.isa_flag())
+    return out
+
+
+def quantize_block(
+    x: torch.Tensor,
+    bits: int,
+    grouping: str,
+    group_size: int,
+    symmetric: bool = False,
+    scale_dtype: torch.dtype = torch.float32,
+    lut: torch.Tensor | None = None,
+) -> QBlock:
+    """Fused quantize + pack of ``x`` into a :class:`QBlock` (§15.2).
+
+    Uniform levels (``lut`` None) reproduce :func:`kv_cache.compression.quantizer.quantize`
+    bit for bit: ``"channel"`` is ``quantize(x, bits, axis=-2, group_size=group_size)``
+    (statistics over ``group_size`` tokens per channel, KIVI keys) and ``"token"`` is
+    ``quantize(x, bits, axis=-1, group_size=group_size)`` (over ``group_size`` channels of a
+    token, KIVI values): same codes, same stored scales, same int16 zero points (math
+    dictionary §1-§2). With a codebook ``lut`` the scale is the RMS of each group (norm only,
+    computed in float64, stored in ``scale_dtype``) and the code is the nearest level of
+    ``x / scale`` (midpoint boundaries, ties to the lower level); a group whose stored scale is
+    0 dequantizes to 0.
+
+    Parameters
+    ----------
+    x : torch.Tensor, ``[R, N, d]``
+        float16, bfloat16 or float32, finite, non-empty; ``d * bits`` a multiple of 8.
+    bits : {2, 3, 4, 8}
+    grouping : {"channel", "token"}
+    group_size : int
+        Tokens per group (``"channel"``; ``N`` must be a multiple) or channels per group
+        (``"token"``; must divide ``d``).
+    symmetric : bool, default False
+        Uniform levels only (ignored with a ``lut``): symmetric codes, no zero point.
+    scale_dtype : {torch.float32, torch.float16, torch.bfloat16}, default float32
+        Storage dtype of the scales; codes are computed with the stored scale.
+    lut : torch.Tensor, optional
+        float32 ``[2**bits]`` strictly increasing codebook levels (e.g. Lloyd-Max).
+
+    Returns
+    -------
+    QBlock
+        ``codes [R, N, d*bits/8]``; ``scale`` ``[R, N // group_size, d]`` (channel) or
+        ``[R, N, d // group_size]`` (token) of ``scale_dtype``; ``zero`` int16 of the same
+        shape (asymmetric uniform) or None; ``lut`` the uniform table or the given codebook.
+
+    Raises
+    ------
+    ValueError
+        Unsupported bits or grouping, bad rank or group size, empty input, NaN/Inf in ``x``,
+        a ``scale_dtype`` that cannot hold the scales, an unsorted codebook.
+    TypeError
+        Non-tensor ``x``, unsupported dtype of ``x`` or ``scale_dtype``, non-bool ``symmetric``.
+
+    Examples
+    --------
+    >>> x = torch.randn(1, 128, 64, dtype=torch.float16)
+    >>> b = quantize_block(x, 4, "channel", 128, scale_dtype=torch.float16)
+    >>> b.codes.shape, b.scale.shape, b.zero.dtype
+    (torch.Size([1, 128, 32]), torch.Size([1, 1, 64]), torch.int16)
+    """
+    a = check_quantize_args(x, bits, grouping, group_size, symmetric, scale_dtype, lut)
+    ext = _compiled(a.x)
+    if ext is None:
+        return reference._quantize(a)
+    x = a.x.contiguous()
+    R, N, d = x.shape
+    gs = a.group_size
+    meta_shape = (R, N // gs, d) if a.grouping == "channel" else (R, N, d // gs)
+    codes = torch.empty((R, N, d * a.bits // 8), dtype=torch.uint8)
+    scale = torch.empty(meta_shape, dtype=a.scale_dtype)
+    uniform = a.lut is None
+    zero = torch.empty(meta_shape, dtype=torch.int16) if uniform and not a.symmetric else None
+    mids = None if uniform else midpoints(a.lut)
+    status = ext.quantize(x, a.bits, _GROUPING_ID[a.grouping], gs, a.symmetric, mids, codes, scale, zero,
+                          _build.isa_flag())
+    if status == _NON_FINITE:
+        raise_non_finite(x, "x")
+    if status == _SCALE_UNREPRESENTABLE:
+        raise ValueError(
+            f"scale_dtype={a.scale_dtype} cannot represent the scales of x "
+            f"(max |x| = {float(x.abs().max()):.3g}); use a wider scale_dtype")
+    lut_out = uniform_lut(a.bits, a.symmetric) if uniform else a.lut.contiguous()
+    return QBlock(codes, a.bits, lut_out, a.grouping, scale, zero, gs)
+
+
+def attend_block(
+    q: torch.Tensor,
+    kblock: QBlock,
+    vblock: QBlock,
+    scaling: float,
+    start: torch.Tensor | None = None,
+    length: torch.Tensor | None = None,
+    return_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Attention of ``G`` queries per row over a quantized block, read from the codes (§15.3).
+
+    ``s[r, g, t] = scaling * q[r, g] . k_hat[r, t]``, ``p = softmax(s)`` over the valid tokens
+    ``start[r] <= t < length[r]``, ``out = sum_t p_t v_hat[r, t]``. Keys are never dequantized
+    to memory: channel-grouped keys pre-scale the query per group (``q~_G = q * scale_G``,
+    ``b_G = q~_G . zero_G``, ``s_t = q~_G(t) . lut[code_t] - b_G(t)``), token-grouped keys apply
+    the token's scale to its decoded levels in an L1 tile and its zero point as a per-query
+    bias; values accumulate ``sum_t p_t lut[code]`` per scale group and subtract
+    ``sum_t p_t scale zero`` once. The compiled kernel splits the tokens into chunks across
+    threads (online softmax with a running max per chunk, merged by log-sum-exp), and decodes
+    each token's codes once for all ``G`` queries.
+
+    Parameters
+    ----------
+    q : torch.Tensor, float32, ``[R, G, d]``
+        The ``G`` query vectors that share KV row ``r`` (GQA: the query heads of a KV head times
+        the query positions; the KV is never repeated).
+    kblock, vblock : QBlock
+        Keys ``[R, N, d]`` and values ``[R, N, d_v]`` (any grouping, bits, lut).
+    scaling : float
+        Score scale, usually ``d ** -0.5``.
+    start, length : torch.Tensor, int32 ``[R]``, optional
+        Valid tokens of row ``r`` are ``start[r] <= t < length[r]`` (None: 0 and ``N``):
+        left padding and ragged lengths. A row with no valid token gets ``out = 0`` and
+        ``lse = -inf``.
+    return_logits : bool, default False
+        Also return the scaled scores ``s`` (masked tokens ``-inf``), e.g. for eviction
+        scores.
+
+    Returns
+    -------
+    out : torch.Tensor, float32, ``[R, G, d_v]``
+        ``sum_t p_t v_hat_t`` with ``p`` normalized over this block's valid tokens.
+    lse : torch.Tensor, float32, ``[R, G]``
+        ``log sum_t exp(s_t)`` over valid tokens (natural log): merge with other blocks by
+        ``out = sum_b exp(lse_b - LSE) out_b``, ``LSE = logsumexp_b(lse_b)``.
+    logits : torch.Tensor, float32, ``[R, G, N]``, or None
+
+    Raises
+    ------
+    TypeError
+        ``q`` not float32, blocks not :class:`QBlock`, non-integer ``start``/``length``,
+        non-finite or non-numeric ``scaling``.
+    ValueError
+        Shapes that disagree (``R``, ``N``, ``d``), bad ``start``/``length`` shape, group
+        indices outside the scale table.
+
+    Examples
+    --------
+    >>> k = quantize_block(torch.randn(3, 256, 64), 4, "channel", 128)
+    >>> v = quantize_block(torch.randn(3, 256, 64), 4, "token", 64)
+    >>> out, lse, _ = attend_block(torch.randn(3, 2, 64), k, v, 64 ** -0.5)
+    >>> out.shape, lse.shape
+    (torch.Size([3, 2, 64]), torch.Size([3, 2]))
+    """
+    a = check_attend_args(q, kblock, vblock, scaling, start, length)
+    k, v = a.k, a.v
+    ext = _compiled(a.q, k.codes, v.codes)
+    if ext is None:
+        return reference._attend(a, bool(return_logits))
+    R, G, _ = a.q.shape
+    N = k.codes.shape[1]
+    out = torch.empty((R, G, v.head_dim), dtype=torch.float32)
+    lse = torch.empty((R, G), dtype=torch.float32)
+    logits = torch.empty((R, G, N), dtype=torch.float32) if return_logits else None
+    try:
+        ext.attend(a.q.contiguous(),
+                   k.codes.contiguous(), k.bits, k.lut.contiguous(), _GROUPING_ID[k.grouping],
+                   k.scale.contiguous(), _c(k.zero), _c(k.gid), k.group_size,
+                   v.codes.contiguous(), v.bits, v.lut.contiguous(), _GROUPING_ID[v.grouping],
+                   v.scale.contiguous(), _c(v.zero), _c(v.gid), v.group_size,
+                   a.scaling, _c(a.start), _c(a.length), out, lse, logits, _build.isa_flag())
+    except ValueError as exc:  # the extension's group-index check
+        raise bad_group_error() from exc
+    return out, lse, logits
+
+
+__all__ = ["attend_block", "dequantize_block", "quantize_block"]

@@ -1,0 +1,191 @@
+"""The quantized block: packed codes plus the metadata the kernels need (math dictionary §15).
+
+A block holds ``N`` tokens of ``R`` rows (``R = batch * kv_heads``), each token a ``d``-vector
+stored as ``d`` codes of ``bits`` bits, packed token-major exactly as
+:func:`kv_cache.compression.packing.pack_bits` packs a C-order ``[R, N, d]`` code tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..compression.packing import SUPPORTED_BITS
+
+GROUPINGS = ("channel", "token")
+"""``"channel"``: one (scale, zero) per group of tokens and channel (KIVI keys);
+``"token"``: one per token and group of channels (KIVI values)."""
+
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ZERO_DTYPES = (torch.int16, torch.int8, torch.uint8, torch.float16, torch.bfloat16, torch.float32)
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_bits(bits) -> int:
+    """Return ``bits`` as int after checking it is one of 2, 3, 4, 8 (``ValueError`` otherwise)."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {list(SUPPORTED_BITS)}; got {bits!r}")
+    return bits
+
+
+def check_grouping(grouping) -> str:
+    """Return ``grouping`` after checking it is one of :data:`GROUPINGS`."""
+    if grouping not in GROUPINGS:
+        raise ValueError(f"grouping must be one of {list(GROUPINGS)}; got {grouping!r}")
+    return grouping
+
+
+def _check_tensor(t, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    return t
+
+
+@dataclass(frozen=True, eq=False)
+class QBlock:
+    """Packed ``bits``-bit codes of an ``[R, N, d]`` tensor and their dequantization table.
+
+    Dequantized value (math dictionary §15.1)::
+
+        x_hat[r, t, c] = scale[...] * (lut[code[r, t, c]] - zero[...])
+
+    Attributes
+    ----------
+    codes : torch.Tensor, uint8, shape ``[R, N, P]``
+        ``P = d * bits / 8`` bytes per token (so ``d * bits`` is a multiple of 8), packed as
+        ``pack_bits`` packs a C-order ``[R, N, d]`` code tensor: 2-bit = 4 codes per byte,
+        LSB first; 4-bit = low nibble first; 3-bit = 8 codes per 3 bytes (24-bit
+        little-endian word, code ``j`` at bits ``3j..3j+2``); 8-bit = one per byte.
+    bits : {2, 3, 4, 8}
+    lut : torch.Tensor, float32, shape ``[2**bits]``
+        Code -> level. Asymmetric uniform: ``arange(2**bits)`` (with ``zero`` the zero
+        point); symmetric uniform: ``arange(2**bits) - 2**(bits-1)`` (``zero`` None); a
+        codebook (e.g. Lloyd-Max levels): the sorted levels (``zero`` None).
+    grouping : {"channel", "token"}
+    scale : torch.Tensor, float16 / bfloat16 / float32
+        ``"channel"``: ``[R, NG, d]``, token ``t`` of row ``r`` uses group ``gid[r, t]``
+        (or ``t // group_size`` when ``gid`` is None, then ``NG >= ceil(N / group_size)``).
+        ``"token"``: ``[R, N, d // group_size]``, channel ``c`` uses group
+        ``c // group_size``.
+    zero : torch.Tensor or None
+        Same shape as ``scale``; int16, int8, uint8 or float. None reads as 0.
+    group_size : int
+        ``"channel"``: tokens per group (used when ``gid`` is None); ``"token"``: channels
+        per group, a divisor of ``d``.
+    gid : torch.Tensor or None, int32, shape ``[R, N]``
+        ``"channel"`` only: the scale-table row of each token (ragged groups after
+        eviction). Values must lie in ``[0, NG)``; that is checked where the block is used.
+
+    Raises
+    ------
+    TypeError
+        A field has the wrong type or dtype.
+    ValueError
+        Unsupported bits or grouping, inconsistent shapes, devices or group size.
+    """
+
+    codes: torch.Tensor
+    bits: int
+    lut: torch.Tensor
+    grouping: str
+    scale: torch.Tensor
+    zero: torch.Tensor | None = None
+    group_size: int = 1
+    gid: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        bits = check_bits(self.bits)
+        grouping = check_grouping(self.grouping)
+        codes = _check_tensor(self.codes, "codes")
+        if codes.dtype != torch.uint8:
+            raise TypeError(f"codes must be uint8; got {codes.dtype}")
+        if codes.dim() != 3:
+            raise ValueError(f"codes must be rank 3 [R, N, P]; got shape {tuple(codes.shape)}")
+        R, N, P = codes.shape
+        if (8 * P) % bits:
+            raise ValueError(
+                f"codes has P={P} bytes per token, which does not hold a whole number of "
+                f"{bits}-bit codes (P * 8 must be a multiple of bits)")
+        d = 8 * P // bits
+        lut = _check_tensor(self.lut, "lut")
+        if lut.dtype != torch.float32 or tuple(lut.shape) != (1 << bits,):
+            raise ValueError(
+                f"lut must be float32 of shape [{1 << bits}] for {bits}-bit codes; got "
+                f"{lut.dtype} of shape {tuple(lut.shape)}")
+        scale = _check_tensor(self.scale, "scale")
+        if scale.dtype not in SCALE_DTYPES:
+            raise TypeError(f"scale must be one of {_names(SCALE_DTYPES)}; got {scale.dtype}")
+        gs = self.group_size
+        if isinstance(gs, bool) or not isinstance(gs, int) or gs < 1:
+            raise ValueError(f"group_size must be an int >= 1; got {gs!r}")
+        if scale.dim() != 3 or scale.shape[0] != R:
+            raise ValueError(f"scale must be rank 3 with R={R} rows; got shape {tuple(scale.shape)}")
+        if grouping == "channel":
+            if scale.shape[2] != d:
+                raise ValueError(f"channel-grouped scale must be [R, NG, d={d}]; got {tuple(scale.shape)}")
+            if self.gid is None and scale.shape[1] * gs < N:
+                raise ValueError(
+                    f"scale has {scale.shape[1]} groups of group_size={gs} tokens, fewer than "
+                    f"N={N} tokens (pass gid for ragged groups)")
+        else:
+            if d % gs:
+                raise ValueError(f"token grouping needs group_size dividing d={d}; got group_size={gs}")
+            if tuple(scale.shape) != (R, N, d // gs):
+                raise ValueError(
+                    f"token-grouped scale must be [R, N, d // group_size] = {[R, N, d // gs]}; got "
+                    f"{list(scale.shape)}")
+            if self.gid is not None:
+                raise ValueError("gid is only meaningful for grouping='channel'; got a gid with 'token'")
+        if self.zero is not None:
+            zero = _check_tensor(self.zero, "zero")
+            if zero.dtype not in ZERO_DTYPES:
+                raise TypeError(f"zero must be None or one of {_names(ZERO_DTYPES)}; got {zero.dtype}")
+            if zero.shape != scale.shape:
+                raise ValueError(f"zero must have the shape of scale {tuple(scale.shape)}; got {tuple(zero.shape)}")
+        if self.gid is not None:
+            gid = _check_tensor(self.gid, "gid")
+            if gid.dtype != torch.int32:
+                raise TypeError(f"gid must be int32; got {gid.dtype}")
+            if tuple(gid.shape) != (R, N):
+                raise ValueError(f"gid must be [R, N] = {[R, N]}; got {list(gid.shape)}")
+        devices = {t.device for t in (codes, lut, scale, self.zero, self.gid) if t is not None}
+        if len(devices) > 1:
+            raise ValueError(f"all tensors of a QBlock must be on one device; got {sorted(map(str, devices))}")
+
+    @property
+    def rows(self) -> int:
+        """``R``: rows (batch * kv_heads)."""
+        return self.codes.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """``N``: tokens per row."""
+        return self.codes.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        """``d``: channels per token (``P * 8 / bits``)."""
+        return self.codes.shape[2] * 8 // self.bits
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by codes and metadata (the lut excluded: it is shared and tiny)."""
+        n = self.codes.nbytes + self.scale.nbytes
+        for t in (self.zero, self.gid):
+            if t is not None:
+                n += t.nbytes
+        return int(n)
+
+
+def uniform_lut(bits: int, symmetric: bool, device=None) -> torch.Tensor:
+    """The lut of uniform codes: ``arange(2**b)`` (asymmetric) or ``arange(2**b) - 2**(b-1)``."""
+    bits = check_bits(bits)
+    lut = torch.arange(1 << bits, dtype=torch.float32, device=device)
+    return lut - (1 << (bits - 1)) if symmetric else lut
+
+
+__all__ = ["GROUPINGS", "QBlock", "SCALE_DTYPES", "ZERO_DTYPES", "check_bits", "check_grouping", "uniform_lut"]

@@ -1,0 +1,155 @@
+"""Pure-torch reference of the compiled kernels: the fallback and the test oracle.
+
+Same signatures and results as :mod:`kv_cache.kernels.ops` (vectorized torch, any device).
+Formulas: ``math_dictionary/kv-compression-math.md`` §15.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..compression._arrays import raise_non_finite
+from ..compression.packing import pack_bits, unpack_bits
+from ..compression.quantizer import quantize
+from ._checks import (
+    AttendArgs,
+    QuantizeArgs,
+    bad_group_error,
+    check_attend_args,
+    check_block,
+    check_out_dtype,
+    check_quantize_args,
+    midpoints,
+)
+from .qblock import QBlock, uniform_lut
+
+
+def unpack_codes(block: QBlock) -> torch.Tensor:
+    """The codes of ``block`` unpacked: uint8 ``[R, N, d]``."""
+    R, N, _ = block.codes.shape
+    d = block.head_dim
+    return unpack_bits(block.codes.reshape(-1), block.bits, R * N * d).view(R, N, d)
+
+
+def expand_meta(block: QBlock, meta: torch.Tensor | None) -> torch.Tensor | None:
+    """``scale`` or ``zero`` of ``block`` broadcast to every element: float32 ``[R, N, d]``.
+
+    Raises
+    ------
+    ValueError
+        A group index (``gid``, or ``t // group_size``) is outside the scale table.
+    """
+    if meta is None:
+        return None
+    R, N, _ = block.codes.shape
+    d = block.head_dim
+    meta = meta.float()
+    if block.grouping == "token":
+        return meta.repeat_interleave(block.group_size, dim=-1)
+    ng = meta.shape[1]
+    if block.gid is None:
+        idx = torch.arange(N, device=meta.device) // block.group_size
+        if N and int(idx[-1]) >= ng:
+            raise bad_group_error()
+        return meta.index_select(1, idx)
+    gid = block.gid.long()
+    if gid.numel() and (int(gid.min()) < 0 or int(gid.max()) >= ng):
+        raise bad_group_error()
+    return torch.gather(meta, 1, gid.unsqueeze(-1).expand(R, N, d))
+
+
+def _dequantize(block: QBlock, out_dtype: torch.dtype) -> torch.Tensor:
+    v = block.lut[unpack_codes(block).long()]  # [R, N, d] float32
+    zero = expand_meta(block, block.zero)
+    if zero is not None:
+        v = v.sub_(zero)
+    return v.mul_(expand_meta(block, block.scale)).to(out_dtype)
+
+
+def dequantize_block(block: QBlock, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Torch reference of :func:`kv_cache.kernels.dequantize_block` (same contract)."""
+    return _dequantize(check_block(block, "block"), check_out_dtype(out_dtype))
+
+
+def _quantize(a: QuantizeArgs) -> QBlock:
+    x, bits, gs = a.x, a.bits, a.group_size
+    R, N, d = x.shape
+    if a.lut is None:
+        qt = quantize(x, bits, axis=-2 if a.grouping == "channel" else -1, group_size=gs,
+                      symmetric=a.symmetric, scale_dtype=a.scale_dtype)
+        zero = None if a.symmetric else qt.zero_point
+        return QBlock(qt.data.view(R, N, d * bits // 8), bits, uniform_lut(bits, a.symmetric, x.device),
+                      a.grouping, qt.scale, zero, gs)
+    # codebook: scale = RMS of the group (sum of squares in float64), code = nearest level
+    if a.grouping == "channel":
+        xr = x.float().view(R, N // gs, gs, d)
+        red = 2
+    else:
+        xr = x.float().view(R, N, d // gs, gs)
+        red = 3
+    rms = (xr.double().square().sum(red) / gs).sqrt()
+    if not bool(torch.isfinite(rms).all()):
+        raise_non_finite(x, "x")
+    stored = rms.float().to(a.scale_dtype)
+    if not bool(torch.isfinite(stored).all()):
+        raise ValueError(
+            f"scale_dtype={a.scale_dtype} cannot represent the scales of x "
+            f"(max RMS = {float(rms.max()):.3g}); use a wider scale_dtype")
+    s = stored.float().unsqueeze(red)
+    v = torch.where(s != 0, xr / s, torch.zeros((), device=x.device))
+    codes = torch.bucketize(v, midpoints(a.lut)).to(torch.uint8).reshape(R, N, d)
+    packed = pack_bits(codes, bits).view(R, N, d * bits // 8)
+    return QBlock(packed, bits, a.lut.contiguous(), a.grouping, stored, None, gs)
+
+
+def quantize_block(
+    x: torch.Tensor,
+    bits: int,
+    grouping: str,
+    group_size: int,
+    symmetric: bool = False,
+    scale_dtype: torch.dtype = torch.float32,
+    lut: torch.Tensor | None = None,
+) -> QBlock:
+    """Torch reference of :func:`kv_cache.kernels.quantize_block` (same contract).
+
+    Uniform levels call :func:`kv_cache.compression.quantizer.quantize` itself.
+    """
+    return _quantize(check_quantize_args(x, bits, grouping, group_size, symmetric, scale_dtype, lut))
+
+
+def _attend(a: AttendArgs, return_logits: bool):
+    q, k, v = a.q, a.k, a.v
+    R, G, _ = q.shape
+    N = k.codes.shape[1]
+    kx = _dequantize(k, torch.float32)  # [R, N, dk]
+    vx = _dequantize(v, torch.float32)  # [R, N, dv]
+    s = torch.bmm(q, kx.transpose(1, 2)).mul_(a.scaling)  # [R, G, N]
+    if a.start is not None or a.length is not None:
+        t = torch.arange(N, device=q.device)
+        masked = torch.zeros(R, N, dtype=torch.bool, device=q.device)
+        if a.start is not None:
+            masked |= t < a.start.to(q.device).long().unsqueeze(1)
+        if a.length is not None:
+            masked |= t >= a.length.to(q.device).long().unsqueeze(1)
+        s.masked_fill_(masked.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [R, G]; -inf where every token is masked
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
+    out = torch.bmm(p, vx)
+    return out, lse, (s if return_logits else None)
+
+
+def attend_block(
+    q: torch.Tensor,
+    kblock: QBlock,
+    vblock: QBlock,
+    scaling: float,
+    start: torch.Tensor | None = None,
+    length: torch.Tensor | None = None,
+    return_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Torch reference of :func:`kv_cache.kernels.attend_block` (dequantize, matmul, softmax)."""
+    return _attend(check_attend_args(q, kblock, vblock, scaling, start, length), bool(return_logits))
+
+
+__all__ = ["attend_block", "dequantize_block", "expand_meta", "quantize_block", "unpack_codes"]
