@@ -37,7 +37,7 @@ def _greedy(model, ids, cache, n, mask=None):
                                               (Qwen2Config, 4, 1), (Qwen3Config, 4, 2)])
 def test_off_matches_dynamic_cache_logits(cfg_cls, heads, kv):
     model = tiny(cfg_cls, heads, kv)
-    ids = torch.randint(0, 97, (2, 23))
+    ids = torch.randint(1, 97, (2, 23))
     with torch.no_grad():
         ref = model(ids, past_key_values=DynamicCache()).logits
         got = model(ids, past_key_values=CompressedCache(model.config)).logits
@@ -77,7 +77,7 @@ def test_method_matrix(policy, budget, bits):
     quant = None if bits is None else QuantConfig(bits=bits, group_size=8, residual_length=8)
     window = 8 if quant is None else 16
     cache = CompressedCache(model.config, quant=quant, eviction=POLICIES[policy](budget, window))
-    ids = torch.randint(0, 97, (1, prompt))
+    ids = torch.randint(1, 97, (1, prompt))
     steps = 300 if policy != "snapkv" else 40
     K = 48
     with compress(model, cache), torch.no_grad():
@@ -107,7 +107,7 @@ def test_method_matrix(policy, budget, bits):
 def test_recent_window_and_sinks_are_kept():
     model = tiny(LlamaConfig, 4, 2)
     cache = CompressedCache(model.config, eviction=StreamingLLM(budget=12, recent_window=8, sink_tokens=4))
-    ids = torch.randint(0, 97, (1, 40))
+    ids = torch.randint(1, 97, (1, 40))
     with compress(model, cache), torch.no_grad():
         model(ids, past_key_values=cache)
     with torch.no_grad():
@@ -122,7 +122,7 @@ def test_recent_window_and_sinks_are_kept():
 def test_h2o_keeps_heavy_hitters_per_head():
     model = tiny(LlamaConfig, 4, 2)
     cache = CompressedCache(model.config, eviction=H2O(budget=16, recent_window=4))
-    ids = torch.randint(0, 97, (1, 30))
+    ids = torch.randint(1, 97, (1, 30))
     with compress(model, cache), torch.no_grad():
         model(ids, past_key_values=cache)
     acc = cache.layers[0].state["h2o"]
@@ -133,7 +133,7 @@ def test_h2o_keeps_heavy_hitters_per_head():
 def test_positions_after_eviction_are_absolute():
     """Decoding after eviction uses the true position: identical to full cache when nothing is evicted."""
     model = tiny(LlamaConfig, 4, 2)
-    ids = torch.randint(0, 97, (1, 20))
+    ids = torch.randint(1, 97, (1, 20))
     big = CompressedCache(model.config, eviction=H2O(budget=1000, recent_window=4))
     with compress(model, big):
         got = _greedy(model, ids, big, 10)
@@ -167,7 +167,7 @@ def test_forgetting_compress_is_a_clear_error():
     model = tiny(LlamaConfig)
     cache = CompressedCache(model.config, eviction=H2O(budget=8, recent_window=2))
     with pytest.raises(RuntimeError, match=r"kv_cache.compress\(model, cache\)"):
-        _greedy(model, torch.randint(0, 97, (1, 12)), cache, 3)
+        _greedy(model, torch.randint(1, 97, (1, 12)), cache, 3)
 
 
 def test_compress_leaves_nothing_behind():
@@ -175,8 +175,12 @@ def test_compress_leaves_nothing_behind():
     before = {n: (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for n, m in model.named_modules()}
     impl = model.config._attn_implementation
     cache = CompressedCache(model.config, eviction=H2O(budget=8, recent_window=2))
-    with compress(model, cache):
+    with compress(model, cache, attention="reference"):
         assert sum(len(m._forward_hooks) for m in model.modules()) == 2
+    with compress(model, cache):  # native: no hooks, the model's attention switched for the block
+        assert sum(len(m._forward_hooks) for m in model.modules()) == 0
+        assert model.config._attn_implementation == "kv_cache" and cache.native and cache.observed
+    assert not cache.native and not cache.observed
     after = {n: (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for n, m in model.named_modules()}
     assert before == after and model.config._attn_implementation == impl
     with pytest.raises(ValueError):
@@ -201,7 +205,7 @@ def test_invalid_configurations():
     cfg = model.config.to_dict()
     from transformers import GPT2Config
 
-    with pytest.raises(ValueError, match=r"supports model types \['llama', 'mistral', 'qwen2', 'qwen3'\]; got 'gpt2'"):
+    with pytest.raises(ValueError, match=r"supports model types \['llama', 'mistral', 'qwen2', 'qwen3', .*\]; got 'gpt2'"):
         CompressedCache(GPT2Config())
     with pytest.raises(TypeError, match="QuantConfig"):
         CompressedCache(model.config, quant=4)
@@ -210,7 +214,7 @@ def test_invalid_configurations():
 
 def test_memory_is_really_freed_and_accounted():
     model = tiny(LlamaConfig, 4, 2)
-    ids = torch.randint(0, 97, (1, 256))
+    ids = torch.randint(1, 97, (1, 256))
     full = CompressedCache(model.config)
     comp = CompressedCache(model.config, quant=QuantConfig(bits=2, group_size=16, residual_length=16),
                            eviction=H2O(budget=0.25, recent_window=32))
@@ -251,7 +255,7 @@ def test_smollm2_4bit_h2o_holds_under_a_fifth_of_fp16():
 def test_prefill_attends_to_its_own_full_precision_states():
     """Quantization changes what is stored, not the prefill's own attention (as in KIVI)."""
     model = tiny(LlamaConfig, 4, 2)
-    ids = torch.randint(0, 97, (1, 40))
+    ids = torch.randint(1, 97, (1, 40))
     with torch.no_grad():
         ref = model(ids, past_key_values=DynamicCache()).logits
         cache = CompressedCache(model.config, quant=QuantConfig(bits=2, group_size=8, residual_length=8))
@@ -259,7 +263,7 @@ def test_prefill_attends_to_its_own_full_precision_states():
         assert torch.equal(ref, got)
         assert cache.memory_report().codes_bytes > 0
         # The next step reads the 2-bit codes back: it differs from the full cache, but not wildly.
-        nxt = torch.randint(0, 97, (1, 1))
+        nxt = torch.randint(1, 97, (1, 1))
         full = DynamicCache()
         model(ids, past_key_values=full)
         a = model(nxt, past_key_values=full).logits
@@ -283,7 +287,7 @@ def test_eviction_works_with_eager_and_sdpa():
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
         cfg._attn_implementation = impl
         model = AutoModelForCausalLM.from_config(cfg).eval()
-        ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(1))
+        ids = torch.randint(1, 97, (2, 30), generator=torch.Generator().manual_seed(1))
         mask = torch.ones_like(ids)
         mask[1, :6] = 0  # left padding in the second row
         cache = CompressedCache(model.config, quant=QuantConfig(bits=4, group_size=8, residual_length=8),
@@ -301,7 +305,7 @@ def test_h2o_recent_window_fraction_of_budget():
     assert H2O(budget=0.5, recent_window=0.25).window_tokens(40) == 10
     model = tiny(LlamaConfig, 4, 2)
     cache = CompressedCache(model.config, eviction=H2O(budget=0.5))  # 60 tokens -> 30 kept, 15 recent
-    ids = torch.randint(0, 97, (1, 72))
+    ids = torch.randint(1, 97, (1, 72))
     with compress(model, cache), torch.no_grad():
         model(ids[:, :60], past_key_values=cache)
         model(ids[:, 60:], past_key_values=cache)  # a 12-token "question"

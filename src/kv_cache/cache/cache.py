@@ -11,7 +11,12 @@ from .config import QuantConfig
 from .layer import CompressedLayer
 from .report import MemoryReport, fp16_kv_bytes, kv_geometry
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2")
+"""Model types whose attention modules update the cache and then call transformers' attention
+interface with the returned states (tested on tiny random configs of each)."""
+
+REFERENCE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""Model types whose queries the reference path's hooks can recompute (``q_proj`` [+ ``q_norm``])."""
 
 
 class CompressedCache(Cache):
@@ -70,6 +75,16 @@ class CompressedCache(Cache):
     def needs_hooks(self) -> bool:
         """True when the eviction policy needs ``kv_cache.compress(model, cache)``."""
         return self.eviction is not None and self.eviction.needs_attention
+
+    @property
+    def native(self) -> bool:
+        """True while :func:`kv_cache.compress` runs the model with the native attention function."""
+        return any(layer.native for layer in self.layers)
+
+    @native.setter
+    def native(self, value: bool) -> None:
+        for layer in self.layers:
+            layer.native = bool(value)
 
     @property
     def observed(self) -> bool:

@@ -1,6 +1,9 @@
-"""``compress(model, cache)``: forward hooks that feed attention statistics to eviction policies.
+"""``compress(model, cache)``: attention over the compressed cache, and the statistics policies need.
 
-The hooks are registered on the attention modules only inside the ``with`` block and removed
+By default (``attention="native"``) the model runs :func:`kv_cache.attention.compressed_attention`
+for the duration of the block, which reads the storage in place and hands each layer's policy
+the attention probabilities it asked for. The reference path (``attention="reference"``) keeps
+the model's own attention and uses forward hooks. The hooks are registered on the attention modules only inside the ``with`` block and removed
 in ``finally``; the model's code and config are not touched. While they are on, the cache's
 layers know they are observed (``layer.observed``). After each attention call whose layer
 :attr:`~CompressedLayer.awaits_observation`, the hook recomputes the last
@@ -12,12 +15,14 @@ scores and evicts. The hook knows nothing about any one policy.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
 
 import torch
 
-from .cache import SUPPORTED_MODEL_TYPES, CompressedCache
+from ..attention import ATTENTION_NAME, activate, register
+from .cache import REFERENCE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, CompressedCache
+from .report import kv_geometry
 
 
 def _attention_classes() -> tuple[type, ...]:
@@ -43,24 +48,76 @@ def _queries(module: torch.nn.Module, hidden: torch.Tensor, position_embeddings:
     return q
 
 
+ATTENTION_MODES = ("native", "reference")
+"""``native``: :func:`kv_cache.attention.compressed_attention` reads the compressed storage and
+hands the policy its statistics; ``reference``: the model's own attention (sdpa / eager) over
+dequantized tokens, with forward hooks that recompute the policy's queries."""
+
+
 @contextmanager
-def compress(model: torch.nn.Module, cache: CompressedCache) -> Iterator[CompressedCache]:
-    """Let ``cache``'s eviction policy observe ``model``'s attention while the block runs.
+def compress(
+    model: torch.nn.Module, cache: CompressedCache, *, attention: str = "native"
+) -> Iterator[CompressedCache]:
+    """Run ``model`` over ``cache`` with attention that reads the compressed storage.
+
+    Parameters
+    ----------
+    model : a transformers causal LM of a type in :data:`SUPPORTED_MODEL_TYPES`
+    cache : CompressedCache
+    attention : {"native", "reference"}, default "native"
+        ``native`` switches the model to :func:`kv_cache.attention.compressed_attention`
+        (``model.set_attn_implementation``) for the block and back afterwards; eviction
+        policies get their statistics from it. ``reference`` keeps the model's sdpa / eager
+        attention over dequantized tokens and registers forward hooks that recompute the
+        queries the policy needs (Llama, Mistral, Qwen2, Qwen3 only): the slower path the
+        native one is tested against.
 
     Raises
     ------
     TypeError
         ``cache`` is not a :class:`CompressedCache`.
     ValueError
-        ``model`` has no supported attention modules (Llama, Mistral, Qwen2, Qwen3).
+        Unknown ``attention``; an unsupported model type; ``reference`` on a model without
+        supported attention modules.
     """
     if not isinstance(cache, CompressedCache):
         raise TypeError(f"cache must be a CompressedCache; got {type(cache).__name__}")
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {list(ATTENTION_MODES)}; got {attention!r}")
+    mt = kv_geometry(getattr(model, "config", None)).model_type if hasattr(model, "config") else None
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"kv_cache.compress supports model types {list(SUPPORTED_MODEL_TYPES)}; got {mt!r}")
+    with ExitStack() as stack:
+        if attention == "native":
+            stack.enter_context(_native_attention(model, cache))
+        else:
+            stack.enter_context(_observer_hooks(model, cache))
+        yield cache
+
+
+@contextmanager
+def _native_attention(model: torch.nn.Module, cache: CompressedCache) -> Iterator[None]:
+    register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    was = cache.observed, cache.native
+    cache.observed, cache.native = True, True
+    try:
+        with activate(cache):
+            yield
+    finally:
+        cache.observed, cache.native = was
+        model.set_attn_implementation(previous)
+
+
+@contextmanager
+def _observer_hooks(model: torch.nn.Module, cache: CompressedCache) -> Iterator[None]:
     classes = _attention_classes()
     modules = [m for m in model.modules() if isinstance(m, classes)]
     if not modules:
         mt = getattr(getattr(model, "config", None), "model_type", None)
-        raise ValueError(f"no supported attention modules in model type {mt!r}; supported: {list(SUPPORTED_MODEL_TYPES)}")
+        raise ValueError(f"attention='reference' recomputes queries for {list(REFERENCE_MODEL_TYPES)} only; "
+                         f"got model type {mt!r}: use attention='native'")
 
     def hook(module, args, kwargs, output):
         idx = module.layer_idx
@@ -81,7 +138,7 @@ def compress(model: torch.nn.Module, cache: CompressedCache) -> Iterator[Compres
     was_observed = cache.observed
     cache.observed = True
     try:
-        yield cache
+        yield
     finally:
         cache.observed = was_observed
         for h in handles:

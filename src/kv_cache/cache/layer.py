@@ -44,6 +44,10 @@ class CompressedLayer(CacheLayerMixin):
         The policy's per-token state (e.g. H2O's accumulated attention), ``[batch, kv_heads, kept]``.
     observed : bool
         True while :func:`kv_cache.compress` has an observer on this layer's attention.
+    native : bool
+        True while :func:`kv_cache.compress` runs the model with
+        :func:`kv_cache.attention.compressed_attention`: ``update`` then returns only this
+        call's tokens and keeps the stored blocks for the attention function to read in place.
     """
 
     is_sliding = False
@@ -59,7 +63,10 @@ class CompressedLayer(CacheLayerMixin):
         self.storage: LayerStorage | None = None
         self.state: dict[str, torch.Tensor] = {}
         self.observed = False
-        self._pending: torch.Tensor | None = None
+        self.native = False
+        self._pending: torch.Tensor | bool | None = None
+        self._view: list | None = None
+        self._starts: torch.Tensor | None = None  # [b, h] leading padding slots (native attention)
         self._prefill_done = False
 
     # ------------------------------------------------------------------ transformers API
@@ -92,12 +99,19 @@ class CompressedLayer(CacheLayerMixin):
         if self.prompt_len is None:
             self.prompt_len = q_len
         self.seen += q_len
+        acts = self.policy is not None and not (self.policy.prefill_only and self._prefill_done)
+        if self.native:
+            # The attention function reads the blocks stored so far in place, then this call's tokens.
+            self._view = self.storage.blocks()
+            self.storage.append(key_states, value_states)
+            self._pending = True if acts else None
+            return key_states, value_states
         keys, values = self.storage.update(key_states, value_states)
-        if self.policy is not None and not (self.policy.prefill_only and self._prefill_done):
+        if acts:
             if self.observed:
                 self._pending = keys
             else:  # a policy that needs no attention (checked above) evicts here; attention still sees all
-                self._evict(keys, None, None, scaling=1.0)
+                self._evict(self._score_inputs(keys.shape[:3], keys=keys), None)
         return keys, values
 
     def get_seq_length(self) -> int:
@@ -117,9 +131,9 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        observed = self.observed
+        observed, native = self.observed, self.native
         self.__init__(self.layer_idx, self.quant, self.policy)
-        self.observed = observed
+        self.observed, self.native = observed, native
 
     def crop(self, max_length: int) -> None:
         raise RuntimeError(
@@ -141,6 +155,8 @@ class CompressedLayer(CacheLayerMixin):
         if self.storage is not None:
             self.storage.map_tensors(fn)
         self.state = {name: fn(t) for name, t in self.state.items()}
+        if self._starts is not None:
+            self._starts = fn(self._starts)
 
     def kept_length(self) -> int:
         """Tokens currently stored (sinks + quantized + residual)."""
@@ -168,7 +184,68 @@ class CompressedLayer(CacheLayerMixin):
         keys, self._pending = self._pending, None
         if keys is None:
             return
-        self._evict(keys, query, _key_valid(attention_mask, keys), scaling)
+        valid = _key_valid(attention_mask, keys)
+        lead = self.storage.protected()[0]
+        if lead and not bool(valid[:, :lead].all()):
+            # The reference path lines kept tokens up with the mask's last columns; padding kept as
+            # a full-precision sink would read as valid there. The native attention masks it.
+            raise ValueError(
+                "QuantConfig.sink_tokens would keep left padding as sink tokens, which the reference "
+                "attention path cannot mask after eviction: use kv_cache.compress(model, cache) "
+                "(attention='native') for padded batches with quantization sinks"
+            )
+        inputs = self._score_inputs(keys.shape[:3], keys=keys, query=query, scaling=scaling,
+                                    key_valid=None if bool(valid.all()) else valid)
+        self._evict(inputs, valid[:, None, :])
+
+    # ------------------------------------------------------------------ the native-attention seam
+    @property
+    def has_attention_view(self) -> bool:
+        """True between a native ``update`` and the attention call that reads its view."""
+        return self._view is not None
+
+    def take_attention_view(self) -> list:
+        """The blocks stored before this call (:mod:`kv_cache.attention.blocks`), once."""
+        view, self._view = self._view, None
+        return view
+
+    def stored_starts(self, new_valid: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
+        """Leading padding slots ``[batch, kv_heads]`` of the blocks stored before this call
+        (None: none), then record the padding of this call's ``q_len`` tokens.
+
+        ``new_valid`` ``[batch, q_len]`` bool (None: all valid). Only left padding is
+        supported: a row's padding must precede all of its valid tokens.
+        """
+        before = self._starts
+        if new_valid is None:
+            return before
+        b, h, dev = new_valid.shape[0], self.storage.heads, new_valid.device
+        lead = (~new_valid).to(torch.int32).cumprod(dim=1).sum(dim=1)  # leading invalid tokens per row
+        stored_before = self.kept_length() - q_len
+        zeros = torch.zeros(b, h, dtype=torch.int32, device=dev)
+        all_padding = (zeros if before is None else before) == stored_before
+        if bool((lead != (~new_valid).sum(dim=1)).any()) or bool(((~all_padding) & (lead[:, None] > 0)).any()):
+            raise ValueError(
+                "kv_cache attention supports left padding only (each row's padding before all its tokens); "
+                "got padding after valid tokens: use kv_cache.compress(model, cache, attention='reference')"
+            )
+        now = zeros if before is None else before.clone()
+        now += torch.where(all_padding, lead[:, None].to(torch.int32), 0)
+        self._starts = now if bool(now.any()) else None
+        return before
+
+    def observe_attention(self, attention: torch.Tensor | None, queries: int, scaling: float) -> None:
+        """Native counterpart of :meth:`observe`: ``attention`` ``[batch, q_heads, T]`` are the
+        probabilities of the last ``queries`` (= :meth:`query_window`) queries summed per head
+        (None when the policy needs none), computed by the attention function over every
+        stored token."""
+        self._pending = None
+        shape = (self.storage.batch, self.storage.heads, self.kept_length())
+        valid = None
+        if self._starts is not None:
+            valid = torch.arange(shape[2], device=self._starts.device) >= self._starts.unsqueeze(-1)  # [b, h, T]
+        self._evict(self._score_inputs(shape, attention=attention, attention_queries=queries, scaling=scaling,
+                                       key_valid=valid), valid)
 
     def _check_policy_can_act(self, batch: int) -> None:
         """Raise unless the policy can act in this setting (never keep everything silently)."""
@@ -193,17 +270,18 @@ class CompressedLayer(CacheLayerMixin):
             )
 
     # ------------------------------------------------------------------ eviction
-    def _evict(self, keys: torch.Tensor, query: torch.Tensor | None, valid: torch.Tensor | None,
-               scaling: float) -> None:
-        """Score the ``T`` slots of ``keys`` (``[batch, kv_heads, T, head_dim]``, the tokens
-        attention just used, all of them stored now) and keep the policy's choice."""
+    def _score_inputs(self, shape, **fields) -> ScoreInputs:
+        fields.setdefault("scaling", 1.0)
+        for name in ("keys", "query", "key_valid"):
+            fields.setdefault(name, None)
+        return ScoreInputs(shape=tuple(shape), state=self.state, **fields)
+
+    def _evict(self, inputs: ScoreInputs, valid: torch.Tensor | None) -> None:
+        """Score the ``T`` stored slots (``inputs.shape``: every token attention just used is
+        stored now) and keep the policy's choice; ``valid`` ``[batch, 1 or kv_heads, T]``."""
         pol = self.policy
-        b, T = keys.shape[0], keys.shape[2]
-        if valid is None:
-            valid = torch.ones(b, T, dtype=torch.bool, device=keys.device)
+        T = inputs.shape[2]
         budget = pol.budget_tokens(self.layer_idx, self.prompt_len)
-        inputs = ScoreInputs(keys=keys, query=query, key_valid=None if bool(valid.all()) else valid,
-                             scaling=scaling, state=self.state)
         # H2O must accumulate every step, even before the budget is reached.
         scores = pol.score(inputs) if not pol.prefill_only else None
         if pol.prefill_only:
@@ -226,9 +304,14 @@ class CompressedLayer(CacheLayerMixin):
         scores[..., :lead] = _FORCE
         if trail:
             scores[..., T - trail:] = _FORCE
-        keep = select_tokens(scores, budget, recent_window=window, sink_tokens=pol.sink_tokens,
-                             valid=valid[:, None, :])
+        if valid is None:
+            valid = torch.ones(inputs.shape[0], 1, T, dtype=torch.bool, device=scores.device)
+        keep = select_tokens(scores, budget, recent_window=window, sink_tokens=pol.sink_tokens, valid=valid)
         self.state = {name: gather_tokens(t, keep) for name, t in self.state.items()}
+        if self._starts is not None:
+            self._starts = (keep < self._starts.unsqueeze(-1)).sum(-1).to(torch.int32)
+            if not bool(self._starts.any()):
+                self._starts = None
         self.storage.gather(keep)
 
     # ------------------------------------------------------------------ accounting

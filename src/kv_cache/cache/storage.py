@@ -9,6 +9,9 @@ in token order, every tensor ``[batch, kv_heads, n, ...]``, and offers the same 
 * :meth:`LayerStorage.append` -- add new tokens (:meth:`LayerStorage.update`: read, then append);
 * :meth:`LayerStorage.gather` -- keep the slots ``keep`` (``[batch, kv_heads, K]``, sorted): the
   physical eviction, which frees memory;
+* :meth:`LayerStorage.blocks` -- the stored tokens as attention blocks in token order, read
+  in place by :func:`kv_cache.attention.compressed_attention` (codes are never dequantized
+  into a key matrix);
 * :meth:`LayerStorage.protected` -- how many leading / trailing slots eviction must keep;
 * :meth:`LayerStorage.named_tensors` / :meth:`LayerStorage.nbytes_by_category` -- honest
   accounting (every tensor held, by category).
@@ -26,7 +29,9 @@ from typing import Callable
 
 import torch
 
+from ..attention.blocks import FullBlock, QuantBlock
 from ..compression.quantizer import QuantizedTensor, dequantize, quantize
+from ..kernels import QBlock, uniform_lut
 from .config import QuantConfig
 
 CATEGORIES = ("codes", "scales", "zero_points", "residual", "indices")
@@ -62,6 +67,11 @@ class LayerStorage(ABC):
         """Rows of the batch."""
         return self.keys.shape[0]  # every layout keeps its full-precision part as ``keys``
 
+    @property
+    def heads(self) -> int:
+        """KV heads."""
+        return self.keys.shape[1]
+
     @abstractmethod
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``[batch, kv_heads, q_len, head_dim]`` tokens after the stored ones."""
@@ -78,6 +88,10 @@ class LayerStorage(ABC):
         out = self.read(keys, values)
         self.append(keys, values)
         return out
+
+    @abstractmethod
+    def blocks(self) -> list:
+        """The stored tokens as :mod:`kv_cache.attention.blocks` blocks, in token order."""
 
     @abstractmethod
     def protected(self) -> tuple[int, int]:
@@ -122,6 +136,9 @@ class FullPrecisionStorage(LayerStorage):
     def update(self, keys, values):
         self.append(keys, values)  # one concatenation, and attention reads the stored tensors
         return self.keys, self.values
+
+    def blocks(self) -> list:
+        return [FullBlock(self.keys, self.values)] if self.length else []
 
     def protected(self) -> tuple[int, int]:
         return 0, 0
@@ -211,6 +228,21 @@ class PackedKV:
         qv = QuantizedTensor(self.v_codes.reshape(-1), self.v_scale, self.v_zero, q.bits, shape, self.dtype, 3,
                              min(q.group_size, d), q.symmetric)
         return dequantize(qk), dequantize(qv)
+
+    def qblocks(self) -> tuple[QBlock, QBlock]:
+        """Keys and values as kernel blocks over rows ``R = batch * kv_heads`` (views, no copy)."""
+        q = self.quant
+        b, h, n, p = self.k_codes.shape
+        R, d = b * h, self.head_dim
+        lut = uniform_lut(q.bits, q.symmetric, self.k_codes.device)
+        k_zero = self.k_zero.reshape(R, -1, d) if self.k_zero.numel() else None
+        keys = QBlock(self.k_codes.reshape(R, n, p), q.bits, lut, "channel", self.k_scale.reshape(R, -1, d), k_zero,
+                      q.group_size, None if self.k_group is None else self.k_group.reshape(R, n))
+        gv = min(q.group_size, d)
+        v_zero = self.v_zero.reshape(R, n, d // gv) if self.v_zero.numel() else None
+        values = QBlock(self.v_codes.reshape(R, n, p), q.bits, lut, "token", self.v_scale.reshape(R, n, d // gv),
+                        v_zero, gv)
+        return keys, values
 
     def gather(self, idx: torch.Tensor) -> None:
         """Keep tokens ``idx`` (``[b, h, k]``) and drop key scale groups no head uses any more."""
@@ -307,6 +339,16 @@ class QuantizedStorage(LayerStorage):
         if len(ks) == 1:
             return ks[0], vs[0]
         return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
+    def blocks(self) -> list:
+        out = []
+        if self.sink_keys is not None:
+            out.append(FullBlock(self.sink_keys, self.sink_values))
+        if self.packed.length:
+            out.append(QuantBlock(*self.packed.qblocks(), batch=self.keys.shape[0], kv_heads=self.keys.shape[1]))
+        if self.keys.shape[2]:
+            out.append(FullBlock(self.keys, self.values))
+        return out
 
     def protected(self) -> tuple[int, int]:
         return self.n_sinks, self.keys.shape[2] if self.packed.length else 0

@@ -21,27 +21,38 @@ from ..compression.selection import check_budget, resolve_budget
 
 @dataclass
 class ScoreInputs:
-    """What a policy may look at, for one layer after its attention call.
+    """What a policy may look at, for one layer after its attention call (``T`` kept slots).
 
     Attributes
     ----------
-    keys : torch.Tensor, shape ``[batch, kv_heads, kept_len, head_dim]``
-        Keys attention just used (dequantized), post-RoPE.
-    query : torch.Tensor or None, shape ``[batch, q_heads, q_len, head_dim]``
-        Post-RoPE queries of this forward call (None when the policy does not need them).
-    key_valid : torch.Tensor or None, shape ``[batch, kept_len]``, bool
+    shape : tuple of int
+        ``(batch, kv_heads, T)``: the shape of the scores to return.
+    keys : torch.Tensor or None, shape ``[batch, kv_heads, T, head_dim]``
+        Keys attention just used (dequantized), post-RoPE; None when ``attention`` is given.
+    query : torch.Tensor or None, shape ``[batch, q_heads, n, head_dim]``
+        The last ``n = query_window(q_len)`` post-RoPE queries (reference attention path).
+    key_valid : torch.Tensor or None, shape ``[batch, T]`` or ``[batch, kv_heads, T]``, bool
         False for padding; None when every key is valid.
     scaling : float
     state : dict
         Per-layer state the policy keeps (e.g. H2O's accumulated scores), gathered by the
-        cache whenever tokens are evicted (tensors of shape ``[batch, kv_heads, kept_len]``).
+        cache whenever tokens are evicted (tensors of shape ``[batch, kv_heads, T']``).
+    attention : torch.Tensor or None, shape ``[batch, q_heads, T]``, float32
+        Attention probabilities of the last ``n`` queries summed over those queries, per
+        query head, as computed by the attention itself (:mod:`kv_cache.attention`); None on
+        the reference path, where the policy computes them from ``query`` and ``keys``.
+    attention_queries : int
+        ``n``, the number of queries summed into ``attention``.
     """
 
-    keys: torch.Tensor
+    shape: tuple[int, int, int]
+    keys: torch.Tensor | None
     query: torch.Tensor | None
     key_valid: torch.Tensor | None
     scaling: float
     state: dict
+    attention: torch.Tensor | None = None
+    attention_queries: int = 0
 
 
 @dataclass

@@ -42,12 +42,17 @@ class H2O(EvictionPolicy):
         return q_len
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
-        q, k = inputs.query, inputs.keys
-        n_kv, T = k.shape[1], k.shape[2]
+        b, n_kv, T = inputs.shape
         acc = inputs.state.get("h2o")
-        total = torch.zeros(k.shape[0], n_kv, T, dtype=torch.float32, device=k.device)
+        total = torch.zeros(b, n_kv, T, dtype=torch.float32,
+                            device=(inputs.keys if inputs.attention is None else inputs.attention).device)
         if acc is not None:
             total[..., : acc.shape[-1]] = acc
+        if inputs.attention is not None:  # the attention function summed every query of the call
+            total += reduce_gqa(inputs.attention, n_kv, self.gqa_reduce)
+            inputs.state["h2o"] = total
+            return total
+        q, k = inputs.query, inputs.keys
         q_len = q.shape[2]
         # Column sums of softmax(q k^T) in chunks of queries: never a full T x T matrix.
         # Causal: queries [s, e) never see keys past position T - q_len + e, so they are skipped.

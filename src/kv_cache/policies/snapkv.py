@@ -1,7 +1,8 @@
 """SnapKV (Li et al., 2024): one-shot selection at prefill from an observation window.
 
-Formula: ``math_dictionary/kv-compression-math.md`` section 9.2. The window's attention is
-recomputed from its queries (``w x T`` probabilities only), so it works with sdpa/flash.
+Formula: ``math_dictionary/kv-compression-math.md`` section 9.2. The window's attention comes
+from :mod:`kv_cache.attention` (summed over the window by the attention itself) or, on the
+reference path (sdpa/eager), is recomputed from its queries (``w x T`` probabilities only).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from ..compression.selection import snapkv_scores, window_attention
+from ..compression.selection import pool_scores, reduce_gqa, snapkv_scores, window_attention
 from .base import EvictionPolicy, ScoreInputs
 
 
@@ -41,6 +42,9 @@ class SnapKV(EvictionPolicy):
         return min(q_len, max(1, self.window_tokens(budget_tokens)))
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        if inputs.attention is not None:  # window attention summed by the attention function
+            mean = inputs.attention / inputs.attention_queries
+            return reduce_gqa(pool_scores(mean, self.kernel_size, self.pooling), inputs.shape[1], self.gqa_reduce)
         q = inputs.query
         w = max(1, min(self.recent_window, q.shape[2]))
         attn = window_attention(q[:, :, -w:], inputs.keys, scaling=inputs.scaling, key_valid=inputs.key_valid)

@@ -19,5 +19,5 @@ class StreamingLLM(EvictionPolicy):
     sink_tokens: int = 4
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
-        b, h, T = inputs.keys.shape[0], inputs.keys.shape[1], inputs.keys.shape[2]
-        return torch.arange(T, dtype=torch.float32, device=inputs.keys.device).expand(b, h, T)
+        b, h, T = inputs.shape
+        return torch.arange(T, dtype=torch.float32).expand(b, h, T)

@@ -1,0 +1,188 @@
+"""Attention over one block of stored tokens, returning what a log-sum-exp merge needs.
+
+A layer's stored tokens are a few blocks in token order (full-precision sinks, packed codes, a
+full-precision residual); this call's new tokens are one more block. Each block is attended
+separately and gives, per query row, its normalized output and its log-sum-exp
+
+    lse_B = log sum_{t in B} exp(s_t),    out_B = sum_{t in B} softmax_B(s)_t v_t,
+
+which :func:`merge` combines into the one softmax over all blocks (math dictionary §16):
+``lse = logsumexp_B lse_B``, ``out = sum_B exp(lse_B - lse) out_B``.
+
+Shapes: queries are grouped by KV head without repeating K/V, ``q`` ``[B, Hkv, G * L, d]``
+with row ``g * L + i`` = query head ``j * G + g`` of KV head ``j`` at query position ``i``
+(transformers' ``repeat_kv`` order). Outputs ``[B, Hkv, G * L, d_v]`` float32, ``lse``
+``[B, Hkv, G * L]`` float32 (``-inf`` for a row that sees no valid token; its output is 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import QBlock, attend_block
+
+ROW_CHUNK_BYTES = 64 * 2**20
+"""Logits held at once by the full-precision paths (bounded memory for long prefills)."""
+
+
+def _row_chunks(rows: int, cols: int, heads: int) -> int:  # rows per chunk of ROW_CHUNK_BYTES logits
+    return max(1, ROW_CHUNK_BYTES // max(1, 4 * cols * heads))
+
+
+def _softmax_parts(logits: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, lse, p)`` of masked logits ``[..., rows, T]`` against ``v`` ``[..., T, d_v]``."""
+    lse = torch.logsumexp(logits, dim=-1)
+    p = torch.exp(logits - lse.unsqueeze(-1)).nan_to_num_(0.0)  # all-masked rows: lse = -inf, p = 0
+    return p @ v, lse, p
+
+
+@dataclass
+class FullBlock:
+    """Full-precision tokens: ``keys``/``values`` ``[B, Hkv, n, d]`` (all before the queries)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    def attend(self, q: torch.Tensor, scaling: float, start: torch.Tensor | None, stat_rows: torch.Tensor | None):
+        """Attend ``q`` ``[B, Hkv, M, d]`` to every token at or after ``start`` ``[B, Hkv]``.
+
+        Returns ``(out, lse, p_stat)``; ``p_stat`` ``[B, Hkv, S, n]`` are the in-block
+        probabilities of the rows ``stat_rows`` (or None).
+        """
+        k, v = self.keys.float(), self.values.float()
+        valid = None
+        if start is not None:
+            valid = torch.arange(self.length, device=k.device) >= start.unsqueeze(-1)  # [B, Hkv, n]
+        M = q.shape[2]
+        step = _row_chunks(M, self.length, q.shape[0] * q.shape[1])
+        outs, lses = [], []
+        for s in range(0, M, step):
+            logits = (q[:, :, s:s + step] @ k.transpose(-1, -2)) * scaling
+            if valid is not None:
+                logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
+            out, lse, _ = _softmax_parts(logits, v)
+            outs.append(out)
+            lses.append(lse)
+        p_stat = None
+        if stat_rows is not None:
+            logits = (q[:, :, stat_rows] @ k.transpose(-1, -2)) * scaling
+            if valid is not None:
+                logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
+            _, _, p_stat = _softmax_parts(logits, v[..., :0])
+        return torch.cat(outs, dim=2), torch.cat(lses, dim=2), p_stat
+
+
+@dataclass
+class QuantBlock:
+    """Packed tokens: ``keys``/``values`` are :class:`~kv_cache.kernels.QBlock` s over rows
+    ``R = B * Hkv``; attention reads the codes directly (no dequantized key matrix)."""
+
+    keys: QBlock
+    values: QBlock
+    batch: int
+    kv_heads: int
+
+    @property
+    def length(self) -> int:
+        return self.keys.codes.shape[1]
+
+    def attend(self, q: torch.Tensor, scaling: float, start: torch.Tensor | None, stat_rows: torch.Tensor | None):
+        B, H, M, d = q.shape
+        R = B * H
+        qf = q.reshape(R, M, d).float()
+        st = None if start is None else start.reshape(R).to(torch.int32)
+        want_all = stat_rows is not None and stat_rows.numel() == M
+        out, lse, logits = attend_block(qf, self.keys, self.values, scaling, start=st, return_logits=want_all)
+        p_stat = None
+        if stat_rows is not None:
+            if not want_all:
+                _, lse_s, logits = attend_block(qf[:, stat_rows].contiguous(), self.keys, self.values, scaling,
+                                                start=st, return_logits=True)
+            else:
+                lse_s = lse
+            p_stat = torch.exp(logits - lse_s.unsqueeze(-1)).nan_to_num_(0.0).reshape(B, H, -1, self.length)
+        return out.reshape(B, H, M, -1), lse.reshape(B, H, M), p_stat
+
+
+def attend_new(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    group: int,
+    valid: torch.Tensor | None,
+    n_stat: int,
+    sum_stats: bool,
+):
+    """Causal attention of this call's ``L`` queries to its own ``L`` tokens.
+
+    ``q`` ``[B, Hkv, G * L, d]``; ``keys``/``values`` ``[B, Hkv, L, d]``; ``valid`` ``[B, L]``
+    (False = padding) or None. A padding query always sees itself, so every row has a valid
+    token. ``n_stat``: the last ``n_stat`` positions are the policy's queries. Returns
+    ``(out, lse, stat)``: ``stat`` is None (``n_stat == 0``), the in-block probabilities of
+    those queries ``[B, Hkv, G * n_stat, L]``, or, with ``sum_stats`` (this block is the only
+    one, so in-block probabilities are final), their sum over the queries of each query head,
+    ``[B, Hkv, G, L]``, accumulated chunk by chunk without holding an ``L x L`` matrix.
+
+    Queries are processed in chunks of positions; a chunk ``[s, e)`` reads keys ``[0, e)``
+    only (causal), so a prefill costs about half of a full ``L x L`` pass.
+    """
+    B, H, M, d = q.shape
+    L = keys.shape[2]
+    G = group
+    if n_stat == 0 and sum_stats:
+        # The first prefill: nothing stored, no statistics. sdpa's fused kernel, GQA native.
+        mask = None
+        if valid is not None:
+            pos = torch.arange(L, device=q.device)
+            mask = ((pos[None, :] <= pos[:, None]) & valid[:, None, None, :]) | (pos[None, :] == pos[:, None])
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.reshape(B, H * G, L, d), keys, values, attn_mask=mask, is_causal=mask is None, scale=scaling,
+            enable_gqa=True)
+        return out.reshape(B, H, M, -1), None, None
+    q5 = q.reshape(B, H, G, L, d).float()
+    k, v = keys.float(), values.float()
+    pos = torch.arange(L, device=q.device)
+    out = torch.empty(B, H, G, L, v.shape[-1], device=q.device)
+    lse = torch.empty(B, H, G, L, device=q.device)
+    first_stat = L - n_stat
+    colsum = torch.zeros(B, H, G, L, device=q.device) if (sum_stats and n_stat) else None
+    p_stat = None if (sum_stats or not n_stat) else torch.zeros(B, H, G, n_stat, L, device=q.device)
+    step = max(1, ROW_CHUNK_BYTES // max(1, 4 * L * B * H * G))
+    for s in range(0, L, step):
+        e = min(L, s + step)
+        allowed = pos[None, :e] <= pos[s:e, None]  # [c, e]
+        if valid is not None:
+            allowed = (allowed & valid[:, None, None, None, :e]) | (pos[None, :e] == pos[s:e, None])
+        logits = (q5[:, :, :, s:e] @ k[:, :, None, :e].transpose(-1, -2)) * scaling  # [B, H, G, c, e]
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        o, l, p = _softmax_parts(logits, v[:, :, None, :e])
+        out[:, :, :, s:e] = o
+        lse[:, :, :, s:e] = l
+        if e > first_stat and n_stat:
+            a = max(s, first_stat)
+            rows = p[:, :, :, a - s:]
+            if colsum is not None:
+                colsum[..., :e] += rows.sum(3)
+            else:
+                p_stat[:, :, :, a - first_stat:e - first_stat, :e] = rows
+    stat = colsum if colsum is not None else (None if p_stat is None else p_stat.reshape(B, H, G * n_stat, L))
+    return out.reshape(B, H, M, -1), lse.reshape(B, H, M), stat
+
+
+def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax over all blocks from per-block ``(out, lse)``: ``(out, lse)`` of the union."""
+    if len(parts) == 1:
+        return parts[0]
+    lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
+    out = None
+    for o, l in parts:
+        w = torch.exp(l - lse).nan_to_num_(0.0).unsqueeze(-1)
+        out = o * w if out is None else out.addcmul_(o, w)
+    return out, lse
