@@ -19,6 +19,19 @@ REFERENCE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose queries the reference path's hooks can recompute (``q_proj`` [+ ``q_norm``])."""
 
 
+def _layer_flag(name: str, doc: str) -> property:
+    """A cache-level flag that reads and sets the same flag on every layer."""
+
+    def get(self) -> bool:
+        return any(getattr(layer, name) for layer in self.layers)
+
+    def set_(self, value: bool) -> None:
+        for layer in self.layers:
+            setattr(layer, name, bool(value))
+
+    return property(get, set_, doc=doc)
+
+
 class CompressedCache(Cache):
     """Drop-in ``past_key_values`` for ``model.generate`` or a manual forward loop.
 
@@ -76,25 +89,10 @@ class CompressedCache(Cache):
         """True when the eviction policy needs ``kv_cache.compress(model, cache)``."""
         return self.eviction is not None and self.eviction.needs_attention
 
-    @property
-    def native(self) -> bool:
-        """True while :func:`kv_cache.compress` runs the model with the native attention function."""
-        return any(layer.native for layer in self.layers)
-
-    @native.setter
-    def native(self, value: bool) -> None:
-        for layer in self.layers:
-            layer.native = bool(value)
-
-    @property
-    def observed(self) -> bool:
-        """True while :func:`kv_cache.compress` observes the model's attention for this cache."""
-        return any(layer.observed for layer in self.layers)
-
-    @observed.setter
-    def observed(self, value: bool) -> None:
-        for layer in self.layers:
-            layer.observed = bool(value)
+    native = _layer_flag("native", "True while :func:`kv_cache.compress` runs the model with the native "
+                                   "attention function.")
+    observed = _layer_flag("observed", "True while :func:`kv_cache.compress` observes the model's attention "
+                                       "for this cache.")
 
     def held_tensors(self) -> dict[str, Any]:
         """Every tensor held, keyed ``"layer{i}.{slot}"``."""

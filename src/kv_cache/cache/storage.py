@@ -30,8 +30,7 @@ from typing import Callable
 import torch
 
 from ..attention.blocks import FullBlock, QuantBlock
-from ..compression.quantizer import QuantizedTensor, dequantize, quantize
-from ..kernels import QBlock, uniform_lut
+from ..kernels import QBlock, dequantize_block, quantize_block, uniform_lut
 from .config import QuantConfig
 
 CATEGORIES = ("codes", "scales", "zero_points", "residual", "indices")
@@ -169,7 +168,7 @@ class PackedKV:
     Attributes (``n`` tokens, ``G`` key scale groups, ``d`` head_dim)
     ----------------------------------------------------------------
     k_codes, v_codes : uint8 ``[b, h, n, d * bits / 8]``
-    k_scale, k_zero : ``[b, h, G, d]`` (``k_zero`` int16, empty when symmetric)
+    k_scale, k_zero : ``[b, h, G, d]`` (``k_zero`` int16, None when symmetric)
     v_scale, v_zero : ``[b, h, n, d / group]``
     k_group : int32 ``[b, h, n]`` or None
         Each key's scale group, kept when tokens may be evicted (groups become ragged then);
@@ -191,43 +190,36 @@ class PackedKV:
         return 0 if self.k_codes is None else self.k_codes.shape[2]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Quantize ``[b, h, n, d]`` tokens (``n`` a multiple of ``group_size``) and append them."""
+        """Quantize ``[b, h, n, d]`` tokens (``n`` a multiple of ``group_size``) and append them.
+
+        One fused quantize + pack per tensor (:func:`kv_cache.kernels.quantize_block`), bit for
+        bit :func:`kv_cache.compression.quantize` with keys per channel and values per token.
+        """
         q = self.quant
         g = q.group_size
         b, h, n, d = keys.shape
-        qk = quantize(keys, q.bits, axis=-2, group_size=g, symmetric=q.symmetric, scale_dtype=q.scale_dtype)
-        qv = quantize(values, q.bits, axis=-1, group_size=min(g, d), symmetric=q.symmetric,
-                      scale_dtype=q.scale_dtype)
+        R = b * h
+        kq = quantize_block(keys.reshape(R, n, d), q.bits, "channel", g, q.symmetric, q.scale_dtype)
+        vq = quantize_block(values.reshape(R, n, d), q.bits, "token", min(g, d), q.symmetric, q.scale_dtype)
         if self.track_groups:
             first = 0 if self.k_scale is None else self.k_scale.shape[2]  # index into the scale table
             gid = torch.arange(first, first + n // g, device=keys.device, dtype=torch.int32)
             self.k_group = _cat(self.k_group, gid.repeat_interleave(g).expand(b, h, n).contiguous())
-        self.k_codes = _cat(self.k_codes, qk.data.view(b, h, n, -1))
-        self.k_scale = _cat(self.k_scale, qk.scale)  # [b, h, blocks, d]
-        self.v_codes = _cat(self.v_codes, qv.data.view(b, h, n, -1))
-        self.v_scale = _cat(self.v_scale, qv.scale)  # [b, h, n, d / gv]
-        # Symmetric zero points are empty tensors: kept as they are (nothing to concatenate).
-        self.k_zero = qk.zero_point if qk.zero_point.numel() == 0 else _cat(self.k_zero, qk.zero_point)
-        self.v_zero = qv.zero_point if qv.zero_point.numel() == 0 else _cat(self.v_zero, qv.zero_point)
+        self.k_codes = _cat(self.k_codes, kq.codes.view(b, h, n, -1))
+        self.k_scale = _cat(self.k_scale, kq.scale.view(b, h, n // g, d))  # [b, h, blocks, d]
+        self.v_codes = _cat(self.v_codes, vq.codes.view(b, h, n, -1))
+        self.v_scale = _cat(self.v_scale, vq.scale.view(b, h, n, -1))  # [b, h, n, d / gv]
+        if not q.symmetric:  # symmetric codes have no zero point (None)
+            self.k_zero = _cat(self.k_zero, kq.zero.view(b, h, n // g, d))
+            self.v_zero = _cat(self.v_zero, vq.zero.view(b, h, n, -1))
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[b, h, n, d]`` in ``dtype`` (math dictionary section 3)."""
-        q = self.quant
+        """Keys and values ``[b, h, n, d]`` in ``dtype`` (math dictionary section 3), one fused
+        unpack + dequantize pass each (:func:`kv_cache.kernels.dequantize_block`)."""
         b, h, n, _ = self.k_codes.shape
-        d = self.head_dim
-        shape = (b, h, n, d)
-        if self.k_group is not None:
-            gid = self.k_group.long()
-            k_scale = gather_tokens(self.k_scale, gid)
-            k_zero = gather_tokens(self.k_zero, gid) if self.k_zero.numel() else self.k_zero
-            k_group_size = 1
-        else:
-            k_scale, k_zero, k_group_size = self.k_scale, self.k_zero, q.group_size
-        qk = QuantizedTensor(self.k_codes.reshape(-1), k_scale, k_zero, q.bits, shape, self.dtype, 2,
-                             k_group_size, q.symmetric)
-        qv = QuantizedTensor(self.v_codes.reshape(-1), self.v_scale, self.v_zero, q.bits, shape, self.dtype, 3,
-                             min(q.group_size, d), q.symmetric)
-        return dequantize(qk), dequantize(qv)
+        kq, vq = self.qblocks()
+        return (dequantize_block(kq, self.dtype).view(b, h, n, -1),
+                dequantize_block(vq, self.dtype).view(b, h, n, -1))
 
     def qblocks(self) -> tuple[QBlock, QBlock]:
         """Keys and values as kernel blocks over rows ``R = batch * kv_heads`` (views, no copy)."""
@@ -235,11 +227,11 @@ class PackedKV:
         b, h, n, p = self.k_codes.shape
         R, d = b * h, self.head_dim
         lut = uniform_lut(q.bits, q.symmetric, self.k_codes.device)
-        k_zero = self.k_zero.reshape(R, -1, d) if self.k_zero.numel() else None
+        k_zero = None if self.k_zero is None else self.k_zero.reshape(R, -1, d)
         keys = QBlock(self.k_codes.reshape(R, n, p), q.bits, lut, "channel", self.k_scale.reshape(R, -1, d), k_zero,
                       q.group_size, None if self.k_group is None else self.k_group.reshape(R, n))
         gv = min(q.group_size, d)
-        v_zero = self.v_zero.reshape(R, n, d // gv) if self.v_zero.numel() else None
+        v_zero = None if self.v_zero is None else self.v_zero.reshape(R, n, d // gv)
         values = QBlock(self.v_codes.reshape(R, n, p), q.bits, lut, "token", self.v_scale.reshape(R, n, d // gv),
                         v_zero, gv)
         return keys, values
@@ -248,14 +240,14 @@ class PackedKV:
         """Keep tokens ``idx`` (``[b, h, k]``) and drop key scale groups no head uses any more."""
         for name in ("k_codes", "v_codes", "v_scale", "v_zero", "k_group"):
             t = getattr(self, name)
-            if t is not None and t.numel():
+            if t is not None:
                 setattr(self, name, gather_tokens(t, idx))
         used = torch.unique(self.k_group)
         if used.numel() < self.k_scale.shape[2]:
             remap = torch.full((self.k_scale.shape[2],), -1, dtype=torch.int32, device=used.device)
             remap[used.long()] = torch.arange(used.numel(), dtype=torch.int32, device=used.device)
             self.k_scale = self.k_scale.index_select(2, used.long())
-            if self.k_zero.numel():
+            if self.k_zero is not None:
                 self.k_zero = self.k_zero.index_select(2, used.long())
             self.k_group = remap[self.k_group.long()]
 
