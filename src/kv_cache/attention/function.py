@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .blocks import attend_new, merge
+from .blocks import FullBlock, attend_new, merge
 
 ATTENTION_NAME = "kv_cache"
 """The name under which :func:`compressed_attention` is registered in transformers."""
@@ -110,6 +110,14 @@ def compressed_attention(
     if n_stat:
         stat_rows = (torch.arange(G, device=q.device)[:, None] * L
                      + torch.arange(L - n_stat, L, device=q.device)[None, :]).reshape(-1)
+    if L == 1:
+        # Decoding: the new token is one more full-precision token after everything stored (no
+        # causal structure inside the call), so it joins the residual block: one block fewer.
+        if view and isinstance(view[-1], FullBlock):
+            last = view.pop()
+            view.append(FullBlock(torch.cat([last.keys, key], 2), torch.cat([last.values, value], 2)))
+        else:
+            view.append(FullBlock(key, value))
     parts, stats, offset = [], [], 0
     for blk in view:
         start = None if starts is None else (starts - offset).clamp(0, blk.length)
@@ -118,9 +126,10 @@ def compressed_attention(
         stats.append(p)
         offset += blk.length
     only_new = not view
-    out, lse, p = attend_new(q, key, value, scaling, G, new_valid, n_stat, sum_stats=only_new)
-    parts.append((out, lse))
-    stats.append(p)
+    if L > 1:
+        out, lse, p = attend_new(q, key, value, scaling, G, new_valid, n_stat, sum_stats=only_new)
+        parts.append((out, lse))
+        stats.append(p)
     out, lse = merge(parts)
     if layer.awaits_observation:
         attn = None
