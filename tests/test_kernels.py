@@ -6,8 +6,9 @@ same order); attention is compared with ``rtol = atol = 1e-4`` on ``out`` and ``
 on ``lse`` and ``logits`` (float32 accumulation of 64-term dot products and of up to 1000
 softmax terms against a float64 oracle; values are O(1)).
 
-Every compiled test runs twice: on the fastest code path of this CPU ("best") and on the
-portable C++ path ("generic", what a CPU without AVX2 runs).
+Every compiled test runs on each code path this CPU can run: the fastest ("best", AVX-512
+here), AVX2 at most ("avx2") and the portable C++ path ("generic", what a CPU without AVX2
+runs), selected with ``KV_CACHE_KERNELS``.
 """
 
 from __future__ import annotations
@@ -29,12 +30,17 @@ SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MODES = ("asym", "sym", "codebook")
 
 
-@pytest.fixture(params=["best", "generic"])
+PATHS = {"best": "auto", "avx2": "avx2", "generic": "generic"}
+
+
+@pytest.fixture(params=list(PATHS))
 def compiled(request, monkeypatch):
     """Select a compiled code path (skips when the compiled kernels are unavailable)."""
     if TORCH_ONLY or not _build.available():
         pytest.skip("compiled kernels unavailable (KV_CACHE_KERNELS=torch or the build failed)")
-    monkeypatch.setenv("KV_CACHE_KERNELS", "generic" if request.param == "generic" else "auto")
+    monkeypatch.setenv("KV_CACHE_KERNELS", PATHS[request.param])
+    if request.param != "best" and _build.isa() == _build.load().isa(0):
+        pytest.skip(f"this CPU's best path is already {_build.isa()}")
     return request.param
 
 
@@ -48,9 +54,12 @@ def paths(monkeypatch):
         pytest.skip("compiled kernels unavailable (KV_CACHE_KERNELS=torch or the build failed)")
 
     def each():
-        for name in ("best", "generic"):
-            monkeypatch.setenv("KV_CACHE_KERNELS", "generic" if name == "generic" else "auto")
-            yield name
+        seen = set()
+        for name, value in PATHS.items():
+            monkeypatch.setenv("KV_CACHE_KERNELS", value)
+            if _build.isa() not in seen:  # e.g. "avx2" is "best" on a CPU without AVX-512
+                seen.add(_build.isa())
+                yield name
 
     return each
 
@@ -111,7 +120,7 @@ def oracle_attend(q, k: QBlock, v: QBlock, scaling, start=None, length=None):
 def test_compiled_extension_is_available():
     """CI fails here if the build silently broke (the ops would still pass on the fallback)."""
     assert _build.available(), f"the kv_cache kernels did not build: {_build.build_error()}"
-    assert _build.isa() in ("avx2", "generic")
+    assert _build.isa() in ("avx512", "avx2", "generic")
     directory = _build.build_dir()
     assert directory.parent == _build.cache_home() / "ext"
     assert (directory / "BUILT").exists()
@@ -200,6 +209,22 @@ def test_dequantize_equals_quantizer_dequantize(compiled):
             blk = ops.quantize_block(x, 4, grouping, gs, sym, torch.float16)
             assert torch.equal(ops.dequantize_block(blk, torch.float16), dequantize(qt))
             assert torch.equal(ops.dequantize_block(blk), dequantize(qt, dtype=torch.float32))
+
+
+def test_dequantize_into_out_buffer(compiled):
+    blk = random_block(2, 40, 32, 4, "token", 8, scale_dtype=torch.float16)
+    buf = torch.full((3, 2, 40, 32), float("nan"), dtype=torch.bfloat16)
+    for impl in (ops, reference):
+        got = impl.dequantize_block(blk, torch.bfloat16, out=buf[1])
+        assert got.data_ptr() == buf[1].data_ptr()
+        assert torch.equal(buf[1], reference.dequantize_block(blk, torch.bfloat16))
+        assert bool(buf[0].isnan().all()) and bool(buf[2].isnan().all())
+        with pytest.raises(TypeError, match="out must have dtype"):
+            impl.dequantize_block(blk, torch.float32, out=buf[1])
+        with pytest.raises(ValueError, match="out must have shape"):
+            impl.dequantize_block(blk, torch.bfloat16, out=buf[1, :, :16])
+        with pytest.raises(ValueError, match="contiguous"):
+            impl.dequantize_block(blk, torch.bfloat16, out=torch.empty(2, 32, 40, dtype=torch.bfloat16).mT)
 
 
 def test_dequantize_bad_group_index_raises(compiled):

@@ -8,8 +8,10 @@ the built library from there without recompiling. ``KV_CACHE_KERNELS`` selects t
 * unset, ``""`` or ``"auto"``: the compiled kernels (fastest code path the CPU supports),
   falling back to torch with one logged warning if the build fails;
 * ``"torch"``: the pure-torch reference only (nothing is compiled);
-* ``"generic"``: the compiled kernels restricted to their portable C++ path (no AVX2), for
-  testing the code that other CPUs run.
+* ``"generic"``: the compiled kernels restricted to their portable C++ path;
+* ``"avx2"``: the compiled kernels restricted to AVX2 at most (no AVX-512).
+
+The last two exist to test, on one machine, the code paths that other CPUs run.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_BACKEND = "KV_CACHE_KERNELS"
-BACKENDS = ("auto", "torch", "generic")
+BACKENDS = ("auto", "torch", "generic", "avx2")
 _ENV_CACHE_HOME = "KV_CACHE_HOME"  # same variable and default as kv_cache.models
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -169,13 +171,16 @@ def build_error() -> str | None:
 
 
 def isa() -> str:
-    """The compiled code path in use: ``"avx2"``, ``"generic"`` or ``"torch"``."""
+    """The code path in use: ``"avx512"``, ``"avx2"``, ``"generic"`` or ``"torch"``."""
     module = load()
     if module is None:
         return "torch"
     return module.isa(isa_flag())
 
 
+_ISA_FLAGS = {"auto": 0, "torch": 0, "generic": 1, "avx2": 2}
+
+
 def isa_flag() -> int:
-    """The ``isa`` argument passed to the extension: 0 = best available, 1 = portable only."""
-    return 1 if backend() == "generic" else 0
+    """The ``isa`` argument passed to the extension: 0 = best, 1 = portable only, 2 = AVX2 at most."""
+    return _ISA_FLAGS[backend()]

@@ -25,6 +25,23 @@ def check_out_dtype(out_dtype) -> torch.dtype:
     return out_dtype
 
 
+def check_out(out, block: QBlock, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """Validate an ``out=`` buffer for a dequantized block: ``[R, N, d]`` of ``out_dtype``, contiguous."""
+    if out is None:
+        return None
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be None or a torch.Tensor; got {type(out).__name__}")
+    R, N, _ = block.codes.shape
+    shape = (R, N, block.head_dim)
+    if out.dtype != out_dtype:
+        raise TypeError(f"out must have dtype out_dtype={out_dtype}; got {out.dtype}")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out must have shape [R, N, d] = {list(shape)}; got {list(out.shape)}")
+    if not out.is_contiguous() or out.device != block.codes.device:
+        raise ValueError(f"out must be contiguous and on {block.codes.device}")
+    return out
+
+
 @dataclass(frozen=True)
 class QuantizeArgs:
     x: torch.Tensor

@@ -17,6 +17,7 @@ from ._checks import (
     bad_group_error,
     check_attend_args,
     check_block,
+    check_out,
     check_out_dtype,
     check_quantize_args,
     midpoints,
@@ -39,7 +40,8 @@ def _c(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 
-def dequantize_block(block: QBlock, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_block(block: QBlock, out_dtype: torch.dtype = torch.float32, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Fused unpack + dequantize: ``x_hat = scale * (lut[code] - zero)`` in one pass (§15.1).
 
     Parameters
@@ -48,19 +50,24 @@ def dequantize_block(block: QBlock, out_dtype: torch.dtype = torch.float32) -> t
         ``R`` rows of ``N`` tokens of ``d`` channels.
     out_dtype : {torch.float32, torch.float16, torch.bfloat16}, default float32
         The arithmetic is float32; the result is rounded (to nearest even) to ``out_dtype``.
+    out : torch.Tensor, optional
+        Contiguous ``[R, N, d]`` buffer of ``out_dtype`` to write into (e.g. a slice of a
+        preallocated KV buffer); saves the allocation and its page faults.
 
     Returns
     -------
     torch.Tensor
-        ``[R, N, d]`` of ``out_dtype``, on ``block.codes.device``. Equal to
-        :func:`kv_cache.compression.quantizer.dequantize` of the same codes and metadata.
+        ``[R, N, d]`` of ``out_dtype``, on ``block.codes.device`` (``out`` when given). Equal
+        to :func:`kv_cache.compression.quantizer.dequantize` of the same codes and metadata.
 
     Raises
     ------
     TypeError
-        ``block`` is not a :class:`QBlock` or ``out_dtype`` is unsupported.
+        ``block`` is not a :class:`QBlock`, ``out_dtype`` is unsupported, ``out`` has another
+        dtype.
     ValueError
-        A group index of a ``"channel"`` block lies outside its scale table.
+        A group index of a ``"channel"`` block lies outside its scale table; ``out`` has the
+        wrong shape or is not contiguous.
 
     Examples
     --------
@@ -71,11 +78,14 @@ def dequantize_block(block: QBlock, out_dtype: torch.dtype = torch.float32) -> t
     """
     block = check_block(block, "block")
     out_dtype = check_out_dtype(out_dtype)
+    out = check_out(out, block, out_dtype)
     ext = _compiled(block.codes)
     if ext is None:
-        return reference._dequantize(block, out_dtype)
+        result = reference._dequantize(block, out_dtype)
+        return result if out is None else out.copy_(result)
     R, N, _ = block.codes.shape
-    out = torch.empty((R, N, block.head_dim), dtype=out_dtype)
+    if out is None:
+        out = torch.empty((R, N, block.head_dim), dtype=out_dtype)
     ext.dequantize(block.codes.contiguous(), block.bits, block.lut.contiguous(), _GROUPING_ID[block.grouping],
                    block.scale.contiguous(), _c(block.zero), _c(block.gid), block.group_size, out,
                    _build.isa_flag())

@@ -17,6 +17,7 @@ from ._checks import (
     bad_group_error,
     check_attend_args,
     check_block,
+    check_out,
     check_out_dtype,
     check_quantize_args,
     midpoints,
@@ -66,9 +67,14 @@ def _dequantize(block: QBlock, out_dtype: torch.dtype) -> torch.Tensor:
     return v.mul_(expand_meta(block, block.scale)).to(out_dtype)
 
 
-def dequantize_block(block: QBlock, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_block(block: QBlock, out_dtype: torch.dtype = torch.float32, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of :func:`kv_cache.kernels.dequantize_block` (same contract)."""
-    return _dequantize(check_block(block, "block"), check_out_dtype(out_dtype))
+    block = check_block(block, "block")
+    out_dtype = check_out_dtype(out_dtype)
+    out = check_out(out, block, out_dtype)
+    result = _dequantize(block, out_dtype)
+    return result if out is None else out.copy_(result)
 
 
 def _quantize(a: QuantizeArgs) -> QBlock:

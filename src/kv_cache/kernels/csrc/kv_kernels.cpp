@@ -9,9 +9,10 @@
 //   ([R, NG, d], token t uses group gid[r, t] or t / gs) or per "token" group
 //   ([R, N, d / gs]). Math: math_dictionary/kv-compression-math.md section 15.
 //
-// Portability: the file is compiled with plain -O3 (any x86_64). The AVX2/FMA/F16C bodies
-// are compiled under a function-level target pragma and only called when the CPU reports
-// those features (__builtin_cpu_supports), so the extension loads and runs everywhere.
+// Portability: the file is compiled with plain -O3 (any x86_64). The AVX2 (+FMA, F16C) and
+// AVX-512 (F, BW, DQ, VL) bodies are compiled under function-level target pragmas and only
+// called when the CPU reports those features (__builtin_cpu_supports), so the extension loads
+// and runs everywhere; the portable body is the fallback.
 
 #include <torch/extension.h>
 
@@ -81,39 +82,13 @@ struct Meta {
   DT dt = DT_NONE;
 };
 
-// dst[0..n) = m[off .. off + n) as float32. Metadata is at most 1/8 of the codes, so it is
-// converted here, a tile or a group at a time, instead of in a separate pass.
-static inline void meta_load(const Meta& m, int64_t off, int64_t n, float* dst) {
-  switch (m.dt) {
-    case DT_F32: std::memcpy(dst, static_cast<const float*>(m.p) + off, sizeof(float) * n); break;
-    case DT_F16: {
-      const uint16_t* s = static_cast<const uint16_t*>(m.p) + off;
-      for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
-      break;
-    }
-    case DT_BF16: {
-      const uint16_t* s = static_cast<const uint16_t*>(m.p) + off;
-      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
-      break;
-    }
-    case DT_I16: {
-      const int16_t* s = static_cast<const int16_t*>(m.p) + off;
-      for (int64_t i = 0; i < n; ++i) dst[i] = s[i];
-      break;
-    }
-    case DT_I8: {
-      const int8_t* s = static_cast<const int8_t*>(m.p) + off;
-      for (int64_t i = 0; i < n; ++i) dst[i] = s[i];
-      break;
-    }
-    case DT_U8: {
-      const uint8_t* s = static_cast<const uint8_t*>(m.p) + off;
-      for (int64_t i = 0; i < n; ++i) dst[i] = s[i];
-      break;
-    }
-    default: std::fill(dst, dst + n, 0.0f);
-  }
-}
+// A code -> level table: 2**bits entries, zero padded to 256. `offset`: lut[i] == i + beta
+// exactly in float32 (every uniform table), decoded by integer conversion instead of lookup.
+struct Lut {
+  alignas(64) float v[256];
+  bool offset = false;
+  float beta = 0.0f;
+};
 
 // Code c of one token's packed bytes p (little-endian words of lcm(8, bits) bits).
 static inline int code_at(const uint8_t* p, int c, int bits) {
@@ -129,14 +104,9 @@ static inline int code_at(const uint8_t* p, int c, int bits) {
   }
 }
 
-// Pack d code bytes (values < 2**bits) into the token's P bytes: the shift-and-mask folds of
-// packing.py, eight codes (one 64-bit word) at a time.
-static inline void pack_row(const uint8_t* q, int d, int bits, uint8_t* out) {
-  int c = 0;
-  if (bits == 8) {
-    std::memcpy(out, q, d);
-    return;
-  }
+// Pack code bytes q[c..d) (values < 2**bits) into the token's bytes, from code c (a multiple
+// of 8): the shift-and-mask folds of packing.py, eight codes (one 64-bit word) at a time.
+static inline void pack_tail(const uint8_t* q, int c, int d, int bits, uint8_t* out) {
   for (; c + 8 <= d; c += 8) {
     uint64_t x;
     std::memcpy(&x, q + c, 8);
@@ -182,7 +152,7 @@ struct BlockView {
   const uint8_t* codes = nullptr;
   int64_t R = 0, N = 0;
   int d = 0, P = 0, bits = 0;
-  float lut[256];  // 2**bits entries, zero padded to 256
+  Lut lut;
   int grouping = kChannel;
   Meta scale, zero;
   const int32_t* gid = nullptr;
@@ -196,7 +166,9 @@ struct QuantArgs {
   int64_t R, N;
   int d, P, bits, grouping, gs;
   bool symmetric, codebook;
-  float qlo, qhi, qadd;   // uniform: clamp range and the implicit code offset
+  float qlo, qhi;         // uniform: codes are clamp(round(x / s) + zp, qlo, qhi)
+  float qmax;             // the scale's divisor: 2**(b-1) - 1 (symmetric) or 2**b - 1
+  float sym_offset;       // symmetric: the implicit code offset 2**(b-1)
   const float* mids;      // codebook: sorted midpoints between levels
   int nmids;
   uint8_t* codes;
@@ -230,73 +202,6 @@ struct AttendArgs {
   std::atomic<int>* status;
 };
 
-// Stored-scale conversion of the quantizer: store in sdt, read back as float32.
-static inline float store_scale(const QuantArgs& a, int64_t off, float s) {
-  switch (a.sdt) {
-    case DT_F16: {
-      const uint16_t h = f32_to_f16(s);
-      static_cast<uint16_t*>(a.scale)[off] = h;
-      return f16_to_f32(h);
-    }
-    case DT_BF16: {
-      const uint16_t h = f32_to_bf16(s);
-      static_cast<uint16_t*>(a.scale)[off] = h;
-      return bf16_to_f32(h);
-    }
-    default:
-      static_cast<float*>(a.scale)[off] = s;
-      return s;
-  }
-}
-
-// Uniform scale and zero point of one group, exactly as kv_cache.compression.quantizer.quantize
-// computes them (float32 statistics, SCALE_FLOOR, zero-point guard, constant groups).
-// Returns false (and sets the status) when scale_dtype cannot hold the scale.
-static inline bool uniform_scale(const QuantArgs& a, float mn, float mx, int64_t off, float& s_used,
-                                 float& zp) {
-  const float amax = std::max(std::fabs(mn), std::fabs(mx));
-  const bool constant = (mn == mx) && (amax > 0.0f);
-  const float qmax = a.qhi;
-  float s;
-  if (a.symmetric) {
-    s = std::max(amax, 1e-8f) / qmax;
-  } else {
-    s = std::max(mx - mn, 1e-8f) / qmax;  // qmax - qmin with qmin = 0
-    s = std::max(s, amax * 0x1p-14f);
-  }
-  if (constant) s = amax;
-  const float back = store_scale(a, off, s);
-  if (a.sdt != DT_F32 && (!std::isfinite(back) || back == 0.0f)) {
-    a.status->store(kScaleUnrepresentable);
-    return false;
-  }
-  s_used = back;
-  if (a.symmetric) {
-    zp = 0.0f;
-  } else {
-    zp = std::nearbyint(0.0f - mn / s_used);
-    a.zero[off] = static_cast<int16_t>(zp);
-  }
-  return true;
-}
-
-// Codebook scale: RMS of the group (sum of squares in float64), stored in sdt. A zero stored
-// scale is allowed (the group dequantizes to 0); a non-finite one is an error.
-static inline bool rms_scale(const QuantArgs& a, double sumsq, int n, int64_t off, float& s_used) {
-  if (!std::isfinite(sumsq)) {
-    a.status->store(kNonFinite);
-    return false;
-  }
-  const float rms = static_cast<float>(std::sqrt(sumsq / n));
-  const float back = store_scale(a, off, rms);
-  if (!std::isfinite(back)) {
-    a.status->store(kScaleUnrepresentable);
-    return false;
-  }
-  s_used = back;
-  return true;
-}
-
 // q[c] = number of midpoints strictly below x[c] / s (the nearest level; ties go down);
 // s == 0 maps to x / s = 0.
 static inline void book_row(const float* x, const float* s, bool s_arr, int n, const float* mids, int nmids,
@@ -313,33 +218,66 @@ static inline void book_row(const float* x, const float* s, bool s_arr, int n, c
 }
 
 namespace generic {
-#define KVK_AVX2 0
+#define KVK_ISA 0
 #include "kv_kernels_impl.h"
-#undef KVK_AVX2
+#undef KVK_ISA
 }  // namespace generic
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
-#define KVK_AVX2 1
+#define KVK_ISA 1
 #include "kv_kernels_impl.h"
-#undef KVK_AVX2
+#undef KVK_ISA
 }  // namespace avx2
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")
+namespace avx512 {
+#define KVK_ISA 2
+#include "kv_kernels_impl.h"
+#undef KVK_ISA
+}  // namespace avx512
+#pragma GCC pop_options
+
 // ----------------------------------------------------------------------------- dispatch
-static bool cpu_has_avx2() {
-  static const bool ok = [] {
+enum Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+
+static int cpu_isa() {
+  static const int level = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    const bool avx2 =
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    return avx512 ? kAvx512 : avx2 ? kAvx2 : kGeneric;
   }();
-  return ok;
+  return level;
 }
 
-// isa: 0 = best the CPU supports, 1 = portable C++ only
-static bool use_avx2(int64_t isa) { return isa == 0 && cpu_has_avx2(); }
+// flag: 0 = the best the CPU supports, 1 = portable C++ only, 2 = at most AVX2
+static int pick_isa(int64_t flag) {
+  const int cpu = cpu_isa();
+  if (flag == 1) return kGeneric;
+  if (flag == 2) return std::min(cpu, static_cast<int>(kAvx2));
+  return cpu;
+}
 
-static std::string isa_name(int64_t isa) { return use_avx2(isa) ? "avx2" : "generic"; }
+static std::string isa_name(int64_t flag) {
+  static const char* names[] = {"generic", "avx2", "avx512"};
+  return names[pick_isa(flag)];
+}
+
+#define KVK_DISPATCH(isa, fn, ...) \
+  do {                             \
+    if ((isa) == kAvx512)          \
+      avx512::fn(__VA_ARGS__);     \
+    else if ((isa) == kAvx2)       \
+      avx2::fn(__VA_ARGS__);       \
+    else                           \
+      generic::fn(__VA_ARGS__);    \
+  } while (0)
 
 // Run fn(item, scratch) for item in [0, n) on at::get_num_threads() OpenMP threads
 // (serially when there is little work or when already inside a parallel region).
@@ -371,8 +309,12 @@ static BlockView make_block(const at::Tensor& codes, int64_t bits, const at::Ten
   b.bits = static_cast<int>(bits);
   b.d = b.P * 8 / b.bits;
   TORCH_CHECK(lut.scalar_type() == at::kFloat && lut.is_contiguous() && lut.numel() == (1 << bits), "lut");
-  std::fill(b.lut, b.lut + 256, 0.0f);
-  std::memcpy(b.lut, lut.data_ptr<float>(), sizeof(float) * lut.numel());
+  std::fill(b.lut.v, b.lut.v + 256, 0.0f);
+  std::memcpy(b.lut.v, lut.data_ptr<float>(), sizeof(float) * lut.numel());
+  b.lut.beta = b.lut.v[0];
+  b.lut.offset = true;
+  for (int i = 0; i < (1 << bits); ++i)
+    b.lut.offset = b.lut.offset && (static_cast<float>(i) + b.lut.beta == b.lut.v[i]);
   b.grouping = static_cast<int>(grouping);
   TORCH_CHECK(scale.is_contiguous() && scale.dim() == 3, "scale");
   b.scale.p = scale.data_ptr();
@@ -416,10 +358,11 @@ int64_t quantize(const at::Tensor& x, int64_t bits, int64_t grouping, int64_t gr
   a.gs = static_cast<int>(group_size);
   a.symmetric = symmetric;
   a.codebook = mids.has_value();
-  const int qmax_sym = (1 << (bits - 1)) - 1;
-  a.qlo = symmetric ? -static_cast<float>(qmax_sym) : 0.0f;
-  a.qhi = symmetric ? static_cast<float>(qmax_sym) : static_cast<float>((1 << bits) - 1);
-  a.qadd = symmetric ? static_cast<float>(1 << (bits - 1)) : 0.0f;
+  // symmetric: clamp(round(x/s), -qmax, qmax) + 2**(b-1) == clamp(round(x/s) + 2**(b-1), 1, 2**b - 1)
+  a.qlo = symmetric ? 1.0f : 0.0f;
+  a.qhi = static_cast<float>((1 << bits) - 1);
+  a.qmax = symmetric ? static_cast<float>((1 << (bits - 1)) - 1) : a.qhi;
+  a.sym_offset = static_cast<float>(1 << (bits - 1));
   a.mids = a.codebook ? mids->data_ptr<float>() : nullptr;
   a.nmids = a.codebook ? static_cast<int>(mids->numel()) : 0;
   a.codes = codes.data_ptr<uint8_t>();
@@ -428,13 +371,10 @@ int64_t quantize(const at::Tensor& x, int64_t bits, int64_t grouping, int64_t gr
   a.zero = zero.has_value() ? zero->data_ptr<int16_t>() : nullptr;
   a.status = &status;
   const int64_t items = grouping == kChannel ? a.R * (a.N / a.gs) : a.R * ((a.N + kTokChunk - 1) / kTokChunk);
-  const bool fast = use_avx2(isa);
+  const int isa_level = pick_isa(isa);
   run_items(items, a.R * a.N * a.d, [&](int64_t i, Scratch& s) {
     if (status.load(std::memory_order_relaxed) != kOk) return;
-    if (fast)
-      avx2::quantize_item(a, i, s);
-    else
-      generic::quantize_item(a, i, s);
+    KVK_DISPATCH(isa_level, quantize_item, a, i, s);
   });
   return status.load();
 }
@@ -450,12 +390,9 @@ void dequantize(const at::Tensor& codes, int64_t bits, const at::Tensor& lut, in
   a.odt = dt_of(out);
   a.status = &status;
   const int64_t items = a.blk.R * ((a.blk.N + kTokChunk - 1) / kTokChunk);
-  const bool fast = use_avx2(isa);
+  const int isa_level = pick_isa(isa);
   run_items(items, a.blk.R * a.blk.N * a.blk.d, [&](int64_t i, Scratch& s) {
-    if (fast)
-      avx2::dequantize_item(a, i, s);
-    else
-      generic::dequantize_item(a, i, s);
+    KVK_DISPATCH(isa_level, dequantize_item, a, i, s);
   });
   if (status.load() == kBadGroup) raise_bad_group();
 }
@@ -520,13 +457,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
         std::fill(row + hi[r], row + N, ninf);
       }
   }
-  const bool fast = use_avx2(isa);
+  const int isa_level = pick_isa(isa);
   if (n_items > 0) {
     run_items(n_items, total * G * (a.k.d + dv) / 4, [&](int64_t i, Scratch& s) {
-      if (fast)
-        avx2::attend_item(a, i, s);
-      else
-        generic::attend_item(a, i, s);
+      KVK_DISPATCH(isa_level, attend_item, a, i, s);
     });
   }
   if (status.load() == kBadGroup) raise_bad_group();

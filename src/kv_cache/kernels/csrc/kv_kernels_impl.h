@@ -1,15 +1,60 @@
-// Per-ISA kernel bodies of kv_kernels.cpp. This file is included twice, inside
-// `namespace kvk::generic` (portable C++, any x86_64) and inside `namespace kvk::avx2`
-// (under `#pragma GCC target("avx2,fma,f16c")`, with KVK_AVX2 defined); the dispatcher in
-// kv_kernels.cpp picks one at run time from the CPU's feature bits. Everything here is
-// single-threaded: one call processes one work item (a row chunk); threads are spread over
-// items by kv_kernels.cpp. Math: math_dictionary/kv-compression-math.md section 15.
+// Per-ISA kernel bodies of kv_kernels.cpp. This file is included three times, inside
+// `namespace kvk::generic` (KVK_ISA 0: portable C++, any x86_64), `kvk::avx2` (KVK_ISA 1,
+// under `#pragma GCC target("avx2,fma,f16c")`) and `kvk::avx512` (KVK_ISA 2, AVX-512
+// F/BW/DQ/VL); kv_kernels.cpp picks one at run time from the CPU's feature bits. Everything
+// here is single-threaded: one call processes one work item (a row chunk or a group); threads
+// are spread over items by kv_kernels.cpp. Math: math_dictionary/kv-compression-math.md §15.
 //
 // Buffers of decoded values are padded to a multiple of kPad floats per token so the
 // vector loops never need a tail; the padding is zero and stays zero.
 
-// ----------------------------------------------------------------------------- vectors
-#if KVK_AVX2
+// ============================================================================= vectors
+#if KVK_ISA == 2
+constexpr int W = 16;
+typedef __m512 vf;
+static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vset1(float x) { return _mm512_set1_ps(x); }
+static inline vf vzero() { return _mm512_setzero_ps(); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline __m256 fold256(vf a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+static inline float vhsum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
+static inline float vhmin(vf v) { return _mm512_reduce_min_ps(v); }
+static inline void vhsum4(vf a0, vf a1, vf a2, vf a3, float* out) {
+  __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(fold256(a0), fold256(a1)), _mm256_hadd_ps(fold256(a2), fold256(a3)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+}
+// exp for x <= 0 (Cephes expf polynomial, ~2 ulp); inputs below -87.3 give ~1e-38, not 0
+static inline vf vexp(vf x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, fx);
+}
+// W floats holding integers in [0, 255] -> W bytes
+static inline void vstore_u8(uint8_t* p, vf v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtusepi32_epi8(_mm512_cvttps_epi32(v)));
+}
+#elif KVK_ISA == 1
 constexpr int W = 8;
 typedef __m256 vf;
 static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
@@ -42,12 +87,10 @@ static inline float vhmin(vf v) {
   a = _mm_min_ss(a, _mm_movehdup_ps(a));
   return _mm_cvtss_f32(a);
 }
-// out[0..4) = horizontal sums of a0..a3
 static inline void vhsum4(vf a0, vf a1, vf a2, vf a3, float* out) {
   __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
 }
-// exp for x <= 0 (Cephes expf polynomial, ~2 ulp); inputs below -87.3 give ~1e-38, not 0
 static inline vf vexp(vf x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
   __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -64,7 +107,6 @@ static inline vf vexp(vf x) {
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
-// 8 floats holding integers in [0, 255] -> 8 bytes
 static inline void vstore_u8(uint8_t* p, vf v) {
   __m256i i = _mm256_cvttps_epi32(v);
   __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
@@ -95,257 +137,553 @@ static inline vf vexp(vf x) { return std::exp(x); }
 static inline void vstore_u8(uint8_t* p, vf v) { *p = static_cast<uint8_t>(v); }
 #endif
 
-// ----------------------------------------------------------------------------- rows
-// dst[0..n) = x[0..n) as float32, x of dtype dt (F32, F16, BF16)
-static inline void load_row(const void* x, DT dt, int n, float* dst) {
-  int c = 0;
-  if (dt == DT_F32) {
-    std::memcpy(dst, x, sizeof(float) * n);
-    return;
-  }
-  const uint16_t* h = static_cast<const uint16_t*>(x);
-#if KVK_AVX2
-  if (dt == DT_F16) {
-    for (; c + 8 <= n; c += 8)
-      _mm256_storeu_ps(dst + c, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + c))));
-  } else {
-    for (; c + 8 <= n; c += 8) {
-      __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + c)));
-      _mm256_storeu_ps(dst + c, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-    }
-  }
+// ============================================================================= conversions
+#if KVK_ISA >= 1
+static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+static inline uint16_t f2h(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+#else
+static inline float h2f(uint16_t h) { return f16_to_f32(h); }
+static inline uint16_t f2h(float f) { return f32_to_f16(f); }
 #endif
-  if (dt == DT_F16)
-    for (; c < n; ++c) dst[c] = f16_to_f32(h[c]);
-  else
-    for (; c < n; ++c) dst[c] = bf16_to_f32(h[c]);
+
+// W consecutive elements of a float32 / float16 / bfloat16 array as float32
+template <DT XDT>
+static inline vf xload(const void* base, int64_t i) {
+#if KVK_ISA == 2
+  if (XDT == DT_F32) return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
+  if (XDT == DT_F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#elif KVK_ISA == 1
+  if (XDT == DT_F32) return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+  if (XDT == DT_F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+  if (XDT == DT_F32) return static_cast<const float*>(base)[i];
+  const uint16_t h = static_cast<const uint16_t*>(base)[i];
+  return XDT == DT_F16 ? f16_to_f32(h) : bf16_to_f32(h);
+#endif
 }
 
-// out[0..n) = src[0..n) converted (round to nearest even) to dt (F32, F16, BF16)
-static inline void store_row(const float* src, int n, void* out, DT dt) {
-  int c = 0;
-  if (dt == DT_F32) {
-    std::memcpy(out, src, sizeof(float) * n);
-    return;
-  }
-  uint16_t* h = static_cast<uint16_t*>(out);
-#if KVK_AVX2
-  if (dt == DT_F16) {
-    for (; c + 8 <= n; c += 8)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(h + c),
-                       _mm256_cvtps_ph(_mm256_loadu_ps(src + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  } else {
-    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
-    for (; c + 8 <= n; c += 8) {
-      __m256i u = _mm256_castps_si256(_mm256_loadu_ps(src + c));
-      __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
-      u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(bias, lsb)), 16);
-      __m128i p = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(h + c), p);
-    }
-  }
-#endif
-  if (dt == DT_F16)
-    for (; c < n; ++c) h[c] = f32_to_f16(src[c]);
-  else
-    for (; c < n; ++c) h[c] = f32_to_bf16(src[c]);
+template <DT XDT>
+static inline float xload1(const void* base, int64_t i) {
+  if (XDT == DT_F32) return static_cast<const float*>(base)[i];
+  const uint16_t h = static_cast<const uint16_t*>(base)[i];
+  return XDT == DT_F16 ? h2f(h) : bf16_to_f32(h);
 }
 
-// dst[c] = lut[code_c], c < d, for the d codes of one token packed at p (packing.py layout).
-// `lut` has at least 16 entries (zero padded past 2**bits).
-static inline void decode_row(const uint8_t* p, int d, int bits, const float* lut, float* dst) {
+// out[i] = v rounded (to nearest even) to dt, for the W lanes of v at out + i
+static inline void vstore_as(void* out, int64_t i, vf v, DT dt) {
+#if KVK_ISA == 2
+  if (dt == DT_F32) {
+    _mm512_storeu_ps(static_cast<float*>(out) + i, v);
+  } else if (dt == DT_F16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i), _mm512_cvtepi32_epi16(u));
+  }
+#elif KVK_ISA == 1
+  if (dt == DT_F32) {
+    _mm256_storeu_ps(static_cast<float*>(out) + i, v);
+  } else if (dt == DT_F16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i),
+                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+    __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i),
+                     _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+  }
+#else
+  if (dt == DT_F32)
+    static_cast<float*>(out)[i] = v;
+  else if (dt == DT_F16)
+    static_cast<uint16_t*>(out)[i] = f32_to_f16(v);
+  else
+    static_cast<uint16_t*>(out)[i] = f32_to_bf16(v);
+#endif
+}
+
+static inline void store_as1(void* out, int64_t i, float v, DT dt) {
+  if (dt == DT_F32)
+    static_cast<float*>(out)[i] = v;
+  else if (dt == DT_F16)
+    static_cast<uint16_t*>(out)[i] = f2h(v);
+  else
+    static_cast<uint16_t*>(out)[i] = f32_to_bf16(v);
+}
+
+// dst[0..n) = m[off .. off + n) as float32 (DT_NONE reads as zeros). Metadata is at most 1/8
+// of the codes, so it is converted here, a tile or a group at a time, not in a separate pass.
+static inline void meta_load(const Meta& m, int64_t off, int64_t n, float* dst) {
+  int64_t i = 0;
+  switch (m.dt) {
+    case DT_F32: std::memcpy(dst, static_cast<const float*>(m.p) + off, sizeof(float) * n); return;
+    case DT_F16:
+      for (; i + W <= n; i += W) vstore(dst + i, xload<DT_F16>(m.p, off + i));
+      for (; i < n; ++i) dst[i] = h2f(static_cast<const uint16_t*>(m.p)[off + i]);
+      return;
+    case DT_BF16:
+      for (; i + W <= n; i += W) vstore(dst + i, xload<DT_BF16>(m.p, off + i));
+      for (; i < n; ++i) dst[i] = bf16_to_f32(static_cast<const uint16_t*>(m.p)[off + i]);
+      return;
+    case DT_I16: {
+      const int16_t* s = static_cast<const int16_t*>(m.p) + off;
+      for (; i < n; ++i) dst[i] = s[i];
+      return;
+    }
+    case DT_I8: {
+      const int8_t* s = static_cast<const int8_t*>(m.p) + off;
+      for (; i < n; ++i) dst[i] = s[i];
+      return;
+    }
+    case DT_U8: {
+      const uint8_t* s = static_cast<const uint8_t*>(m.p) + off;
+      for (; i < n; ++i) dst[i] = s[i];
+      return;
+    }
+    default: std::fill(dst, dst + n, 0.0f);
+  }
+}
+
+// ============================================================================= codes
+// Scale applied while decoding: none, one factor for the whole token (f[0]), or one factor
+// per W-channel chunk (f[c / W]; the caller guarantees it is constant over each chunk).
+enum DecodeScale : int { kNoScale = 0, kTokenScale = 1, kChunkScale = 2 };
+
+// dst[c] = lut[code_c] * factor, c < d, for the d codes of one token packed at p (packing.py
+// layout). Offset tables (lut[i] = i + beta: every uniform table) are decoded by integer
+// conversion instead of a table lookup where that is cheaper.
+template <int MODE>
+static inline __attribute__((always_inline)) void decode_row_t(const uint8_t* p, int d, int bits, const Lut& lut,
+                                                               const float* f, float* dst) {
   int c = 0;
-#if KVK_AVX2
+  const float* cs = f;
+#if KVK_ISA == 2
+  const __m512 lut16 = _mm512_loadu_ps(lut.v);
+  auto put = [&](int at, __m512 v) {
+    if (MODE == kTokenScale) v = _mm512_mul_ps(v, _mm512_set1_ps(f[0]));
+    if (MODE == kChunkScale) v = _mm512_mul_ps(v, _mm512_set1_ps(cs[at / 16]));
+    _mm512_storeu_ps(dst + at, v);
+  };
   if (bits == 4) {
-    const __m256 lo = _mm256_loadu_ps(lut), hi = _mm256_loadu_ps(lut + 8);
-    const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), m = _mm256_set1_epi32(15);
-    for (; c + 8 <= d; c += 8) {
-      uint32_t w;
-      std::memcpy(&w, p + c / 2, 4);
-      __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), sh), m);
-      __m256 a = _mm256_permutevar8x32_ps(lo, idx), b = _mm256_permutevar8x32_ps(hi, idx);
-      _mm256_storeu_ps(dst + c, _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28))));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    for (; c + 32 <= d; c += 32) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c / 2));
+      const __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+      put(c, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), lut16));
+      put(c + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), lut16));
+    }
+    for (; c + 16 <= d; c += 16) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + c / 2));
+      const __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+      put(c, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), lut16));
     }
   } else if (bits == 2) {
-    const __m256 lo = _mm256_loadu_ps(lut);
+    const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i m = _mm512_set1_epi32(3);
+    for (; c + 16 <= d; c += 16) {
+      uint32_t w;
+      std::memcpy(&w, p + c / 4, 4);
+      const __m512i idx = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(w)), sh), m);
+      put(c, _mm512_permutexvar_ps(idx, lut16));
+    }
+  } else if (bits == 3) {  // 16 codes = 48 bits: qword lane i holds codes 2i, 2i+1 at its bottom
+    const __m512i sh64 = _mm512_setr_epi64(0, 6, 12, 18, 24, 30, 36, 42);
+    const __m512i sh32 = _mm512_setr_epi32(0, 3, 0, 3, 0, 3, 0, 3, 0, 3, 0, 3, 0, 3, 0, 3);
+    const __m512i m = _mm512_set1_epi32(7);
+    for (; c + 16 <= d; c += 16) {
+      uint32_t lo;
+      uint16_t hi;  // two loads combined in registers (one 6-byte copy would stall store forwarding)
+      std::memcpy(&lo, p + 3 * (c / 8), 4);
+      std::memcpy(&hi, p + 3 * (c / 8) + 4, 2);
+      const uint64_t w = lo | (static_cast<uint64_t>(hi) << 32);
+      __m512i x = _mm512_srlv_epi64(_mm512_set1_epi64(static_cast<long long>(w)), sh64);
+      x = _mm512_shuffle_epi32(x, _MM_PERM_CCAA);  // low dword of each qword into both halves
+      put(c, _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srlv_epi32(x, sh32), m), lut16));
+    }
+  } else if (lut.offset) {
+    const __m512 beta = _mm512_set1_ps(lut.beta);
+    for (; c + 16 <= d; c += 16) {
+      const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c)));
+      put(c, _mm512_add_ps(_mm512_cvtepi32_ps(idx), beta));
+    }
+  } else {
+    for (; c + 16 <= d; c += 16) {
+      const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c)));
+      put(c, _mm512_i32gather_ps(idx, lut.v, 4));
+    }
+  }
+#elif KVK_ISA == 1
+  auto put = [&](int at, __m256 v) {
+    if (MODE == kTokenScale) v = _mm256_mul_ps(v, _mm256_set1_ps(f[0]));
+    if (MODE == kChunkScale) v = _mm256_mul_ps(v, _mm256_set1_ps(cs[at / 8]));
+    _mm256_storeu_ps(dst + at, v);
+  };
+  if (bits == 4) {
+    const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), m = _mm256_set1_epi32(15);
+    if (lut.offset) {
+      const __m256 beta = _mm256_set1_ps(lut.beta);
+      for (; c + 8 <= d; c += 8) {
+        uint32_t w;
+        std::memcpy(&w, p + c / 2, 4);
+        const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), sh), m);
+        put(c, _mm256_add_ps(_mm256_cvtepi32_ps(idx), beta));
+      }
+    } else {
+      const __m256 lo = _mm256_loadu_ps(lut.v), hi = _mm256_loadu_ps(lut.v + 8);
+      for (; c + 8 <= d; c += 8) {
+        uint32_t w;
+        std::memcpy(&w, p + c / 2, 4);
+        const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), sh), m);
+        const __m256 a = _mm256_permutevar8x32_ps(lo, idx), b = _mm256_permutevar8x32_ps(hi, idx);
+        put(c, _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28))));
+      }
+    }
+  } else if (bits == 2) {
+    const __m256 lo = _mm256_loadu_ps(lut.v);
     const __m256i sh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), m = _mm256_set1_epi32(3);
     for (; c + 8 <= d; c += 8) {
       uint16_t w;
       std::memcpy(&w, p + c / 4, 2);
-      __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh), m);
-      _mm256_storeu_ps(dst + c, _mm256_permutevar8x32_ps(lo, idx));
+      const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh), m);
+      put(c, _mm256_permutevar8x32_ps(lo, idx));
     }
   } else if (bits == 3) {
-    const __m256 lo = _mm256_loadu_ps(lut);
+    const __m256 lo = _mm256_loadu_ps(lut.v);
     const __m256i sh = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21), m = _mm256_set1_epi32(7);
     for (; c + 8 <= d; c += 8) {
       const uint8_t* b = p + 3 * (c / 8);
-      int w = b[0] | (b[1] << 8) | (b[2] << 16);
-      __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh), m);
-      _mm256_storeu_ps(dst + c, _mm256_permutevar8x32_ps(lo, idx));
+      const int w = b[0] | (b[1] << 8) | (b[2] << 16);
+      put(c, _mm256_permutevar8x32_ps(lo, _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh), m)));
+    }
+  } else if (lut.offset) {
+    const __m256 beta = _mm256_set1_ps(lut.beta);
+    for (; c + 8 <= d; c += 8) {
+      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + c)));
+      put(c, _mm256_add_ps(_mm256_cvtepi32_ps(idx), beta));
     }
   } else {
     for (; c + 8 <= d; c += 8) {
-      __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + c)));
-      _mm256_storeu_ps(dst + c, _mm256_i32gather_ps(lut, idx, 4));
+      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + c)));
+      put(c, _mm256_i32gather_ps(lut.v, idx, 4));
     }
   }
 #endif
-  for (; c < d; ++c) dst[c] = lut[code_at(p, c, bits)];
+  auto factor = [&](int at) { return MODE == kTokenScale ? f[0] : MODE == kChunkScale ? cs[at / W] : 1.0f; };
+  if (bits == 4) {  // generic path and tails: one byte = two codes
+    for (; c + 2 <= d; c += 2) {
+      const uint8_t b = p[c / 2];
+      dst[c] = MODE == kNoScale ? lut.v[b & 15] : lut.v[b & 15] * factor(c);
+      dst[c + 1] = MODE == kNoScale ? lut.v[b >> 4] : lut.v[b >> 4] * factor(c + 1);
+    }
+  }
+  for (; c < d; ++c) dst[c] = MODE == kNoScale ? lut.v[code_at(p, c, bits)] : lut.v[code_at(p, c, bits)] * factor(c);
 }
 
-// q[c] = clamp(round(x[c] / s[c]) + z[c], lo, hi) + add as bytes (the quantizer's rounding:
-// true division, round half to even). S_ARR: s and z are per-element arrays, else scalars s[0], z[0].
-template <bool S_ARR>
-static inline void quant_row(const float* x, const float* s, const float* z, int n, float lo, float hi,
-                             float add, uint8_t* q) {
+static inline void decode_row(const uint8_t* p, int d, int bits, const Lut& lut, float* dst) {
+  decode_row_t<kNoScale>(p, d, bits, lut, nullptr, dst);
+}
+
+// Rows t < nt of a tile (stride ldt) from the tokens packed at codes (stride P bytes):
+// dst[t][c] = lut[code] * factor, the factor of token t being f + t * fstride (see MODE).
+template <int MODE>
+static void decode_tile(const uint8_t* codes, int64_t P, int nt, int d, int bits, const Lut& lut, const float* f,
+                        int fstride, float* dst, int ldt) {
+  for (int t = 0; t < nt; ++t)
+    decode_row_t<MODE>(codes + t * P, d, bits, lut, MODE == kNoScale ? nullptr : f + t * fstride,
+                       dst + static_cast<int64_t>(t) * ldt);
+}
+
+// Pack d code bytes (values < 2**bits) into the token's bytes (packing.py layout).
+static inline void pack_row(const uint8_t* q, int d, int bits, uint8_t* out) {
   int c = 0;
-#if KVK_AVX2
-  const vf vlo = vset1(lo), vhi = vset1(hi), vadd_ = vset1(add);
-  const vf vs = vset1(s[0]), vz = vset1(z[0]);
-  for (; c + 8 <= n; c += 8) {
-    vf v = vround(vdiv(vload(x + c), S_ARR ? vload(s + c) : vs));
-    v = vmin(vmax(vadd(v, S_ARR ? vload(z + c) : vz), vlo), vhi);
-    vstore_u8(q + c, vadd(v, vadd_));
+  if (bits == 8) {
+    std::memcpy(out, q, d);
+    return;
+  }
+#if KVK_ISA == 2
+  if (bits == 3) {  // 8 codes -> 24 bits: q0 + 8 q1 + 64 q2 + 512 q3 per dword, two dwords per qword
+    const __m512i k1 = _mm512_set1_epi16(0x0801), k2 = _mm512_set1_epi32(0x00400001);
+    const __m512i lo12 = _mm512_set1_epi64(0xFFF), hi12 = _mm512_set1_epi64(0xFFF000);
+    const __m256i pick = _mm256_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1,
+                                          0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
+    for (; c + 64 <= d; c += 64) {
+      const __m512i w = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_loadu_si512(q + c), k1), k2);
+      const __m512i x = _mm512_or_si512(_mm512_and_si512(w, lo12), _mm512_and_si512(_mm512_srli_epi64(w, 20), hi12));
+      const __m256i y = _mm256_shuffle_epi8(_mm512_cvtepi64_epi32(x), pick);  // 12 bytes per lane
+      uint8_t* o = out + 3 * (c / 8);
+      _mm_mask_storeu_epi8(o, 0x0FFF, _mm256_castsi256_si128(y));
+      _mm_mask_storeu_epi8(o + 12, 0x0FFF, _mm256_extracti128_si256(y, 1));
+    }
   }
 #endif
-  for (; c < n; ++c) {
-    float v = std::nearbyint(x[c] / s[S_ARR ? c : 0]) + z[S_ARR ? c : 0];
-    v = std::min(std::max(v, lo), hi);
-    q[c] = static_cast<uint8_t>(v + add);
-  }
-}
-
-// mn/mx/fin over x[0..n): fin is 0 when every value is finite, NaN otherwise (x * 0 summed)
-static inline void minmax_range(const float* x, int n, float& mn, float& mx, float& fin) {
-  int c = 0;
-  vf vmn = vset1(std::numeric_limits<float>::infinity()), vmx = vset1(-std::numeric_limits<float>::infinity());
-  vf vfin = vzero(), zero = vzero();
-  for (; c + W <= n; c += W) {
-    vf v = vload(x + c);
-    vmn = vmin(vmn, v);
-    vmx = vmax(vmx, v);
-    vfin = vadd(vfin, vmul(v, zero));
-  }
-  float a = vhmin(vmn), b = vhmax(vmx), f = vhsum(vfin);
-  for (; c < n; ++c) {
-    a = std::min(a, x[c]);
-    b = std::max(b, x[c]);
-    f += x[c] * 0.0f;
-  }
-  mn = a;
-  mx = b;
-  fin = f;
-}
-
-// ----------------------------------------------------------------------------- quantize
-// One work item of quantize: "channel" grouping = one group of g tokens of one row;
-// "token" grouping = up to kTokChunk tokens of one row.
-static void quantize_item(const QuantArgs& a, int64_t item, Scratch& s) {
-  const int d = a.d, bits = a.bits;
-  const bool book = a.codebook;
-  const float lo = a.qlo, hi = a.qhi, add = a.qadd;
-  s.f0.resize(d + kPad);  // scale as used (float32)
-  s.f1.resize(d + kPad);  // zero point (uniform) as float
-  s.u8.resize(d + kPad);
-  float* sc = s.f0.data();
-  float* zp = s.f1.data();
-  uint8_t* qb = s.u8.data();
-  const size_t xsz = dt_size(a.xdt);
-  if (a.grouping == kChannel) {
-    const int g = a.gs;
-    const int64_t ng = a.N / g, r = item / ng, grp = item % ng;
-    const int64_t t0 = grp * g;
-    s.f2.resize(static_cast<size_t>(g) * d + kPad);
-    s.f3.resize(3 * (d + kPad));
-    float* xb = s.f2.data();
-    float* mn = s.f3.data();
-    float* mx = mn + d + kPad;
-    float* fin = mx + d + kPad;
-    const char* x = static_cast<const char*>(a.x) + ((r * a.N + t0) * d) * xsz;
-    for (int t = 0; t < g; ++t) load_row(x + t * d * xsz, a.xdt, d, xb + static_cast<int64_t>(t) * d);
-    const int64_t meta_off = (r * ng + grp) * d;
-    if (!book) {
-      std::copy(xb, xb + d, mn);
-      std::copy(xb, xb + d, mx);
-      std::fill(fin, fin + d, 0.0f);
-      for (int t = 1; t < g; ++t) {
-        const float* row = xb + static_cast<int64_t>(t) * d;
-        int c = 0;
-        const vf zero = vzero();
-        for (; c + W <= d; c += W) {
-          vf v = vload(row + c);
-          vstore(mn + c, vmin(vload(mn + c), v));
-          vstore(mx + c, vmax(vload(mx + c), v));
-          vstore(fin + c, vadd(vload(fin + c), vmul(v, zero)));
-        }
-        for (; c < d; ++c) {
-          mn[c] = std::min(mn[c], row[c]);
-          mx[c] = std::max(mx[c], row[c]);
-          fin[c] += row[c] * 0.0f;
-        }
-      }
-      for (int c = 0; c < d; ++c) {
-        fin[c] += xb[c] * 0.0f;
-        if (fin[c] != 0.0f) {
-          a.status->store(kNonFinite);
-          return;
-        }
-        if (!uniform_scale(a, mn[c], mx[c], meta_off + c, sc[c], zp[c])) return;
-      }
-      for (int t = 0; t < g; ++t) {
-        quant_row<true>(xb + static_cast<int64_t>(t) * d, sc, zp, d, lo, hi, add, qb);
-        pack_row(qb, d, bits, a.codes + (r * a.N + t0 + t) * a.P);
-      }
-    } else {
-      double* ss = s.d0.data();
-      s.d0.assign(d, 0.0);
-      ss = s.d0.data();
-      for (int t = 0; t < g; ++t) {
-        const float* row = xb + static_cast<int64_t>(t) * d;
-        for (int c = 0; c < d; ++c) ss[c] += static_cast<double>(row[c]) * row[c];
-      }
-      for (int c = 0; c < d; ++c)
-        if (!rms_scale(a, ss[c], g, meta_off + c, sc[c])) return;
-      for (int t = 0; t < g; ++t) {
-        book_row(xb + static_cast<int64_t>(t) * d, sc, true, d, a.mids, a.nmids, qb);
-        pack_row(qb, d, bits, a.codes + (r * a.N + t0 + t) * a.P);
-      }
+#if KVK_ISA >= 1
+  if (bits == 4) {  // pairs (q0 + 16 q1) by a multiply-add of bytes, then narrow
+    const __m256i k = _mm256_set1_epi16(0x1001);
+    for (; c + 32 <= d; c += 32) {
+      const __m256i w = _mm256_maddubs_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c)), k);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + c / 2),
+                       _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
     }
+  } else if (bits == 2) {  // (q0 + 4 q1) + 16 (q2 + 4 q3)
+    const __m256i k1 = _mm256_set1_epi16(0x0401), k2 = _mm256_set1_epi32(0x00100001);
+    for (; c + 32 <= d; c += 32) {
+      const __m256i w = _mm256_madd_epi16(
+          _mm256_maddubs_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c)), k1), k2);
+      const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + c / 4), _mm_packus_epi16(h, h));
+    }
+  }
+#endif
+  pack_tail(q, c, d, bits, out);
+}
+
+// ============================================================================= quantize
+// Stored-scale conversion of the quantizer: store in sdt, read back as float32.
+static inline float store_scale(const QuantArgs& a, int64_t off, float s) {
+  switch (a.sdt) {
+    case DT_F16: {
+      const uint16_t h = f2h(s);
+      static_cast<uint16_t*>(a.scale)[off] = h;
+      return h2f(h);
+    }
+    case DT_BF16: {
+      const uint16_t h = f32_to_bf16(s);
+      static_cast<uint16_t*>(a.scale)[off] = h;
+      return bf16_to_f32(h);
+    }
+    default:
+      static_cast<float*>(a.scale)[off] = s;
+      return s;
+  }
+}
+
+// Uniform scale and zero point of one group, exactly as kv_cache.compression.quantizer.quantize
+// computes them (float32 statistics, SCALE_FLOOR, zero-point guard, constant groups). The
+// zero point returned includes the symmetric code offset 2**(b-1), so every code is
+// clamp(round(x / s) + zp, qlo, qhi). Returns false (status set) when sdt cannot hold the scale.
+static inline bool uniform_scale(const QuantArgs& a, float mn, float mx, int64_t off, float& s_used, float& zp) {
+  const float amax = std::max(std::fabs(mn), std::fabs(mx));
+  const bool constant = (mn == mx) && (amax > 0.0f);
+  float s;
+  if (a.symmetric) {
+    s = std::max(amax, 1e-8f) / a.qmax;
   } else {
-    const int gs = a.gs, J = d / gs;
-    const int64_t chunks = (a.N + kTokChunk - 1) / kTokChunk, r = item / chunks;
-    const int64_t t0 = (item % chunks) * kTokChunk, t1 = std::min<int64_t>(a.N, t0 + kTokChunk);
-    s.f2.resize(d + kPad);
-    float* xb = s.f2.data();
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t row = r * a.N + t;
-      load_row(static_cast<const char*>(a.x) + row * d * xsz, a.xdt, d, xb);
-      for (int j = 0; j < J; ++j) {
-        const float* xg = xb + j * gs;
-        float s1, z1;
-        if (!book) {
-          float mn, mx, fin;
-          minmax_range(xg, gs, mn, mx, fin);
-          if (fin != 0.0f) {
-            a.status->store(kNonFinite);
-            return;
-          }
-          if (!uniform_scale(a, mn, mx, row * J + j, s1, z1)) return;
-          quant_row<false>(xg, &s1, &z1, gs, lo, hi, add, qb + j * gs);
-        } else {
-          double ss = 0.0;
-          for (int c = 0; c < gs; ++c) ss += static_cast<double>(xg[c]) * xg[c];
-          if (!rms_scale(a, ss, gs, row * J + j, s1)) return;
-          book_row(xg, &s1, false, gs, a.mids, a.nmids, qb + j * gs);
-        }
-      }
-      pack_row(qb, d, bits, a.codes + row * a.P);
-    }
+    s = std::max(mx - mn, 1e-8f) / a.qmax;  // qmax - qmin with qmin = 0
+    s = std::max(s, amax * 0x1p-14f);
+  }
+  if (constant) s = amax;
+  const float back = store_scale(a, off, s);
+  if (a.sdt != DT_F32 && (!std::isfinite(back) || back == 0.0f)) {
+    a.status->store(kScaleUnrepresentable);
+    return false;
+  }
+  s_used = back;
+  if (a.symmetric) {
+    zp = a.sym_offset;
+  } else {
+    zp = std::nearbyint(0.0f - mn / s_used);
+    a.zero[off] = static_cast<int16_t>(zp);
+  }
+  return true;
+}
+
+// Codebook scale: RMS of the group (sum of squares in float64), stored in sdt. A zero stored
+// scale is allowed (the group dequantizes to 0); a non-finite one is an error.
+static inline bool rms_scale(const QuantArgs& a, double sumsq, int n, int64_t off, float& s_used) {
+  if (!std::isfinite(sumsq)) {
+    a.status->store(kNonFinite);
+    return false;
+  }
+  const float back = store_scale(a, off, static_cast<float>(std::sqrt(sumsq / n)));
+  if (!std::isfinite(back)) {
+    a.status->store(kScaleUnrepresentable);
+    return false;
+  }
+  s_used = back;
+  return true;
+}
+
+// q[c] = clamp(round(x[c] / s) + z, lo, hi) as bytes (the quantizer's rounding: true
+// division, round half to even); S_ARR: s and z are per-channel arrays, else scalars.
+template <DT XDT, bool S_ARR>
+static inline void quant_row(const void* x, int64_t off, const float* s, const float* z, int n, float lo, float hi,
+                             uint8_t* q) {
+  int c = 0;
+  const vf vlo = vset1(lo), vhi = vset1(hi), vs = vset1(s[0]), vz = vset1(z[0]);
+  for (; c + W <= n; c += W) {
+    const vf v = vround(vdiv(xload<XDT>(x, off + c), S_ARR ? vload(s + c) : vs));
+    vstore_u8(q + c, vmin(vmax(vadd(v, S_ARR ? vload(z + c) : vz), vlo), vhi));
+  }
+  for (; c < n; ++c) {
+    const float v = std::nearbyint(xload1<XDT>(x, off + c) / s[S_ARR ? c : 0]) + z[S_ARR ? c : 0];
+    q[c] = static_cast<uint8_t>(std::min(std::max(v, lo), hi));
   }
 }
 
-// ----------------------------------------------------------------------------- dequantize
+// exact check used when a running sum went non-finite (NaN/Inf, or a huge but finite sum)
+template <DT XDT>
+static inline bool all_finite(const void* x, int64_t off, int64_t stride, int rows, int cols) {
+  for (int t = 0; t < rows; ++t)
+    for (int c = 0; c < cols; ++c)
+      if (!std::isfinite(xload1<XDT>(x, off + t * stride + c))) return false;
+  return true;
+}
+
+// "channel" grouping: one group of g tokens of one row. Pass 1 keeps per-channel min / max /
+// sum (for the finiteness check) in registers; pass 2 re-reads the group (L1/L2-resident).
+template <DT XDT>
+static void quantize_channel_item(const QuantArgs& a, int64_t item, Scratch& s) {
+  const int d = a.d, g = a.gs, bits = a.bits;
+  const int64_t ng = a.N / g, r = item / ng, grp = item % ng, t0 = grp * g;
+  const int64_t base = (r * a.N + t0) * d;  // element offset of the group's first token
+  const int64_t meta_off = (r * ng + grp) * d;
+  s.f0.resize(4 * (d + kPad));
+  float* mn = s.f0.data();
+  float* mx = mn + d + kPad;
+  float* sc = mx + d + kPad;
+  float* zp = sc + d + kPad;
+  s.u8.resize(d + kPad);
+  uint8_t* qb = s.u8.data();
+  uint8_t* codes = a.codes + (r * a.N + t0) * a.P;
+  if (a.codebook) {
+    s.d0.assign(d, 0.0);
+    double* ss = s.d0.data();
+    for (int t = 0; t < g; ++t)
+      for (int c = 0; c < d; ++c) {
+        const double v = xload1<XDT>(a.x, base + static_cast<int64_t>(t) * d + c);
+        ss[c] += v * v;
+      }
+    for (int c = 0; c < d; ++c)
+      if (!rms_scale(a, ss[c], g, meta_off + c, sc[c])) return;
+    for (int t = 0; t < g; ++t) {
+      float* row = mn;  // reuse as a float row buffer
+      for (int c = 0; c < d; ++c) row[c] = xload1<XDT>(a.x, base + static_cast<int64_t>(t) * d + c);
+      book_row(row, sc, true, d, a.mids, a.nmids, qb);
+      pack_row(qb, d, bits, codes + t * a.P);
+    }
+    return;
+  }
+  int c = 0;
+  const float inf = std::numeric_limits<float>::infinity();
+  for (; c + W <= d; c += W) {
+    vf vmn = vset1(inf), vmx = vset1(-inf), vsum = vzero();
+    for (int t = 0; t < g; ++t) {
+      const vf v = xload<XDT>(a.x, base + static_cast<int64_t>(t) * d + c);
+      vmn = vmin(vmn, v);
+      vmx = vmax(vmx, v);
+      vsum = vadd(vsum, v);
+    }
+    vstore(mn + c, vmn);
+    vstore(mx + c, vmx);
+    if (!std::isfinite(vhsum(vsum)) && !all_finite<XDT>(a.x, base + c, d, g, W)) {
+      a.status->store(kNonFinite);
+      return;
+    }
+  }
+  for (; c < d; ++c) {
+    float lo = inf, hi = -inf, sum = 0.0f;
+    for (int t = 0; t < g; ++t) {
+      const float v = xload1<XDT>(a.x, base + static_cast<int64_t>(t) * d + c);
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
+      sum += v;
+    }
+    mn[c] = lo;
+    mx[c] = hi;
+    if (!std::isfinite(sum) && !all_finite<XDT>(a.x, base + c, d, g, 1)) {
+      a.status->store(kNonFinite);
+      return;
+    }
+  }
+  for (int c2 = 0; c2 < d; ++c2)
+    if (!uniform_scale(a, mn[c2], mx[c2], meta_off + c2, sc[c2], zp[c2])) return;
+  for (int t = 0; t < g; ++t) {
+    quant_row<XDT, true>(a.x, base + static_cast<int64_t>(t) * d, sc, zp, d, a.qlo, a.qhi, qb);
+    pack_row(qb, d, bits, codes + t * a.P);
+  }
+}
+
+// "token" grouping: up to kTokChunk tokens of one row, each in groups of gs channels.
+template <DT XDT>
+static void quantize_token_item(const QuantArgs& a, int64_t item, Scratch& s) {
+  const int d = a.d, gs = a.gs, J = d / gs, bits = a.bits;
+  const int64_t chunks = (a.N + kTokChunk - 1) / kTokChunk, r = item / chunks;
+  const int64_t t0 = (item % chunks) * kTokChunk, t1 = std::min<int64_t>(a.N, t0 + kTokChunk);
+  s.u8.resize(d + kPad);
+  s.f0.resize(d + kPad);
+  uint8_t* qb = s.u8.data();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t row = r * a.N + t;
+    for (int j = 0; j < J; ++j) {
+      const int64_t off = row * d + j * gs;
+      float s1, z1;
+      if (a.codebook) {
+        double ss = 0.0;
+        float* buf = s.f0.data();
+        for (int c = 0; c < gs; ++c) {
+          buf[c] = xload1<XDT>(a.x, off + c);
+          ss += static_cast<double>(buf[c]) * buf[c];
+        }
+        if (!rms_scale(a, ss, gs, row * J + j, s1)) return;
+        book_row(buf, &s1, false, gs, a.mids, a.nmids, qb + j * gs);
+        continue;
+      }
+      int c = 0;
+      vf vmn = vset1(inf), vmx = vset1(-inf), vsum = vzero();
+      for (; c + W <= gs; c += W) {
+        const vf v = xload<XDT>(a.x, off + c);
+        vmn = vmin(vmn, v);
+        vmx = vmax(vmx, v);
+        vsum = vadd(vsum, v);
+      }
+      float mn = vhmin(vmn), mx = vhmax(vmx), sum = vhsum(vsum);
+      for (; c < gs; ++c) {
+        const float v = xload1<XDT>(a.x, off + c);
+        mn = std::min(mn, v);
+        mx = std::max(mx, v);
+        sum += v;
+      }
+      if (!std::isfinite(sum) && !all_finite<XDT>(a.x, off, 0, 1, gs)) {
+        a.status->store(kNonFinite);
+        return;
+      }
+      if (!uniform_scale(a, mn, mx, row * J + j, s1, z1)) return;
+      quant_row<XDT, false>(a.x, off, &s1, &z1, gs, a.qlo, a.qhi, qb + j * gs);
+    }
+    pack_row(qb, d, bits, a.codes + row * a.P);
+  }
+}
+
+static void quantize_item(const QuantArgs& a, int64_t item, Scratch& s) {
+  const bool ch = a.grouping == kChannel;
+  switch (a.xdt) {
+    case DT_F16: return ch ? quantize_channel_item<DT_F16>(a, item, s) : quantize_token_item<DT_F16>(a, item, s);
+    case DT_BF16: return ch ? quantize_channel_item<DT_BF16>(a, item, s) : quantize_token_item<DT_BF16>(a, item, s);
+    default: return ch ? quantize_channel_item<DT_F32>(a, item, s) : quantize_token_item<DT_F32>(a, item, s);
+  }
+}
+
+// ============================================================================= dequantize
+// out[i] = (v[i] - z[i]) * s[i] (arrays) or (v[i] - z) * s (scalars), rounded to odt
+template <bool ARR>
+static inline void store_affine(const float* v, const float* z, const float* s, int n, void* out, int64_t off,
+                                DT odt) {
+  int c = 0;
+  const vf vz = vset1(z[0]), vs = vset1(s[0]);
+  for (; c + W <= n; c += W)
+    vstore_as(out, off + c, vmul(vsub(vload(v + c), ARR ? vload(z + c) : vz), ARR ? vload(s + c) : vs), odt);
+  for (; c < n; ++c) store_as1(out, off + c, (v[c] - z[ARR ? c : 0]) * s[ARR ? c : 0], odt);
+}
+
 // One work item: up to kTokChunk tokens of one row.
 static void dequantize_item(const DequantArgs& a, int64_t item, Scratch& s) {
   const BlockView& b = a.blk;
@@ -353,14 +691,11 @@ static void dequantize_item(const DequantArgs& a, int64_t item, Scratch& s) {
   const int64_t chunks = (b.N + kTokChunk - 1) / kTokChunk, r = item / chunks;
   const int64_t t0 = (item % chunks) * kTokChunk, t1 = std::min<int64_t>(b.N, t0 + kTokChunk);
   s.f0.resize(d + kPad);
-  s.f1.resize(d + kPad);
-  s.f2.resize(d + kPad);
   float* vb = s.f0.data();
-  float* sb = s.f1.data();
-  float* zb = s.f2.data();
-  const size_t osz = dt_size(a.odt);
-  char* out = static_cast<char*>(a.out);
   if (b.grouping == kChannel) {
+    s.f1.resize(2 * (d + kPad));
+    float* sb = s.f1.data();
+    float* zb = sb + d + kPad;
     int64_t cur = -1;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t row = r * b.N + t;
@@ -375,18 +710,14 @@ static void dequantize_item(const DequantArgs& a, int64_t item, Scratch& s) {
         cur = grp;
       }
       decode_row(b.codes + row * b.P, d, b.bits, b.lut, vb);
-      int c = 0;
-      for (; c + W <= d; c += W) vstore(vb + c, vmul(vsub(vload(vb + c), vload(zb + c)), vload(sb + c)));
-      for (; c < d; ++c) vb[c] = (vb[c] - zb[c]) * sb[c];
-      store_row(vb, d, out + row * d * osz, a.odt);
+      store_affine<true>(vb, zb, sb, d, a.out, row * d, a.odt);
     }
   } else {
     const int gs = b.gs, J = d / gs;
     const int64_t nt = t1 - t0;
-    s.f1.resize(nt * J + kPad);
-    s.f2.resize(nt * J + kPad);
-    sb = s.f1.data();
-    zb = s.f2.data();
+    s.f1.resize(2 * (nt * J + kPad));
+    float* sb = s.f1.data();
+    float* zb = sb + nt * J + kPad;
     meta_load(b.scale, (r * b.N + t0) * J, nt * J, sb);
     meta_load(b.zero, (r * b.N + t0) * J, nt * J, zb);
     for (int64_t t = t0; t < t1; ++t) {
@@ -394,23 +725,15 @@ static void dequantize_item(const DequantArgs& a, int64_t item, Scratch& s) {
       decode_row(b.codes + row * b.P, d, b.bits, b.lut, vb);
       const float* st = sb + (t - t0) * J;
       const float* zt = zb + (t - t0) * J;
-      for (int j = 0; j < J; ++j) {
-        float* v = vb + j * gs;
-        const vf vs = vset1(st[j]), vz = vset1(zt[j]);
-        int c = 0;
-        for (; c + W <= gs; c += W) vstore(v + c, vmul(vsub(vload(v + c), vz), vs));
-        for (; c < gs; ++c) v[c] = (v[c] - zt[j]) * st[j];
-      }
-      store_row(vb, d, out + row * d * osz, a.odt);
+      for (int j = 0; j < J; ++j) store_affine<false>(vb + j * gs, zt + j, st + j, gs, a.out, row * d + j * gs, a.odt);
     }
   }
 }
 
-// ----------------------------------------------------------------------------- attention
+// ============================================================================= attention
 // S[g*lds + t] = sum_c Q[g*ldq + c] * K[t*ldk + c] for g < GB, t < T; c < dp (dp % kPad == 0)
 template <int GB>
-static inline void dots_block(const float* Q, int ldq, const float* K, int ldk, int T, int dp, float* S,
-                              int lds) {
+static inline void dots_block(const float* Q, int ldq, const float* K, int ldk, int T, int dp, float* S, int lds) {
   int t = 0;
   for (; t + 4 <= T; t += 4) {
     vf acc[GB][4];
@@ -418,9 +741,9 @@ static inline void dots_block(const float* Q, int ldq, const float* K, int ldk, 
       for (int i = 0; i < 4; ++i) acc[g][i] = vzero();
     const float* k = K + static_cast<int64_t>(t) * ldk;
     for (int c = 0; c < dp; c += W) {
-      vf k0 = vload(k + c), k1 = vload(k + ldk + c), k2 = vload(k + 2 * ldk + c), k3 = vload(k + 3 * ldk + c);
+      const vf k0 = vload(k + c), k1 = vload(k + ldk + c), k2 = vload(k + 2 * ldk + c), k3 = vload(k + 3 * ldk + c);
       for (int g = 0; g < GB; ++g) {
-        vf q = vload(Q + g * ldq + c);
+        const vf q = vload(Q + g * ldq + c);
         acc[g][0] = vfma(q, k0, acc[g][0]);
         acc[g][1] = vfma(q, k1, acc[g][1]);
         acc[g][2] = vfma(q, k2, acc[g][2]);
@@ -434,7 +757,7 @@ static inline void dots_block(const float* Q, int ldq, const float* K, int ldk, 
     for (int g = 0; g < GB; ++g) acc[g] = vzero();
     const float* k = K + static_cast<int64_t>(t) * ldk;
     for (int c = 0; c < dp; c += W) {
-      vf kv = vload(k + c);
+      const vf kv = vload(k + c);
       for (int g = 0; g < GB; ++g) acc[g] = vfma(vload(Q + g * ldq + c), kv, acc[g]);
     }
     for (int g = 0; g < GB; ++g) S[g * lds + t] = vhsum(acc[g]);
@@ -442,16 +765,20 @@ static inline void dots_block(const float* Q, int ldq, const float* K, int ldk, 
 }
 
 static void dots(const float* Q, int ldq, int G, const float* K, int ldk, int T, int dp, float* S, int lds) {
+  constexpr int GB = W == 16 ? 4 : 3;  // accumulators: GB * 4 vectors (32 / 16 registers)
   int g = 0;
-  for (; g + 3 <= G; g += 3) dots_block<3>(Q + g * ldq, ldq, K, ldk, T, dp, S + g * lds, lds);
-  if (G - g == 2) dots_block<2>(Q + g * ldq, ldq, K, ldk, T, dp, S + g * lds, lds);
-  if (G - g == 1) dots_block<1>(Q + g * ldq, ldq, K, ldk, T, dp, S + g * lds, lds);
+  for (; g + GB <= G; g += GB) dots_block<GB>(Q + g * ldq, ldq, K, ldk, T, dp, S + g * lds, lds);
+  switch (G - g) {
+    case 3: dots_block<3>(Q + g * ldq, ldq, K, ldk, T, dp, S + g * lds, lds); break;
+    case 2: dots_block<2>(Q + g * ldq, ldq, K, ldk, T, dp, S + g * lds, lds); break;
+    case 1: dots_block<1>(Q + g * ldq, ldq, K, ldk, T, dp, S + g * lds, lds); break;
+    default: break;
+  }
 }
 
 // A[g*lda + c] += sum_t P[g*ldp + t] * V[t*ldv + c] for g < GB, c in [c0, c0 + NV*W)
 template <int GB, int NV>
-static inline void accum_block(const float* P, int ldp, const float* V, int ldv, int T, int c0, float* A,
-                               int lda) {
+static inline void accum_block(const float* P, int ldp, const float* V, int ldv, int T, int c0, float* A, int lda) {
   vf acc[GB][NV];
   for (int g = 0; g < GB; ++g)
     for (int j = 0; j < NV; ++j) acc[g][j] = vload(A + g * lda + c0 + j * W);
@@ -460,7 +787,7 @@ static inline void accum_block(const float* P, int ldp, const float* V, int ldv,
     vf vv[NV];
     for (int j = 0; j < NV; ++j) vv[j] = vload(v + j * W);
     for (int g = 0; g < GB; ++g) {
-      vf p = vset1(P[g * ldp + t]);
+      const vf p = vset1(P[g * ldp + t]);
       for (int j = 0; j < NV; ++j) acc[g][j] = vfma(p, vv[j], acc[g][j]);
     }
   }
@@ -469,17 +796,22 @@ static inline void accum_block(const float* P, int ldp, const float* V, int ldv,
 }
 
 template <int GB>
-static inline void accum_rows(const float* P, int ldp, const float* V, int ldv, int T, int dp, float* A,
-                              int lda) {
+static inline void accum_rows(const float* P, int ldp, const float* V, int ldv, int T, int dp, float* A, int lda) {
   int c = 0;
   for (; c + 4 * W <= dp; c += 4 * W) accum_block<GB, 4>(P, ldp, V, ldv, T, c, A, lda);
   for (; c + W <= dp; c += W) accum_block<GB, 1>(P, ldp, V, ldv, T, c, A, lda);
 }
 
 static void accum(const float* P, int ldp, int G, const float* V, int ldv, int T, int dp, float* A, int lda) {
+  constexpr int GB = W == 16 ? 4 : 2;  // accumulators: GB * 4 vectors
   int g = 0;
-  for (; g + 2 <= G; g += 2) accum_rows<2>(P + g * ldp, ldp, V, ldv, T, dp, A + g * lda, lda);
-  if (g < G) accum_rows<1>(P + g * ldp, ldp, V, ldv, T, dp, A + g * lda, lda);
+  for (; g + GB <= G; g += GB) accum_rows<GB>(P + g * ldp, ldp, V, ldv, T, dp, A + g * lda, lda);
+  switch (G - g) {
+    case 3: accum_rows<3>(P + g * ldp, ldp, V, ldv, T, dp, A + g * lda, lda); break;
+    case 2: accum_rows<2>(P + g * ldp, ldp, V, ldv, T, dp, A + g * lda, lda); break;
+    case 1: accum_rows<1>(P + g * ldp, ldp, V, ldv, T, dp, A + g * lda, lda); break;
+    default: break;
+  }
 }
 
 static inline void scale_row(float* x, int n, float f) {
@@ -487,6 +819,41 @@ static inline void scale_row(float* x, int n, float f) {
   int c = 0;
   for (; c + W <= n; c += W) vstore(x + c, vmul(vload(x + c), vf_));
   for (; c < n; ++c) x[c] *= f;
+}
+
+static inline float dot_n(const float* a, const float* b, int n) {
+  vf acc = vzero();
+  int i = 0;
+  for (; i + W <= n; i += W) acc = vfma(vload(a + i), vload(b + i), acc);
+  float s = vhsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Decode the tokens [t0, t0 + nt) of a token-grouped block into rows of `tile` (stride ldt)
+// with each token's scales applied: tile[t][c] = scale[t][c / gs] * lut[code]. Also returns
+// zsT[j][t] = scale[t][j] * zero[t][j] (transposed, stride kTile) for the zero-point terms.
+// cs: scratch of kTile * ceil(d / W) floats.
+static inline void decode_token_tile(const BlockView& B, int64_t r, int64_t t0, int nt, float* tile, int ldt,
+                                     float* sc, float* zs, float* zsT, float* cs) {
+  const int J = B.d / B.gs, gs = B.gs;
+  meta_load(B.scale, (r * B.N + t0) * J, static_cast<int64_t>(nt) * J, sc);
+  meta_load(B.zero, (r * B.N + t0) * J, static_cast<int64_t>(nt) * J, zs);
+  const uint8_t* codes = B.codes + (r * B.N + t0) * B.P;
+  if (J == 1) {
+    decode_tile<kTokenScale>(codes, B.P, nt, B.d, B.bits, B.lut, sc, 1, tile, ldt);
+  } else if (W > 1 && gs % W == 0) {  // the scale is constant over each W-chunk
+    const int nch = (B.d + W - 1) / W, per = gs / W;
+    for (int t = 0; t < nt; ++t)
+      for (int i = 0; i < nch; ++i) cs[t * nch + i] = sc[t * J + i / per];
+    decode_tile<kChunkScale>(codes, B.P, nt, B.d, B.bits, B.lut, cs, nch, tile, ldt);
+  } else {
+    decode_tile<kNoScale>(codes, B.P, nt, B.d, B.bits, B.lut, nullptr, 0, tile, ldt);
+    for (int t = 0; t < nt; ++t)
+      for (int j = 0; j < J; ++j) scale_row(tile + static_cast<size_t>(t) * ldt + j * gs, gs, sc[t * J + j]);
+  }
+  for (int t = 0; t < nt; ++t)
+    for (int j = 0; j < J; ++j) zsT[j * kTile + t] = sc[t * J + j] * zs[t * J + j];
 }
 
 // One work item: tokens [t0, t1) of row r; writes the chunk's (max, sum, unnormalized output).
@@ -497,55 +864,63 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
   const int64_t r = it.r, N = K.N;
   const int G = a.G, dk = K.d, dv = V.d;
   const int dkp = pad_to(dk), dvp = pad_to(dv);
-  const int Jk = K.grouping == kToken ? dk / K.gs : 0;
-  const int Jv = V.grouping == kToken ? dv / V.gs : 0;
+  const int Jk = K.grouping == kToken ? dk / K.gs : 1;
+  const int Jv = V.grouping == kToken ? dv / V.gs : 1;
   constexpr int T = kTile;
   // scratch layout (floats)
-  const size_t n_qs = static_cast<size_t>(G) * dkp;  // scaling * q, padded
-  const size_t n_qt = n_qs;                          // channel keys: q * scale_G
-  const size_t n_bias = static_cast<size_t>(G) * T;
-  const size_t n_qsum = static_cast<size_t>(G) * std::max(Jk, 1);
-  const size_t n_kb = static_cast<size_t>(T) * dkp, n_vb = static_cast<size_t>(T) * dvp;
-  const size_t n_S = static_cast<size_t>(G) * T;
-  const size_t n_acc = static_cast<size_t>(G) * dvp;
-  const size_t n_corr = static_cast<size_t>(G) * std::max(Jv, 1);
-  const size_t n_meta = static_cast<size_t>(T) * (std::max(Jk, 1) + std::max(Jv, 1)) * 2 + 4 * (dkp + dvp);
-  const size_t total = n_qs + n_qt + n_bias + n_qsum + n_kb + n_vb + n_S + 2 * n_acc + n_corr + n_meta +
-                       5 * static_cast<size_t>(G) + 16;
+  const size_t sizes[] = {
+      static_cast<size_t>(G) * dkp,                // qs: scaling * q
+      static_cast<size_t>(G) * dkp,                // qt: channel keys, q * scale_G
+      static_cast<size_t>(G) * Jk,                 // qsum: per key channel group
+      static_cast<size_t>(T) * dkp,                // Kb
+      static_cast<size_t>(T) * dvp,                // Vb
+      static_cast<size_t>(G) * T,                  // S
+      static_cast<size_t>(G) * dvp,                // acc
+      static_cast<size_t>(G) * dvp,                // accG
+      static_cast<size_t>(G) * Jv,                 // corr
+      static_cast<size_t>(T) * Jk * 3 + kPad,      // ksc, kzs, kzsT
+      static_cast<size_t>(T) * Jv * 3 + kPad,      // vsc, vzs, vzsT
+      4 * static_cast<size_t>(dkp + dvp),          // sK zK sV zV
+      static_cast<size_t>(T) * (std::max(dkp, dvp) / W + 1),  // chunk scales of a tile
+      4 * static_cast<size_t>(G) + kPad,           // m l psum bK
+  };
+  size_t total = 0;
+  for (size_t n : sizes) total += n + kPad;
   if (s.f0.size() < total) s.f0.resize(total);
   float* p = s.f0.data();
-  auto take = [&p](size_t n) { float* q = p; p += n; return q; };
-  float* qs = take(n_qs);
-  float* qt = take(n_qt);
-  float* bias = take(n_bias);
-  float* qsum = take(n_qsum);
-  float* Kb = take(n_kb);
-  float* Vb = take(n_vb);
-  float* S = take(n_S);
-  float* acc = take(n_acc);
-  float* accG = take(n_acc);
-  float* corr = take(n_corr);
-  float* ksc = take(static_cast<size_t>(T) * std::max(Jk, 1));
-  float* kzs = take(static_cast<size_t>(T) * std::max(Jk, 1));
-  float* vsc = take(static_cast<size_t>(T) * std::max(Jv, 1));
-  float* vzs = take(static_cast<size_t>(T) * std::max(Jv, 1));
-  float* sK = take(dkp);
-  float* zK = take(dkp);
-  float* sV = take(dvp);
-  float* zV = take(dvp);
-  float* m = take(G);
-  float* l = take(G);
-  float* psum = take(G);
-  float* bK = take(G);
+  auto take = [&p](size_t n) { float* q = p; p += n + kPad; return q; };
+  float* qs = take(sizes[0]);
+  float* qt = take(sizes[1]);
+  float* qsum = take(sizes[2]);
+  float* Kb = take(sizes[3]);
+  float* Vb = take(sizes[4]);
+  float* S = take(sizes[5]);
+  float* acc = take(sizes[6]);
+  float* accG = take(sizes[7]);
+  float* corr = take(sizes[8]);
+  float* ksc = take(sizes[9]);
+  float* kzs = ksc + T * Jk;
+  float* kzsT = kzs + T * Jk;
+  float* vsc = take(sizes[10]);
+  float* vzs = vsc + T * Jv;
+  float* vzsT = vzs + T * Jv;
+  float* sK = take(sizes[11]);
+  float* zK = sK + dkp;
+  float* sV = zK + dkp;
+  float* zV = sV + dvp;
+  float* cs = take(sizes[12]);
+  float* m = take(sizes[13]);
+  float* l = m + G;
+  float* psum = l + G;
+  float* bK = psum + G;
   // zero what is read before being written (pads of the tiles, accumulators)
-  std::fill(Kb, Kb + n_kb, 0.0f);
-  std::fill(Vb, Vb + n_vb, 0.0f);
-  std::fill(acc, acc + n_acc, 0.0f);
-  std::fill(accG, accG + n_acc, 0.0f);
-  std::fill(corr, corr + n_corr, 0.0f);
-  std::fill(qt, qt + n_qt, 0.0f);
-  std::fill(sK + dk, sK + dkp, 0.0f);
-  std::fill(zK + dk, zK + dkp, 0.0f);
+  std::fill(Kb, Kb + sizes[3], 0.0f);
+  std::fill(Vb, Vb + sizes[4], 0.0f);
+  std::fill(acc, acc + sizes[6], 0.0f);
+  std::fill(accG, accG + sizes[7], 0.0f);
+  std::fill(corr, corr + sizes[8], 0.0f);
+  std::fill(qt, qt + sizes[1], 0.0f);
+  std::fill(sK, sK + 4 * (dkp + dvp), 0.0f);
   for (int g = 0; g < G; ++g) {
     m[g] = -std::numeric_limits<float>::infinity();
     l[g] = 0.0f;
@@ -554,11 +929,12 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
     const float* qin = a.q + (r * G + g) * dk;
     for (int c = 0; c < dk; ++c) qrow[c] = a.scaling * qin[c];
     std::fill(qrow + dk, qrow + dkp, 0.0f);
-    for (int j = 0; j < Jk; ++j) {
-      float sum = 0.0f;
-      for (int c = j * K.gs; c < (j + 1) * K.gs; ++c) sum += qrow[c];
-      qsum[g * Jk + j] = sum;
-    }
+    if (K.grouping == kToken)
+      for (int j = 0; j < Jk; ++j) {
+        float sum = 0.0f;
+        for (int c = j * K.gs; c < (j + 1) * K.gs; ++c) sum += qrow[c];
+        qsum[g * Jk + j] = sum;
+      }
   }
   int64_t curK = -1, curV = -1;
   auto flushV = [&]() {  // fold the running channel-group sums into acc
@@ -573,17 +949,26 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
       psum[g] = 0.0f;
     }
   };
+  // [a0, b0): the run of tokens from a0 that share a channel group (no division per token)
+  auto run_of = [&](const BlockView& B, int64_t t0, int a0, int nt, int64_t& grp) {
+    if (B.gid) {
+      const int32_t* gr = B.gid + r * N + t0;
+      grp = gr[a0];
+      int b0 = a0 + 1;
+      while (b0 < nt && gr[b0] == grp) ++b0;
+      return b0;
+    }
+    grp = (t0 + a0) / B.gs;
+    return static_cast<int>(std::min<int64_t>(nt, (grp + 1) * B.gs - t0));
+  };
   for (int64_t t0 = it.t0; t0 < it.t1; t0 += T) {
     const int nt = static_cast<int>(std::min<int64_t>(T, it.t1 - t0));
     // ---- keys -> scores S[g][t]
-    for (int t = 0; t < nt; ++t)
-      decode_row(K.codes + (r * N + t0 + t) * K.P, dk, K.bits, K.lut, Kb + static_cast<size_t>(t) * dkp);
     if (K.grouping == kChannel) {
-      int a0 = 0;
-      while (a0 < nt) {
-        const int64_t grp = K.gid ? K.gid[r * N + t0 + a0] : (t0 + a0) / K.gs;
-        int b0 = a0 + 1;
-        while (b0 < nt && (K.gid ? K.gid[r * N + t0 + b0] : (t0 + b0) / K.gs) == grp) ++b0;
+      decode_tile<kNoScale>(K.codes + (r * N + t0) * K.P, K.P, nt, dk, K.bits, K.lut, nullptr, 0, Kb, dkp);
+      for (int a0 = 0; a0 < nt;) {
+        int64_t grp;
+        const int b0 = run_of(K, t0, a0, nt, grp);
         if (grp < 0 || grp >= K.NG) {
           a.status->store(kBadGroup);
           return;
@@ -596,7 +981,7 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
             float* trow = qt + static_cast<size_t>(g) * dkp;
             vf bacc = vzero();
             for (int c = 0; c < dkp; c += W) {
-              vf v = vmul(vload(qrow + c), vload(sK + c));
+              const vf v = vmul(vload(qrow + c), vload(sK + c));
               vstore(trow + c, v);
               bacc = vfma(v, vload(zK + c), bacc);
             }
@@ -609,34 +994,27 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
           for (int t = a0; t < b0; ++t) S[g * T + t] -= bK[g];
         a0 = b0;
       }
-    } else {
-      const int gs = K.gs;
-      meta_load(K.scale, (r * N + t0) * Jk, static_cast<int64_t>(nt) * Jk, ksc);
-      meta_load(K.zero, (r * N + t0) * Jk, static_cast<int64_t>(nt) * Jk, kzs);
-      for (int t = 0; t < nt; ++t) {  // scale the tile in L1; keep zero * scale for the bias
-        float* row = Kb + static_cast<size_t>(t) * dkp;
-        for (int j = 0; j < Jk; ++j) {
-          const float sj = ksc[t * Jk + j];
-          kzs[t * Jk + j] *= sj;
-          scale_row(row + j * gs, gs, sj);
-        }
-      }
+    } else {  // s_t = sum_j scale_tj (q_j . lut[code] - zero_tj sum(q_j))
+      decode_token_tile(K, r, t0, nt, Kb, dkp, ksc, kzs, kzsT, cs);
       dots(qs, dkp, G, Kb, dkp, nt, dkp, S, T);
       for (int g = 0; g < G; ++g)
-        for (int t = 0; t < nt; ++t) {
-          float bsum = 0.0f;
-          for (int j = 0; j < Jk; ++j) bsum += kzs[t * Jk + j] * qsum[g * Jk + j];
-          S[g * T + t] -= bsum;
+        for (int j = 0; j < Jk; ++j) {
+          const float qj = qsum[g * Jk + j];
+          const float* z = kzsT + j * T;
+          float* Sg = S + g * T;
+          for (int t = 0; t < nt; ++t) Sg[t] -= qj * z[t];
         }
     }
     if (a.logits)
-      for (int g = 0; g < G; ++g)
-        std::memcpy(a.logits + (r * G + g) * N + t0, S + g * T, sizeof(float) * nt);
+      for (int g = 0; g < G; ++g) std::memcpy(a.logits + (r * G + g) * N + t0, S + g * T, sizeof(float) * nt);
     // ---- online softmax: S becomes exp(s - m)
     for (int g = 0; g < G; ++g) {
       float* Sg = S + g * T;
-      float mt = Sg[0];
-      for (int t = 1; t < nt; ++t) mt = std::max(mt, Sg[t]);
+      int t = 0;
+      vf vm = vset1(-std::numeric_limits<float>::infinity());
+      for (; t + W <= nt; t += W) vm = vmax(vm, vload(Sg + t));
+      float mt = vhmax(vm);
+      for (; t < nt; ++t) mt = std::max(mt, Sg[t]);
       if (mt > m[g]) {
         const float alpha = std::exp(m[g] - mt);  // 0 on the first tile
         m[g] = mt;
@@ -652,10 +1030,9 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
         }
       }
       const vf mv = vset1(m[g]);
-      int t = 0;
       vf lsum = vzero();
-      for (; t + W <= nt; t += W) {
-        vf e = vexp(vsub(vload(Sg + t), mv));
+      for (t = 0; t + W <= nt; t += W) {
+        const vf e = vexp(vsub(vload(Sg + t), mv));
         vstore(Sg + t, e);
         lsum = vadd(lsum, e);
       }
@@ -667,14 +1044,11 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
       l[g] += ls;
     }
     // ---- values
-    for (int t = 0; t < nt; ++t)
-      decode_row(V.codes + (r * N + t0 + t) * V.P, dv, V.bits, V.lut, Vb + static_cast<size_t>(t) * dvp);
     if (V.grouping == kChannel) {
-      int a0 = 0;
-      while (a0 < nt) {
-        const int64_t grp = V.gid ? V.gid[r * N + t0 + a0] : (t0 + a0) / V.gs;
-        int b0 = a0 + 1;
-        while (b0 < nt && (V.gid ? V.gid[r * N + t0 + b0] : (t0 + b0) / V.gs) == grp) ++b0;
+      decode_tile<kNoScale>(V.codes + (r * N + t0) * V.P, V.P, nt, dv, V.bits, V.lut, nullptr, 0, Vb, dvp);
+      for (int a0 = 0; a0 < nt;) {
+        int64_t grp;
+        const int b0 = run_of(V, t0, a0, nt, grp);
         if (grp < 0 || grp >= V.NG) {
           a.status->store(kBadGroup);
           return;
@@ -683,8 +1057,6 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
           flushV();
           meta_load(V.scale, (r * V.NG + grp) * dv, dv, sV);
           meta_load(V.zero, (r * V.NG + grp) * dv, dv, zV);
-          std::fill(sV + dv, sV + dvp, 0.0f);
-          std::fill(zV + dv, zV + dvp, 0.0f);
           curV = grp;
         }
         accum(S + a0, T, G, Vb + static_cast<size_t>(a0) * dvp, dvp, b0 - a0, dvp, accG, dvp);
@@ -695,25 +1067,11 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
         }
         a0 = b0;
       }
-    } else {
-      const int gs = V.gs;
-      meta_load(V.scale, (r * N + t0) * Jv, static_cast<int64_t>(nt) * Jv, vsc);
-      meta_load(V.zero, (r * N + t0) * Jv, static_cast<int64_t>(nt) * Jv, vzs);
-      for (int t = 0; t < nt; ++t) {
-        float* row = Vb + static_cast<size_t>(t) * dvp;
-        for (int j = 0; j < Jv; ++j) {
-          const float sj = vsc[t * Jv + j];
-          vzs[t * Jv + j] *= sj;
-          scale_row(row + j * gs, gs, sj);
-        }
-      }
+    } else {  // acc += sum_t p_t scale_tj lut[code]; corr += sum_t p_t scale_tj zero_tj
+      decode_token_tile(V, r, t0, nt, Vb, dvp, vsc, vzs, vzsT, cs);
       accum(S, T, G, Vb, dvp, nt, dvp, acc, dvp);
       for (int g = 0; g < G; ++g)
-        for (int j = 0; j < Jv; ++j) {
-          float cs = 0.0f;
-          for (int t = 0; t < nt; ++t) cs += S[g * T + t] * vzs[t * Jv + j];
-          corr[g * Jv + j] += cs;
-        }
+        for (int j = 0; j < Jv; ++j) corr[g * Jv + j] += dot_n(S + g * T, vzsT + j * T, nt);
     }
   }
   if (V.grouping == kChannel) {
