@@ -59,22 +59,24 @@ class FullBlock:
         valid = None
         if start is not None:
             valid = torch.arange(self.length, device=k.device) >= start.unsqueeze(-1)  # [B, Hkv, n]
+
+        def part(rows: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            logits = (q[:, :, rows] @ k.transpose(-1, -2)) * scaling
+            if valid is not None:
+                logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
+            return _softmax_parts(logits, v)
+
         M = q.shape[2]
         step = _row_chunks(M, self.length, q.shape[0] * q.shape[1])
+        if step >= M:  # one chunk (decoding): the statistics reuse its probabilities
+            out, lse, p = part(slice(None))
+            return out, lse, (None if stat_rows is None else p[:, :, stat_rows])
         outs, lses = [], []
         for s in range(0, M, step):
-            logits = (q[:, :, s:s + step] @ k.transpose(-1, -2)) * scaling
-            if valid is not None:
-                logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
-            out, lse, _ = _softmax_parts(logits, v)
+            out, lse, _ = part(slice(s, s + step))
             outs.append(out)
             lses.append(lse)
-        p_stat = None
-        if stat_rows is not None:
-            logits = (q[:, :, stat_rows] @ k.transpose(-1, -2)) * scaling
-            if valid is not None:
-                logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
-            _, _, p_stat = _softmax_parts(logits, v[..., :0])
+        p_stat = None if stat_rows is None else part(stat_rows)[2]
         return torch.cat(outs, dim=2), torch.cat(lses, dim=2), p_stat
 
 

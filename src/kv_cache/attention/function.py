@@ -35,6 +35,9 @@ from .blocks import FullBlock, attend_new, merge
 ATTENTION_NAME = "kv_cache"
 """The name under which :func:`compressed_attention` is registered in transformers."""
 
+JOIN_NEW_TOKEN_BELOW = 256
+"""A decoded token is attended together with a full-precision block shorter than this."""
+
 _ACTIVE: ContextVar[Any] = ContextVar("kv_cache_active_cache", default=None)
 
 UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
@@ -112,8 +115,9 @@ def compressed_attention(
                      + torch.arange(L - n_stat, L, device=q.device)[None, :]).reshape(-1)
     if L == 1:
         # Decoding: the new token is one more full-precision token after everything stored (no
-        # causal structure inside the call), so it joins the residual block: one block fewer.
-        if view and isinstance(view[-1], FullBlock):
+        # causal structure inside the call), so it joins a short residual block: one block fewer
+        # for the price of copying that block (never the whole full-precision cache).
+        if view and isinstance(view[-1], FullBlock) and view[-1].length <= JOIN_NEW_TOKEN_BELOW:
             last = view.pop()
             view.append(FullBlock(torch.cat([last.keys, key], 2), torch.cat([last.values, value], 2)))
         else:
