@@ -76,6 +76,8 @@ def check_quantize_args(x, bits, grouping, group_size, symmetric, scale_dtype, l
         raise ValueError(f"token grouping needs group_size dividing d={d}; got group_size={group_size}")
     if not isinstance(symmetric, bool):
         raise TypeError(f"symmetric must be a bool; got {symmetric!r}")
+    if scale_dtype is None:  # as quantize(): the statistics dtype
+        scale_dtype = torch.float32
     if scale_dtype not in SCALE_DTYPES:
         raise TypeError(f"scale_dtype must be one of {_names(SCALE_DTYPES)}; got {scale_dtype!r}")
     if lut is not None:

@@ -125,7 +125,8 @@ def quantize_block(
     symmetric : bool, default False
         Uniform levels only (ignored with a ``lut``): symmetric codes, no zero point.
     scale_dtype : {torch.float32, torch.float16, torch.bfloat16}, default float32
-        Storage dtype of the scales; codes are computed with the stored scale.
+        Storage dtype of the scales (None: float32, as ``quantize()``); codes are computed
+        with the stored scale.
     lut : torch.Tensor, optional
         float32 ``[2**bits]`` strictly increasing codebook levels (e.g. Lloyd-Max).
 

@@ -1,0 +1,134 @@
+"""Attention read from packed codes vs SDPA on a full-precision cache, in one run.
+
+For each context length ``N`` and bit width, one decode step of ``G`` query rows per KV row
+(``R = batch * kv_heads`` rows, head dim ``d``) attends over ``N`` cached tokens stored as:
+
+* ``kernels``: :func:`kv_cache.kernels.attend_block` on the compiled code path (keys
+  per-channel in groups of 128 tokens, values per-token, asymmetric, float16 scales: KIVI);
+* ``reference``: the same call on the pure-torch reference (dequantize, matmul, softmax);
+* ``sdpa-fp32`` / ``sdpa-fp16``: ``torch.nn.functional.scaled_dot_product_attention`` with
+  ``q [1, R, G, d]`` over a full cache ``k, v [1, R, N, d]`` of that dtype.
+
+Each figure is the median of ``--repeats`` timed calls after ``--warmup`` untimed ones (µs per
+call, wall clock); ``x sdpa-fp32`` is the ratio to SDPA on the float32 cache measured in the
+same run, and ``KV MiB`` the bytes each variant reads.
+
+Run: ``python benchmarks/bench_attention.py [--tokens 1024,2048,4096,8192] [--bits 2,4]
+[--threads N] [--repeats 50]``; results go to ``benchmarks/results/`` as JSON and Markdown
+named after the configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kv_cache import kernels
+from kv_cache.kernels import reference
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _median_us(fn, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1024,2048,4096,8192")
+    ap.add_argument("--bits", default="2,4")
+    ap.add_argument("--rows", type=int, default=3, help="R = batch * kv_heads (3: SmolLM2 at batch 1)")
+    ap.add_argument("--queries", type=int, default=3, help="G query rows per KV row (GQA group x positions)")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--group-size", type=int, default=128, help="tokens per key scale group")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--ref-repeats", type=int, default=10, help="repeats of the (slow) torch reference")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    R, G, d = args.rows, args.queries, args.head_dim
+    tokens = [int(n) for n in args.tokens.split(",")]
+    bit_widths = [int(b) for b in args.bits.split(",")]
+    isa = kernels.isa()  # builds the compiled kernels if needed (outside the timings)
+    threads = torch.get_num_threads()
+    print(f"R={R} G={G} d={d}; threads={threads}; kernels code path: {isa}; "
+          f"{platform.processor() or platform.machine()}")
+    print(f"{'N':>5s} {'variant':12s} {'us/call':>9s} {'x sdpa-fp32':>11s} {'KV MiB':>7s}")
+    gen = torch.Generator().manual_seed(0)
+    scaling = d ** -0.5
+    rows = []
+    for N in tokens:
+        k = torch.randn(R, N, d, generator=gen)
+        v = torch.randn(R, N, d, generator=gen)
+        q = torch.randn(R, G, d, generator=gen)
+        k4, v4, q4 = k[None], v[None], q[None]
+        k16, v16, q16 = k4.half(), v4.half(), q4.half()
+        t_fp32 = _median_us(lambda: F.scaled_dot_product_attention(q4, k4, v4, scale=scaling),
+                            args.warmup, args.repeats)
+        t_fp16 = _median_us(lambda: F.scaled_dot_product_attention(q16, k16, v16, scale=scaling),
+                            args.warmup, args.repeats)
+        measured = [("sdpa-fp32", None, t_fp32, (k.nbytes + v.nbytes)),
+                    ("sdpa-fp16", None, t_fp16, (k16.nbytes + v16.nbytes))]
+        for bits in bit_widths:
+            kb = kernels.quantize_block(k, bits, "channel", args.group_size, scale_dtype=torch.float16)
+            vb = kernels.quantize_block(v, bits, "token", d, scale_dtype=torch.float16)
+            nbytes = kb.nbytes + vb.nbytes
+            t_k = _median_us(lambda: kernels.attend_block(q, kb, vb, scaling), args.warmup, args.repeats)
+            t_r = _median_us(lambda: reference.attend_block(q, kb, vb, scaling), 2, args.ref_repeats)
+            measured += [("kernels", bits, t_k, nbytes), ("reference", bits, t_r, nbytes)]
+        for variant, bits, us, nbytes in measured:
+            name = variant if bits is None else f"{variant}-{bits}b"
+            row = {"N": N, "variant": variant, "bits": bits, "us_per_call": us, "vs_sdpa_fp32": us / t_fp32,
+                   "kv_MiB": nbytes / 2**20}
+            rows.append(row)
+            print(f"{N:5d} {name:12s} {us:9.1f} {us / t_fp32:11.2f} {nbytes / 2**20:7.2f}")
+    config = (f"R{R}_G{G}_d{d}_N{'-'.join(map(str, tokens))}_b{'-'.join(map(str, bit_widths))}"
+              f"_g{args.group_size}_{isa}_t{threads}")
+    result = {"rows_R": R, "queries_G": G, "head_dim": d, "group_size": args.group_size, "threads": threads,
+              "kernels_isa": isa, "cpu": platform.processor() or platform.machine(),
+              "warmup": args.warmup, "repeats": args.repeats, "results": rows}
+    RESULTS.mkdir(exist_ok=True)
+    stem = RESULTS / f"bench_attention_{config}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(_markdown(result))
+    print(f"wrote {stem}.json and .md")
+
+
+def _markdown(result: dict) -> str:
+    lines = [
+        f"# bench_attention: R={result['rows_R']}, G={result['queries_G']}, d={result['head_dim']}",
+        "",
+        f"One decode step over N cached tokens; threads={result['threads']}; kernels code path: "
+        f"{result['kernels_isa']}; median of {result['repeats']} calls after {result['warmup']} warm-up "
+        "calls (the torch reference: fewer). Keys per-channel (group "
+        f"{result['group_size']} tokens), values per-token, float16 scales. `x sdpa-fp32` is the "
+        "ratio to SDPA over the float32 cache in the same run (lower is faster).",
+        "",
+        "| N | variant | bits | µs / call | x sdpa-fp32 | KV MiB read |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in result["results"]:
+        bits = "-" if r["bits"] is None else str(r["bits"])
+        lines.append(f"| {r['N']} | {r['variant']} | {bits} | {r['us_per_call']:.1f} | "
+                     f"{r['vs_sdpa_fp32']:.2f} | {r['kv_MiB']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
