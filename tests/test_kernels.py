@@ -165,6 +165,32 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
         _build.load(raise_errors=True)
 
 
+def test_concurrent_first_use_builds_once(monkeypatch):
+    import threading
+    import time
+
+    monkeypatch.setattr(_build, "_module", None)
+    monkeypatch.setattr(_build, "_tried", False)
+    monkeypatch.setattr(_build, "_error", None)
+    monkeypatch.setattr(_build, "_import_built", lambda directory: None)
+    monkeypatch.setenv("KV_CACHE_KERNELS", "auto")
+    calls, sentinel = [], object()
+
+    def slow_compile(directory):
+        calls.append(directory)
+        time.sleep(0.2)
+        return sentinel
+
+    monkeypatch.setattr(_build, "_compile", slow_compile)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(_build.load())) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and got == [sentinel] * 8
+
+
 def test_importing_kv_cache_compiles_nothing(tmp_path):
     code = "import kv_cache, kv_cache.kernels, sys; assert 'kv_cache_kernels' not in sys.modules"
     env = {**os.environ, "KV_CACHE_HOME": str(tmp_path)}

@@ -140,21 +140,20 @@ def load(*, raise_errors: bool = False) -> ModuleType | None:
         ``None`` when ``KV_CACHE_KERNELS=torch`` or when the build failed.
     """
     global _module, _error, _tried
-    if _tried and not (raise_errors and _error):
+    if _tried and not (raise_errors and _error):  # _tried is set last, after _module
         return _module
     with _lock:
         if not _tried:
+            if backend() != "torch":
+                directory = build_dir()
+                try:
+                    _module = _import_built(directory) or _compile(directory)
+                except Exception as exc:  # noqa: BLE001 - any build failure means "use torch"
+                    _error = f"{type(exc).__name__}: {exc}"
+                    logger.warning(
+                        "kv_cache.kernels: building the compiled kernels in %s failed; falling back "
+                        "to the torch reference (slower). Cause: %s", directory, _error)
             _tried = True
-            if backend() == "torch":
-                return None
-            directory = build_dir()
-            try:
-                _module = _import_built(directory) or _compile(directory)
-            except Exception as exc:  # noqa: BLE001 - any build failure means "use torch"
-                _error = f"{type(exc).__name__}: {exc}"
-                logger.warning(
-                    "kv_cache.kernels: building the compiled kernels in %s failed; falling back "
-                    "to the torch reference (slower). Cause: %s", directory, _error)
         if raise_errors and _error:
             raise RuntimeError(f"building the kv_cache kernels failed: {_error}")
         return _module
