@@ -33,9 +33,13 @@ MODES = ("asym", "sym", "codebook")
 PATHS = {"best": "auto", "avx2": "avx2", "generic": "generic"}
 
 
-@pytest.fixture(params=list(PATHS))
+@pytest.fixture(params=[*PATHS, "torch"])
 def compiled(request, monkeypatch):
-    """Select a compiled code path (skips when the compiled kernels are unavailable)."""
+    """Select a code path of the ops: a compiled one (skipped when the compiled kernels are
+    unavailable) or "torch", the reference fallback the ops use without them."""
+    if request.param == "torch":
+        monkeypatch.setattr(ops, "_compiled", lambda *tensors: None)
+        return request.param
     if TORCH_ONLY or not _build.available():
         pytest.skip("compiled kernels unavailable (KV_CACHE_KERNELS=torch or the build failed)")
     monkeypatch.setenv("KV_CACHE_KERNELS", PATHS[request.param])
