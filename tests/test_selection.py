@@ -75,3 +75,23 @@ def test_snapkv_scores_reference():
 def test_streaming_llm_indices():
     assert streaming_llm_indices(10, 2, 3).tolist() == [0, 1, 7, 8, 9]
     assert streaming_llm_indices(4, 2, 3).tolist() == [0, 1, 2, 3]
+
+
+def test_drop_lowest_path_equals_the_stable_sort():
+    """Dropping few tokens (O(T) path) keeps exactly what the stable descending sort keeps,
+    ties dropping the later token, with padding, sinks and windows."""
+    from kv_cache.compression.selection import forced_mask
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        T = int(torch.randint(1, 60, (1,), generator=g))
+        k = int(torch.randint(1, T + 1, (1,), generator=g))
+        s = torch.randint(0, 4, (2, 3, T), generator=g).float()  # many ties
+        valid = torch.rand(2, 1, T, generator=g) > 0.2
+        w = int(torch.randint(0, k + 1, (1,), generator=g))
+        sk = int(torch.randint(0, k - w + 1, (1,), generator=g))
+        got = select_tokens(s, k, recent_window=w, sink_tokens=sk, valid=valid)
+        forced = forced_mask(valid.expand_as(s), sink_tokens=sk, recent_window=w)
+        pr = torch.where(forced, float("inf"), torch.where(valid.expand_as(s), s, float("-inf")))
+        ref = torch.sort(torch.sort(pr, dim=-1, descending=True, stable=True).indices[..., :k], dim=-1).values
+        assert torch.equal(got, ref)

@@ -129,8 +129,9 @@ def attend_new(
     token. ``n_stat``: the last ``n_stat`` positions are the policy's queries. Returns
     ``(out, lse, stat)``: ``stat`` is None (``n_stat == 0``), the in-block probabilities of
     those queries ``[B, Hkv, G * n_stat, L]``, or, with ``sum_stats`` (this block is the only
-    one, so in-block probabilities are final), their sum over the queries of each query head,
-    ``[B, Hkv, G, L]``, accumulated chunk by chunk without holding an ``L x L`` matrix.
+    one: a first prefill, so in-block probabilities are final), their sum over the queries of
+    each query head, ``[B, Hkv, G, L]``, accumulated chunk by chunk without holding an
+    ``L x L`` matrix; the output then comes from sdpa and ``lse`` is None (nothing to merge).
 
     Queries are processed in chunks of positions; a chunk ``[s, e)`` reads keys ``[0, e)``
     only (causal), so a prefill costs about half of a full ``L x L`` pass.
@@ -138,8 +139,9 @@ def attend_new(
     B, H, M, d = q.shape
     L = keys.shape[2]
     G = group
-    if n_stat == 0 and sum_stats:
-        # The first prefill: nothing stored, no statistics. sdpa's fused kernel, GQA native.
+    if sum_stats:
+        # The first prefill: nothing stored. sdpa's fused kernel (GQA native) for the output, and
+        # the policy's statistics, if any, from a pass that forms probabilities only.
         mask = None
         if valid is not None:
             pos = torch.arange(L, device=q.device)
@@ -147,15 +149,15 @@ def attend_new(
         out = torch.nn.functional.scaled_dot_product_attention(
             q.reshape(B, H * G, L, d), keys, values, attn_mask=mask, is_causal=mask is None, scale=scaling,
             enable_gqa=True)
-        return out.reshape(B, H, M, -1), None, None
+        stat = None if not n_stat else _causal_column_sums(q, keys, scaling, G, valid, n_stat)
+        return out.reshape(B, H, M, -1), None, stat
     q5 = q.reshape(B, H, G, L, d).float()
     k, v = keys.float(), values.float()
     pos = torch.arange(L, device=q.device)
     out = torch.empty(B, H, G, L, v.shape[-1], device=q.device)
     lse = torch.empty(B, H, G, L, device=q.device)
     first_stat = L - n_stat
-    colsum = torch.zeros(B, H, G, L, device=q.device) if (sum_stats and n_stat) else None
-    p_stat = None if (sum_stats or not n_stat) else torch.zeros(B, H, G, n_stat, L, device=q.device)
+    p_stat = None if not n_stat else torch.zeros(B, H, G, n_stat, L, device=q.device)
     step = max(1, ROW_CHUNK_BYTES // max(1, 4 * L * B * H * G))
     for s in range(0, L, step):
         e = min(L, s + step)
@@ -169,13 +171,32 @@ def attend_new(
         lse[:, :, :, s:e] = l
         if e > first_stat and n_stat:
             a = max(s, first_stat)
-            rows = p[:, :, :, a - s:]
-            if colsum is not None:
-                colsum[..., :e] += rows.sum(3)
-            else:
-                p_stat[:, :, :, a - first_stat:e - first_stat, :e] = rows
-    stat = colsum if colsum is not None else (None if p_stat is None else p_stat.reshape(B, H, G * n_stat, L))
+            p_stat[:, :, :, a - first_stat:e - first_stat, :e] = p[:, :, :, a - s:]
+    stat = None if p_stat is None else p_stat.reshape(B, H, G * n_stat, L)
     return out.reshape(B, H, M, -1), lse.reshape(B, H, M), stat
+
+
+def _causal_column_sums(q, keys, scaling, G, valid, n_stat) -> torch.Tensor:
+    """``[B, Hkv, G, L]``: causal softmax probabilities of the last ``n_stat`` positions, summed
+    over those positions per query head, in chunks of positions that read keys ``[0, e)`` only."""
+    B, H, M, d = q.shape
+    L = keys.shape[2]
+    q5 = q.reshape(B, H, G, L, d)[:, :, :, L - n_stat:].float()
+    k = keys.float()
+    pos = torch.arange(L, device=q.device)
+    colsum = torch.zeros(B, H, G, L, device=q.device)
+    step = max(1, ROW_CHUNK_BYTES // max(1, 4 * L * B * H * G))
+    for s in range(0, n_stat, step):
+        e = min(n_stat, s + step)
+        end = L - n_stat + e  # causal: these queries see keys [0, end)
+        qpos = pos[L - n_stat + s:end]
+        allowed = pos[None, :end] <= qpos[:, None]
+        if valid is not None:
+            allowed = (allowed & valid[:, None, None, None, :end]) | (pos[None, :end] == qpos[:, None])
+        logits = ((q5[:, :, :, s:e] @ k[:, :, None, :end].transpose(-1, -2)) * scaling).masked_fill(~allowed,
+                                                                                                    float("-inf"))
+        colsum[..., :end] += torch.softmax(logits, dim=-1).sum(3)
+    return colsum
 
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

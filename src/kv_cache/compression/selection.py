@@ -145,8 +145,26 @@ def select_tokens(
     inf = torch.tensor(float("inf"), dtype=torch.float32, device=scores.device)
     priority = torch.where(valid, scores.float(), -inf)
     priority = torch.where(forced, inf, priority)
+    if 2 * (T - k) <= T:  # few to drop (H2O drops one per step): O(T), no sort
+        return _drop_lowest(priority, T - k)
     order = torch.sort(priority, dim=-1, descending=True, stable=True).indices[..., :k]
     return torch.sort(order, dim=-1).values
+
+
+def _drop_lowest(priority: torch.Tensor, m: int) -> torch.Tensor:
+    """The ``T - m`` kept indices (sorted) when the ``m`` lowest priorities are dropped, ties
+    dropping the later token: exactly what the stable descending sort keeps, in O(T)."""
+    T = priority.shape[-1]
+    pos = torch.arange(T, device=priority.device).expand_as(priority)
+    if m == 0:
+        return pos.contiguous()
+    v = torch.kthvalue(priority, m, dim=-1, keepdim=True).values  # the m-th lowest priority
+    below = priority < v
+    tied = priority == v
+    need = m - below.sum(-1, keepdim=True)  # how many tied tokens go, the latest first
+    tied_from_end = tied.flip(-1).cumsum(-1).flip(-1)
+    drop = below | (tied & (tied_from_end <= need))
+    return pos.masked_select(~drop).reshape(*priority.shape[:-1], T - m)
 
 
 def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str = "avg") -> torch.Tensor:
