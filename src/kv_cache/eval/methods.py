@@ -182,9 +182,13 @@ def _ours(spec: str, parts: list[str]) -> Method:
         raise _unknown(spec, f"cannot parse {part!r}")
 
     def make(model):
+        if quant is None and policy is None:  # the reference: transformers' own cache and attention
+            from transformers import DynamicCache
+
+            return DynamicCache(), contextlib.nullcontext
         cache = CompressedCache(model.config, quant=quant, eviction=policy)
-        ctx = (lambda: compress(model, cache)) if policy is not None else contextlib.nullcontext
-        return cache, ctx
+        # Always inside compress(): attention reads the compressed storage (and feeds the policy).
+        return cache, lambda: compress(model, cache)
 
     return Method(spec, "ours", None if quant is None else quant.bits, None if policy is None else policy.budget,
                   make, resolved=f"kv_cache quant={quant!r} eviction={policy!r}")
