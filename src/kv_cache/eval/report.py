@@ -17,28 +17,49 @@ def _fmt_bytes(n: float | None) -> str:
     return f"{n}"
 
 
+def _bits_per_element(m: dict) -> float | None:
+    """The summary's ``bits_per_element``; derived from its bytes for documents saved before it existed."""
+    if m.get("bits_per_element") is not None:
+        return m["bits_per_element"]
+    kv, fp16 = m.get("kv_bytes"), m.get("fp16_bytes")
+    return 16.0 * kv / fp16 if kv is not None and fp16 else None
+
+
+def _fmt_kl(te: dict) -> str:
+    """Mean KL with 4 decimals; ``-`` when no sample has one (documents saved before KL existed)."""
+    kl = te.get("kl")
+    if kl is None:
+        return "-"
+    n, total = te.get("kl_samples"), len(te.get("samples", []))
+    partial = f" (n={n})" if n is not None and 0 < n < total else ""
+    return f"{kl:.4f}{partial}"
+
+
 def markdown_table(doc: dict) -> str:
-    """One row per method: bits, budget, measured KV bytes, ratio vs fp16, scores, decode tokens/s."""
+    """One row per method: bits, budget, measured KV bytes, ratio vs fp16, bits per element, scores
+    (ppl: ppl, Δppl, greedy agreement, KL from the full cache), decode tokens/s."""
     methods = list(doc["methods"].values())
     tasks = []
     for m in methods:
         for t in m["tasks"]:
             if t not in tasks:
                 tasks.append(t)
-    head = ["method", "bits", "budget", "KV bytes (measured)", "ratio vs fp16"]
+    head = ["method", "bits", "budget", "KV bytes (measured)", "ratio vs fp16", "bits/elem"]
     for t in tasks:
-        head += ["ppl", "Δppl", "greedy agree"] if t == "ppl" else [f"{t} acc"]
+        head += ["ppl", "Δppl", "greedy agree", "KL"] if t == "ppl" else [f"{t} acc"]
     head.append("decode tok/s")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in methods:
         row = [f"`{m['spec']}`", str(m.get("bits") or "16"), "-" if m.get("budget") is None else str(m["budget"]),
                _fmt_bytes(m.get("kv_bytes")), "-" if not m.get("ratio") else f"{m['ratio']:.2f}x"]
+        bpe = _bits_per_element(m)
+        row.append("-" if bpe is None else f"{bpe:.2f}")
         for t in tasks:
             te = m["tasks"].get(t, {})
             if t == "ppl":
                 sc, d, a = te.get("score"), te.get("delta"), te.get("agreement")
                 row += ["-" if sc is None else f"{sc:.3f}", "-" if d is None else f"{d:+.3f}",
-                        "-" if a is None else f"{a:.1%}"]
+                        "-" if a is None else f"{a:.1%}", _fmt_kl(te)]
             else:
                 sc = te.get("score")
                 n, want = len(te.get("samples", [])), doc.get("config", {}).get("samples")
@@ -54,7 +75,14 @@ def markdown_table(doc: dict) -> str:
     cfg = doc.get("config", {})
     lines.append(f"\nModel `{cfg.get('model')}`, context {cfg.get('context')} tokens, {cfg.get('samples')} samples "
                  f"per task, {'query-aware' if cfg.get('query_aware') else 'query-agnostic'}; KV bytes are the sum "
-                 "of tensor nbytes each cache holds after prefill; ratio = fp16 full-cache bytes / measured bytes.")
+                 "of tensor nbytes each cache holds after prefill; ratio = fp16 full-cache bytes / measured bytes; "
+                 "bits/elem = 8 x KV bytes / (2 x layers x kv_heads x head_dim x tokens) = 16 / ratio, over every "
+                 "token of the context prefilled, so for eviction methods it is per element of the full context "
+                 "(what a token of context costs), not per element kept.")
+    if "ppl" in tasks:
+        lines.append("KL = mean over continuation positions and windows of KL(P_full || P_method) of the "
+                     "next-token distribution (softmax of the logits, whole vocabulary); `-`: not measured "
+                     "(results saved before KL was reported).")
     return "\n".join(lines)
 
 

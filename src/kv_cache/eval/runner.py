@@ -7,7 +7,12 @@ cache's layers, quantized subclasses included), then:
 
 * ``ppl``: the continuation is scored with teacher forcing against the compressed cache,
   ``ppl = exp(mean NLL)``; ``agreement`` is the fraction of continuation positions whose greedy
-  (arg-max) token equals the full cache's;
+  (arg-max) token equals the full cache's; ``kl`` is the mean over continuation positions of
+  ``KL(P_full || P_method)`` of the next-token distribution (:func:`next_token_kl`). The full
+  cache's log-probabilities are too large for ``results.json``; they are kept in
+  ``<out>/reference/ppl-<index>.safetensors`` (:class:`ReferenceLogProbs`);
+* every task: ``bits_per_element = 16 * kv_bytes / fp16_bytes`` (:func:`bits_per_element`), the
+  bytes held per K/V element of the context prefilled (tokens seen, so eviction counts in it);
 * retrieval tasks: the question is appended and the answer decoded greedily, scored with
   :func:`kv_cache.eval.tasks.score_retrieval`; decode tokens/s are timed here.
 
@@ -112,6 +117,119 @@ def _forward(model, cache, ids: torch.Tensor, pos: int) -> torch.Tensor:
     return out.logits.float()
 
 
+def next_token_kl(ref_logits: torch.Tensor, logits: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """KL divergence of the next-token distribution from the reference, per position.
+
+    ``KL(P || Q) = sum_v P_v (log P_v - log Q_v)`` with ``P = softmax(ref_logits)`` and
+    ``Q = softmax(logits)`` over the last axis, exact over the whole vocabulary (math dictionary
+    §13, "Next-token KL"). Log-probabilities are valid logits (``log_softmax`` is invariant to an
+    additive constant), so either input may be logits or log-probabilities.
+
+    Parameters
+    ----------
+    ref_logits, logits : torch.Tensor
+        shape: ``[..., vocab]``, the same for both; any floating dtype.
+    chunk : int
+        Rows handled at once (bounds the float64 temporaries of a ``256 x 49152`` window).
+
+    Returns
+    -------
+    torch.Tensor
+        float64, shape ``ref_logits.shape[:-1]``; always computed in float64 from
+        ``log_softmax``. Terms with ``P_v = 0`` count 0; ``P_v > 0 = Q_v`` gives ``inf``; NaN in
+        either input gives NaN. Values are clamped at 0 (float64 rounding can leave ``-1e-17``
+        where ``P`` and ``Q`` nearly agree); ``KL(P || P)`` is exactly 0.
+
+    Raises
+    ------
+    ValueError
+        If the shapes differ or the vocabulary axis is empty.
+
+    Examples
+    --------
+    >>> p, q = torch.tensor([0.0, 0.0]), torch.log(torch.tensor([0.25, 0.75]))
+    >>> round(float(next_token_kl(p, q)), 6)  # 0.5 ln(0.5/0.25) + 0.5 ln(0.5/0.75)
+    0.143841
+    """
+    if ref_logits.shape != logits.shape:
+        raise ValueError(f"reference and method logits must have the same shape; got {tuple(ref_logits.shape)} "
+                         f"and {tuple(logits.shape)}")
+    if ref_logits.dim() == 0 or ref_logits.shape[-1] == 0:
+        raise ValueError(f"logits need a non-empty vocabulary axis; got shape {tuple(ref_logits.shape)}")
+    vocab = ref_logits.shape[-1]
+    p_rows, q_rows = ref_logits.reshape(-1, vocab), logits.reshape(-1, vocab)
+    out = torch.empty(p_rows.shape[0], dtype=torch.float64)
+    for a in range(0, p_rows.shape[0], chunk):
+        lp = torch.log_softmax(p_rows[a:a + chunk].double(), dim=-1)
+        lq = torch.log_softmax(q_rows[a:a + chunk].double(), dim=-1)
+        p = lp.exp()
+        # 0 * log 0 = 0: a token the reference rules out costs nothing (-inf - -inf must not give
+        # NaN); a NaN in either input still does (``p == 0`` is False for NaN).
+        terms = torch.where(p == 0, torch.zeros((), dtype=torch.float64), p * (lp - lq))
+        out[a:a + chunk] = terms.sum(-1).clamp_min(0.0)
+    return out.reshape(ref_logits.shape[:-1])
+
+
+def bits_per_element(kv_bytes: float | None, fp16_bytes: float | None) -> float | None:
+    """Bits held per K/V element represented: ``16 * kv_bytes / fp16_bytes``.
+
+    ``fp16_bytes`` is :func:`kv_cache.cache.report.fp16_kv_bytes` of the tokens prefilled (2
+    bytes for each of ``2 * layers * kv_heads * head_dim * tokens`` elements), so this is
+    ``8 * kv_bytes / elements`` over the tokens seen: an eviction method's bits are spread over
+    the whole context, which is what the user pays per token of context. None when either is
+    missing or ``fp16_bytes`` is 0.
+    """
+    if kv_bytes is None or not fp16_bytes:
+        return None
+    return 16.0 * kv_bytes / fp16_bytes
+
+
+class ReferenceLogProbs:
+    """The full cache's next-token log-probabilities of each perplexity window, on disk.
+
+    ``<dir>/ppl-<index>.safetensors`` holds one float32 tensor ``[continuation, vocab]`` (the
+    exact ``log_softmax`` of the reference's float32 logits, so a resumed run computes the same
+    KL as an uninterrupted one) and, as metadata, the run's fingerprint and the reference's
+    ``resolved`` settings: a file of another configuration is never used.
+    """
+
+    def __init__(self, directory: Path, fingerprint: str, resolved: str) -> None:
+        self.directory, self.fingerprint, self.resolved = Path(directory), fingerprint, resolved
+
+    def path(self, index: int) -> Path:
+        return self.directory / f"ppl-{index}.safetensors"
+
+    def save(self, index: int, log_probs: torch.Tensor) -> None:
+        from safetensors.torch import save_file
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.path(index)
+        tmp = path.with_suffix(".tmp")
+        save_file({"log_probs": log_probs.detach().float().contiguous()}, str(tmp),
+                  metadata={"fingerprint": self.fingerprint, "resolved": self.resolved, "index": str(index)})
+        os.replace(tmp, path)
+
+    def load(self, index: int, positions: int) -> torch.Tensor | None:
+        """The saved tensor of window ``index``, or None if absent, unreadable, not this run's or
+        not ``positions`` rows long."""
+        from safetensors import safe_open
+
+        path = self.path(index)
+        if not path.exists():
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                lp = f.get_tensor("log_probs")
+        except Exception as exc:  # a truncated or foreign file is recomputed, not fatal
+            log.warning("ignoring unreadable %s: %s", path, exc)
+            return None
+        if (meta.get("fingerprint"), meta.get("resolved")) != (self.fingerprint, self.resolved) \
+                or lp.dim() != 2 or lp.shape[0] != positions:
+            return None
+        return lp
+
+
 @dataclass
 class Prefilled:
     """A method's cache after prefilling a context, and the scope to keep running in."""
@@ -156,8 +274,14 @@ def _greedy(model, cache, logits: torch.Tensor, pos: int, n: int, eos: set[int])
     return out, (steps / dt if steps and dt > 0 else float("nan"))
 
 
-def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None) -> dict:
-    """One perplexity window: compressed prefix, teacher-forced continuation."""
+def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None,
+                   reference: torch.Tensor | Callable[[], torch.Tensor] | None = None) -> tuple[dict, torch.Tensor]:
+    """One perplexity window: compressed prefix, teacher-forced continuation.
+
+    ``reference`` is the full cache's log-probabilities ``[n, vocab]`` of this window (or a
+    callable that returns them, called only once the method has run); None skips the KL.
+    Returns the sample's results and its own log-probabilities ``[n, vocab]`` (float32).
+    """
     prefix = torch.tensor([sample.prefix_ids])
     cont = torch.tensor([sample.continuation_ids])
     with torch.no_grad():
@@ -171,10 +295,14 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None)
                              DECODE_TIMING_TOKENS, set())
         finally:
             pre.scope.close()
+        # float32, as stored for the reference: the full cache's own KL is then exactly 0.
+        log_probs = torch.log_softmax(all_logits.float(), dim=-1)
+        ref = reference() if callable(reference) else reference
+        kl = None if ref is None else float(next_token_kl(ref, log_probs).mean())
     agreement = None if full_argmax is None else sum(a == b for a, b in zip(argmax, full_argmax)) / len(argmax)
-    return {"index": sample.index, "nll": nll, "ppl": math.exp(nll), "agreement": agreement, "argmax": argmax,
-            "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_kv_bytes(model.config, prefix.shape[1]),
-            "decode_tokens_per_s": tps}
+    return {"index": sample.index, "nll": nll, "ppl": math.exp(nll), "agreement": agreement, "kl": kl,
+            "argmax": argmax, "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_kv_bytes(model.config, prefix.shape[1]),
+            "decode_tokens_per_s": tps}, log_probs
 
 
 def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, max_new_tokens: int) -> dict:
@@ -320,6 +448,20 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
     total = len(methods) * sum(len(v) for v in samples.values())
     done_count = 0
     full_argmax: dict[int, list[int]] = {}
+    reference = next(m for m in methods if m.is_reference)
+    ref_store = ReferenceLogProbs(out_dir / "reference", fp, reference.resolved)
+
+    def reference_log_probs(i: int) -> torch.Tensor:
+        """The full cache's log-probabilities of ppl window ``i``: saved, or recomputed and saved."""
+        sample = samples["ppl"][i]
+        lp = ref_store.load(i, len(sample.continuation_ids))
+        if lp is None:
+            log.warning("reference log-probabilities of ppl window %d not in %s; recomputing them with %s",
+                        i, ref_store.directory, reference.spec)
+            _, lp = run_ppl_sample(model, reference, sample, None)
+            ref_store.save(i, lp)
+        return lp
+
     for method in methods:
         entry = doc["methods"].get(method.spec)
         if entry is not None and entry.get("resolved") != method.resolved:
@@ -345,10 +487,15 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
                     continue
                 try:
                     if task == "ppl":
-                        res = run_ppl_sample(model, method, sample, full_argmax.get(i))
-                        res["index"] = i
                         if method.is_reference:
+                            res, log_probs = run_ppl_sample(model, method, sample, None)
+                            res["kl"] = float(next_token_kl(log_probs, log_probs).mean())  # 0: the check
+                            ref_store.save(i, log_probs)
                             full_argmax[i] = res["argmax"]
+                        else:
+                            res, _ = run_ppl_sample(model, method, sample, full_argmax.get(i),
+                                                    reference=lambda i=i: reference_log_probs(i))
+                        res["index"] = i
                     else:
                         res = run_retrieval_sample(model, tokenizer, method, sample, cfg.query_aware,
                                                    cfg.max_new_tokens)
@@ -392,18 +539,26 @@ def _summarize(entry: dict, full: dict | None) -> None:
     entry["kv_bytes"] = _mean([s["kv_bytes"] for s in all_samples])
     entry["fp16_bytes"] = _mean([s["fp16_bytes"] for s in all_samples])
     entry["ratio"] = (entry["fp16_bytes"] / entry["kv_bytes"]) if entry["kv_bytes"] else None
+    # Means of equal-count lists, so this is all bytes held / all elements represented.
+    entry["bits_per_element"] = bits_per_element(entry["kv_bytes"], entry["fp16_bytes"])
     entry["decode_tokens_per_s"] = _mean([s.get("decode_tokens_per_s") for s in all_samples])
     for name, t in entry["tasks"].items():
         if t["metric"] == "ppl":
             nll = _mean([s["nll"] for s in t["samples"]])
             t["score"] = math.exp(nll) if nll is not None else None
             t["agreement"] = _mean([s["agreement"] for s in t["samples"]])
+            # Every window scores the same number of positions: the mean over windows is the mean
+            # over all positions. Samples saved before KL existed have none (old results.json).
+            kls = [s["kl"] for s in t["samples"] if s.get("kl") is not None]
+            t["kl"] = _mean(kls)
+            t["kl_samples"] = len(kls)
             ref = (full or {}).get("tasks", {}).get(name, {}).get("score")
             t["delta"] = (t["score"] - ref) if (t["score"] is not None and ref is not None) else None
         else:
             t["score"] = _mean([s["score"] for s in t["samples"]])
         t["kv_bytes"] = _mean([s["kv_bytes"] for s in t["samples"]])
+        t["bits_per_element"] = bits_per_element(t["kv_bytes"], _mean([s["fp16_bytes"] for s in t["samples"]]))
 
 
-__all__ = ["EvalConfig", "KNOWN_TASKS", "TASK_ALIASES", "check_out_dir", "held_nbytes", "walked_nbytes",
-           "resolve_task", "run_eval"]
+__all__ = ["EvalConfig", "KNOWN_TASKS", "TASK_ALIASES", "ReferenceLogProbs", "bits_per_element", "check_out_dir",
+           "held_nbytes", "next_token_kl", "walked_nbytes", "resolve_task", "run_eval"]
