@@ -197,3 +197,72 @@ def test_memory_report_equals_the_generic_tensor_walk(quant):
     assert rep.scores_bytes > 0 and (quant is None or rep.codes_bytes > 0)
     assert rep.tokens_seen == 74  # generate never feeds its last token
     assert rep.fp16_bytes == fp16_kv_bytes(model.config, 74, batch=3)
+
+
+# --------------------------------------------------------------------------- low-bit layouts (rotation, codebook)
+
+LAYOUTS = {
+    "k3v2": QuantConfig(bits=2, key_bits=3, group_size=8, residual_length=8),
+    "rotated-per-channel": QuantConfig(bits=2, group_size=8, residual_length=8, rotation="hadamard"),
+    "rotated-per-token": QuantConfig(bits=2, group_size=8, residual_length=8, rotation="hadamard",
+                                     key_grouping="token", channel_group=16),
+    "rotated-lloyd-max": QuantConfig(bits=2, group_size=8, residual_length=8, rotation="hadamard",
+                                     key_grouping="token", channel_group=16, levels="lloyd_max"),
+    "layer-bits": QuantConfig(bits=2, group_size=8, residual_length=8, layer_bits={0: 4}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_low_bit_layouts_read_back_their_reference(name):
+    """Each layout stores what the plain pipeline gives: rotate -> quantize -> dequantize -> rotate back."""
+    from kv_cache.compression import RandomizedHadamard, dequantize_norm_codebook, quantize_norm_codebook
+
+    q = LAYOUTS[name]
+    k, v = _kv(b=1, h=2, n=32)
+    st = make_storage(q, k[:, :, :0], v[:, :, :0], track_groups=False, layer=0)
+    st.append(k, v)
+    got_k, got_v = st.read()
+    kb, vb = q.bits_for(0)
+    rots = None
+    if q.rotation:
+        rots = [RandomizedHadamard.for_head(16, 0, h, q.rotation_seed) for h in range(2)]
+        k = torch.stack([rots[h].forward(k[:, h]) for h in range(2)], 1)
+        v = torch.stack([rots[h].forward(v[:, h]) for h in range(2)], 1)
+    if q.levels == "lloyd_max":
+        def rt(x, bits):
+            codes, scale = quantize_norm_codebook(x, bits, group_size=q.channel_group)
+            return dequantize_norm_codebook(codes, scale.half().float(), bits)
+        ref_k, ref_v = rt(k, kb), rt(v, vb)
+    else:
+        key_axis, key_group = (-2, q.group_size) if q.key_grouping == "channel" else (-1, q.channel_group_for(16))
+        ref_k = dequantize(quantize(k, kb, axis=key_axis, group_size=key_group, scale_dtype=torch.float16))
+        ref_v = dequantize(quantize(v, vb, axis=-1, group_size=q.channel_group_for(16), scale_dtype=torch.float16))
+    if rots:
+        ref_k = torch.stack([rots[h].inverse(ref_k[:, h]) for h in range(2)], 1)
+        ref_v = torch.stack([rots[h].inverse(ref_v[:, h]) for h in range(2)], 1)
+    torch.testing.assert_close(got_k, ref_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_v, ref_v, rtol=1e-5, atol=1e-5)
+    cats = st.nbytes_by_category()
+    assert cats["codes"] == 2 * 32 * 16 * (kb + vb) // 8
+    assert cats["tables"] == (2 * 16 if q.rotation else 0)  # int8 signs per KV head
+    assert sum(cats.values()) == sum(t.nbytes for t in st.named_tensors().values())
+
+
+def test_quant_config_options_are_validated():
+    with pytest.raises(ValueError, match=r"key_bits must be one of \[2, 3, 4, 8\]; got 5"):
+        QuantConfig(key_bits=5)
+    with pytest.raises(ValueError, match=r"rotation must be one of \[None, 'hadamard'\]; got 'random'"):
+        QuantConfig(rotation="random")
+    with pytest.raises(ValueError, match="needs key_grouping='token'"):
+        QuantConfig(levels="lloyd_max")
+    with pytest.raises(ValueError, match=r"lloyd_max' supports bits \[1, 2, 3, 4\]; got \[2, 8\]"):
+        QuantConfig(bits=2, key_grouping="token", levels="lloyd_max", layer_bits={3: 8})
+    with pytest.raises(ValueError, match="layer_bits maps layer indices"):
+        QuantConfig(layer_bits={-1: 4})
+    with pytest.raises(ValueError, match=r"channel_group \(24\) must divide head_dim \(64\)"):
+        QuantConfig(key_grouping="token", channel_group=24).check_head_dim(64)
+    # Unused new options print nothing: kvcache eval resumes by this string.
+    assert repr(QuantConfig(bits=4)) == ("QuantConfig(bits=4, group_size=32, residual_length=32, sink_tokens=0, "
+                                         "symmetric=False, scale_dtype=torch.float16)")
+    assert QuantConfig(bits=2, key_bits=3, layer_bits={0: 4}).bits_for(0) == (4, 4)
+    assert QuantConfig(bits=2, key_bits=3).bits_for(5) == (3, 2)

@@ -18,6 +18,7 @@ with row ``g * L + i`` = query head ``j * G + g`` of KV head ``j`` at query posi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -89,6 +90,7 @@ class QuantBlock:
     values: QBlock
     batch: int
     kv_heads: int
+    rotation: Any = None  # stored in a rotated space: ``forward``/``inverse`` of [B, Hkv, n, d]
 
     @property
     def length(self) -> int:
@@ -97,6 +99,8 @@ class QuantBlock:
     def attend(self, q: torch.Tensor, scaling: float, start: torch.Tensor | None, stat_rows: torch.Tensor | None):
         B, H, M, d = q.shape
         R = B * H
+        if self.rotation is not None:  # q.k = (qR).(kR): rotate the query once, not every key
+            q = self.rotation.forward(q.float())
         qf = q.reshape(R, M, d).float()
         st = None if start is None else start.reshape(R).to(torch.int32)
         want_all = stat_rows is not None and stat_rows.numel() == M
@@ -109,7 +113,10 @@ class QuantBlock:
             else:
                 lse_s = lse
             p_stat = torch.exp(logits - lse_s.unsqueeze(-1)).nan_to_num_(0.0).reshape(B, H, -1, self.length)
-        return out.reshape(B, H, M, -1), lse.reshape(B, H, M), p_stat
+        out = out.reshape(B, H, M, -1)
+        if self.rotation is not None:  # sum_t p_t v_t = (sum_t p_t v_t R) R^T: once per call
+            out = self.rotation.inverse(out)
+        return out, lse.reshape(B, H, M), p_stat
 
 
 def attend_new(

@@ -104,7 +104,7 @@ class CompressedCache(Cache):
 
     def memory_report(self) -> MemoryReport:
         """Bytes actually held, by category, against an fp16 cache of every token seen."""
-        cat = dict.fromkeys(("codes", "scales", "zero_points", "residual", "indices", "scores"), 0)
+        cat = dict.fromkeys(("codes", "scales", "zero_points", "residual", "indices", "scores", "tables"), 0)
         per_layer, kept, elements, fp16, seen = [], 0, 0, 0, 0
         for layer in self.layers:
             by_cat = layer.nbytes_by_category()
@@ -123,5 +123,5 @@ class CompressedCache(Cache):
             codes_bytes=cat["codes"], scales_bytes=cat["scales"], zero_points_bytes=cat["zero_points"],
             residual_bytes=cat["residual"], indices_bytes=cat["indices"], scores_bytes=cat["scores"],
             fp16_bytes=fp16, tokens_seen=seen, tokens_kept=kept / n, elements_kept=elements,
-            per_layer_bytes=per_layer,
+            per_layer_bytes=per_layer, tables_bytes=cat["tables"],
         )

@@ -2,34 +2,65 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
+from ..compression.codebook import LLOYD_MAX_BITS
 from ..compression.packing import SUPPORTED_BITS
 
+ROTATIONS = (None, "hadamard")
+KEY_GROUPINGS = ("channel", "token")
+LEVELS = ("uniform", "lloyd_max")
 
-@dataclass(frozen=True)
+_KIVI_FIELDS = ("bits", "group_size", "residual_length", "sink_tokens", "symmetric", "scale_dtype")
+"""Fields shown by ``repr`` always (the original layout); the others only when not default, so a
+configuration that uses none of them prints exactly as before (``kvcache eval`` resumes by it)."""
+
+
+@dataclass(frozen=True, repr=False)
 class QuantConfig:
     """How cached tokens are stored (KIVI layout by default).
 
     Parameters
     ----------
     bits : {2, 3, 4, 8}
+        Bits of keys and values unless ``key_bits`` / ``value_bits`` / ``layer_bits`` say otherwise.
     group_size : int, default 32
-        Keys: tokens per group of a per-channel scale (and the flush block: the residual is
-        quantized ``group_size`` tokens at a time). Values: channels per group of a per-token
-        scale; must divide ``head_dim``.
+        Keys stored per channel: tokens per group of a per-channel scale, and the flush block
+        (the residual is quantized ``group_size`` tokens at a time). Values (and keys stored per
+        token): channels per group of a per-token scale unless ``channel_group`` is set; must
+        divide ``head_dim`` (or be >= it).
     residual_length : int, default 32
         Full-precision residual: when it reaches ``max(residual_length, group_size)`` tokens,
         all its whole groups are quantized (KIVI), so between 0 and
         ``max(residual_length, group_size) - 1`` of the most recent tokens are full precision.
     sink_tokens : int, default 0
-        The first tokens of every sequence kept in full precision, never quantized.
+        The first tokens of every sequence kept in full precision, never quantized (the prompt
+        is never quantized in one shot with its sink tokens).
     symmetric : bool, default False
     scale_dtype : torch.dtype, default torch.float16
         Storage dtype of scales (zero points are int16).
+    key_bits, value_bits : {2, 3, 4, 8} or None
+        Separate precisions for keys and values (e.g. K3V2); None: ``bits``.
+    layer_bits : mapping or tuple of pairs, default ()
+        ``{layer: bits}`` overrides for chosen layers (keys and values), e.g. the first layer
+        at 4 bits in a 2-bit cache.
+    rotation : {None, "hadamard"}
+        A randomized Hadamard rotation per layer and KV head (seeded, no calibration), applied
+        to keys (post-RoPE) and values before quantization; attention undoes it by rotating the
+        query once and the output once (math dictionary §17).
+    rotation_seed : int, default 0
+    key_grouping : {"channel", "token"}, default "channel"
+        Keys quantized per channel (KIVI) or per token (after a rotation spreads the channel
+        outliers that made per-channel grouping necessary).
+    channel_group : int or None
+        Channels per scale of per-token groups (values, and keys with ``key_grouping="token"``),
+        up to ``head_dim`` (one scale per vector); None: ``min(group_size, head_dim)``.
+    levels : {"uniform", "lloyd_max"}, default "uniform"
+        ``lloyd_max``: the Lloyd-Max levels of N(0, 1) with one RMS scale per group and no zero
+        point (norm-only; needs per-token groups for keys, 2-4 bits; math dictionary §18).
     """
 
     bits: int = 4
@@ -38,13 +69,27 @@ class QuantConfig:
     sink_tokens: int = 0
     symmetric: bool = False
     scale_dtype: Any = torch.float16
+    key_bits: int | None = None
+    value_bits: int | None = None
+    layer_bits: Any = ()
+    rotation: str | None = None
+    rotation_seed: int = 0
+    key_grouping: str = "channel"
+    channel_group: int | None = None
+    levels: str = "uniform"
 
     def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
-            raise ValueError(f"QuantConfig.bits must be one of {list(SUPPORTED_BITS)}; got {self.bits!r}")
-        for name in ("group_size", "residual_length", "sink_tokens"):
+        for name in ("bits", "key_bits", "value_bits"):
+            b = getattr(self, name)
+            if name != "bits" and b is None:
+                continue
+            if isinstance(b, bool) or b not in SUPPORTED_BITS:
+                raise ValueError(f"QuantConfig.{name} must be one of {list(SUPPORTED_BITS)}; got {b!r}")
+        for name in ("group_size", "residual_length", "sink_tokens", "rotation_seed", "channel_group"):
             v = getattr(self, name)
-            low = 1 if name == "group_size" else 0
+            if name == "channel_group" and v is None:
+                continue
+            low = 1 if name in ("group_size", "channel_group") else 0
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"QuantConfig.{name} must be an int >= {low}; got {v!r}")
         if self.scale_dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -52,16 +97,63 @@ class QuantConfig:
                 "QuantConfig.scale_dtype must be one of torch.float16, torch.bfloat16, torch.float32; "
                 f"got {self.scale_dtype!r}"
             )
+        for name, allowed in (("rotation", ROTATIONS), ("key_grouping", KEY_GROUPINGS), ("levels", LEVELS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"QuantConfig.{name} must be one of {list(allowed)}; got {getattr(self, name)!r}")
+        pairs = tuple(sorted(dict(self.layer_bits).items())) if self.layer_bits else ()
+        for layer, b in pairs:
+            if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0 or b not in SUPPORTED_BITS:
+                raise ValueError(
+                    f"QuantConfig.layer_bits maps layer indices (int >= 0) to bits in {list(SUPPORTED_BITS)}; "
+                    f"got {layer!r}: {b!r}"
+                )
+        object.__setattr__(self, "layer_bits", pairs)
+        if self.levels == "lloyd_max":
+            if self.key_grouping != "token":
+                raise ValueError(
+                    "QuantConfig.levels='lloyd_max' stores one norm per group of a vector: it needs "
+                    "key_grouping='token'; got key_grouping='channel'"
+                )
+            used = {self.bits, *(b for _, b in self.layer_bits), self.key_bits or self.bits,
+                    self.value_bits or self.bits}
+            if not used <= set(LLOYD_MAX_BITS):
+                raise ValueError(
+                    f"QuantConfig.levels='lloyd_max' supports bits {list(LLOYD_MAX_BITS)}; got {sorted(used)}"
+                )
+
+    def __repr__(self) -> str:
+        shown = [f.name for f in fields(self)
+                 if f.name in _KIVI_FIELDS or getattr(self, f.name) != f.default]
+        return f"QuantConfig({', '.join(f'{n}={getattr(self, n)!r}' for n in shown)})"
+
+    def bits_for(self, layer: int) -> tuple[int, int]:
+        """``(key_bits, value_bits)`` of layer ``layer``."""
+        override = dict(self.layer_bits).get(layer)
+        if override is not None:
+            return override, override
+        return self.key_bits or self.bits, self.value_bits or self.bits
+
+    def channel_group_for(self, head_dim: int) -> int:
+        """Channels per scale of per-token groups for a ``head_dim``-channel head."""
+        return min(self.channel_group or self.group_size, head_dim)
 
     def check_head_dim(self, head_dim: int) -> None:
-        """Raise if values' channel groups or the token-major packing cannot tile ``head_dim``."""
-        if head_dim % self.group_size and self.group_size < head_dim:
+        """Raise if channel groups, the packing or the rotation cannot tile ``head_dim``."""
+        gc = self.channel_group_for(head_dim)
+        if head_dim % gc:
+            name = "channel_group" if self.channel_group else "group_size"
             raise ValueError(
-                f"QuantConfig.group_size ({self.group_size}) must divide head_dim ({head_dim}) "
-                "for per-token value groups (or be >= head_dim)"
+                f"QuantConfig.{name} ({gc}) must divide head_dim ({head_dim}) "
+                "for per-token groups (or be >= head_dim)"
             )
-        if (head_dim * self.bits) % 8:
+        for b in {self.bits, self.key_bits or self.bits, self.value_bits or self.bits,
+                  *(b for _, b in self.layer_bits)}:
+            if (head_dim * b) % 8:
+                raise ValueError(
+                    f"head_dim * bits must be a multiple of 8 so each token's codes fill whole bytes; "
+                    f"got head_dim={head_dim}, bits={b}"
+                )
+        if self.rotation is not None and head_dim % 2:
             raise ValueError(
-                f"head_dim * bits must be a multiple of 8 so each token's codes fill whole bytes; "
-                f"got head_dim={head_dim}, bits={self.bits}"
+                f"QuantConfig.rotation='hadamard' needs an even head_dim (power-of-two blocks); got {head_dim}"
             )

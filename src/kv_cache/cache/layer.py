@@ -77,7 +77,8 @@ class CompressedLayer(CacheLayerMixin):
             self.quant.check_head_dim(d)
         empty_k = key_states.new_empty((b, h, 0, d))
         empty_v = value_states.new_empty((b, h, 0, value_states.shape[-1]))
-        self.storage = make_storage(self.quant, empty_k, empty_v, track_groups=self.policy is not None)
+        self.storage = make_storage(self.quant, empty_k, empty_v, track_groups=self.policy is not None,
+                                    layer=self.layer_idx)
         self.is_initialized = True
 
     def update(

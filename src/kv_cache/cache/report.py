@@ -55,11 +55,12 @@ class MemoryReport:
     tokens_kept: float
     elements_kept: int
     per_layer_bytes: list[int] = field(default_factory=list)
+    tables_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return (self.codes_bytes + self.scales_bytes + self.zero_points_bytes + self.residual_bytes
-                + self.indices_bytes + self.scores_bytes)
+                + self.indices_bytes + self.scores_bytes + self.tables_bytes)
 
     @property
     def ratio(self) -> float:
@@ -89,5 +90,6 @@ class MemoryReport:
     def __str__(self) -> str:
         return (f"{self.total_bytes:,} B held (codes {self.codes_bytes:,}, scales {self.scales_bytes:,}, "
                 f"zero points {self.zero_points_bytes:,}, full-precision {self.residual_bytes:,}, "
-                f"indices {self.indices_bytes:,}, scores {self.scores_bytes:,}) vs fp16 {self.fp16_bytes:,} B: "
+                f"indices {self.indices_bytes:,}, scores {self.scores_bytes:,}, tables {self.tables_bytes:,}) "
+                f"vs fp16 {self.fp16_bytes:,} B: "
                 f"{self.ratio:.2f}x = {self.token_ratio:.2f}x tokens * {self.bits_ratio:.2f}x bits")

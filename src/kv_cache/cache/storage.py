@@ -18,7 +18,8 @@ in token order, every tensor ``[batch, kv_heads, n, ...]``, and offers the same 
 
 Layouts: :class:`FullPrecisionStorage` (no quantization, exactly ``DynamicCache``) and
 :class:`QuantizedStorage` (KIVI: full-precision sinks | packed codes | full-precision
-residual), whose packed middle is a :class:`PackedKV`. New layouts (rotated, codebook, ragged
+residual), whose packed middle is a :class:`~kv_cache.cache.packed.PackedKV` (per-channel or
+per-token keys, uniform or Lloyd-Max levels, optionally rotated). New layouts (rotated, codebook, ragged
 per head) implement :class:`LayerStorage` and plug into the layer unchanged.
 """
 
@@ -30,27 +31,11 @@ from typing import Callable
 import torch
 
 from ..attention.blocks import FullBlock, QuantBlock
-from ..kernels import QBlock, dequantize_block, quantize_block, uniform_lut
 from .config import QuantConfig
+from .packed import PackedKV, _cat, gather_tokens
 
-CATEGORIES = ("codes", "scales", "zero_points", "residual", "indices")
+CATEGORIES = ("codes", "scales", "zero_points", "residual", "indices", "tables")
 """Byte categories of a storage (the layer adds ``scores`` for policy state)."""
-
-
-def gather_tokens(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``t[b, h, idx[b, h, j], ...]`` for ``t`` ``[B, H, n, ...]`` and ``idx`` ``[B, H, k]``.
-
-    One ``index_select`` over flattened rows: much cheaper than ``gather`` with an index
-    expanded to the trailing dims.
-    """
-    b, h, n = t.shape[:3]
-    k = idx.shape[2]
-    rows = (idx.reshape(b * h, k) + torch.arange(b * h, device=t.device).unsqueeze(1) * n).reshape(-1)
-    return t.reshape(b * h * n, *t.shape[3:]).index_select(0, rows).reshape(b, h, k, *t.shape[3:])
-
-
-def _cat(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    return new if old is None else torch.cat([old, new], dim=2)
 
 
 class LayerStorage(ABC):
@@ -157,112 +142,6 @@ class FullPrecisionStorage(LayerStorage):
         return out
 
 
-class PackedKV:
-    """Quantized keys and values of one layer, packed token-major (KIVI layout).
-
-    Keys are per-channel (one scale per ``group_size`` tokens and channel), values per-token
-    (one scale per token and ``min(group_size, head_dim)`` channels). Codes are packed
-    token-major (``head_dim * bits / 8`` bytes per token and head), so keeping a subset of
-    tokens is a gather of whole bytes: no unpacking, no re-quantization.
-
-    Attributes (``n`` tokens, ``G`` key scale groups, ``d`` head_dim)
-    ----------------------------------------------------------------
-    k_codes, v_codes : uint8 ``[b, h, n, d * bits / 8]``
-    k_scale, k_zero : ``[b, h, G, d]`` (``k_zero`` int16, None when symmetric)
-    v_scale, v_zero : ``[b, h, n, d / group]``
-    k_group : int32 ``[b, h, n]`` or None
-        Each key's scale group, kept when tokens may be evicted (groups become ragged then);
-        None while groups are whole (token ``t`` uses group ``t // group_size``).
-    """
-
-    def __init__(self, quant: QuantConfig, dtype: torch.dtype, head_dim: int, track_groups: bool):
-        self.quant, self.dtype, self.head_dim, self.track_groups = quant, dtype, head_dim, track_groups
-        self.k_codes = self.k_scale = self.k_zero = None
-        self.v_codes = self.v_scale = self.v_zero = None
-        self.k_group: torch.Tensor | None = None
-
-    _SLOTS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_group")
-    _CATEGORY = {"k_codes": "codes", "v_codes": "codes", "k_scale": "scales", "v_scale": "scales",
-                 "k_zero": "zero_points", "v_zero": "zero_points", "k_group": "indices"}
-
-    @property
-    def length(self) -> int:
-        return 0 if self.k_codes is None else self.k_codes.shape[2]
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Quantize ``[b, h, n, d]`` tokens (``n`` a multiple of ``group_size``) and append them.
-
-        One fused quantize + pack per tensor (:func:`kv_cache.kernels.quantize_block`), bit for
-        bit :func:`kv_cache.compression.quantize` with keys per channel and values per token.
-        """
-        q = self.quant
-        g = q.group_size
-        b, h, n, d = keys.shape
-        R = b * h
-        kq = quantize_block(keys.reshape(R, n, d), q.bits, "channel", g, q.symmetric, q.scale_dtype)
-        vq = quantize_block(values.reshape(R, n, d), q.bits, "token", min(g, d), q.symmetric, q.scale_dtype)
-        if self.track_groups:
-            first = 0 if self.k_scale is None else self.k_scale.shape[2]  # index into the scale table
-            gid = torch.arange(first, first + n // g, device=keys.device, dtype=torch.int32)
-            self.k_group = _cat(self.k_group, gid.repeat_interleave(g).expand(b, h, n).contiguous())
-        self.k_codes = _cat(self.k_codes, kq.codes.view(b, h, n, -1))
-        self.k_scale = _cat(self.k_scale, kq.scale.view(b, h, n // g, d))  # [b, h, blocks, d]
-        self.v_codes = _cat(self.v_codes, vq.codes.view(b, h, n, -1))
-        self.v_scale = _cat(self.v_scale, vq.scale.view(b, h, n, -1))  # [b, h, n, d / gv]
-        if not q.symmetric:  # symmetric codes have no zero point (None)
-            self.k_zero = _cat(self.k_zero, kq.zero.view(b, h, n // g, d))
-            self.v_zero = _cat(self.v_zero, vq.zero.view(b, h, n, -1))
-
-    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[b, h, n, d]`` in ``dtype`` (math dictionary section 3), one fused
-        unpack + dequantize pass each (:func:`kv_cache.kernels.dequantize_block`)."""
-        b, h, n, _ = self.k_codes.shape
-        kq, vq = self.qblocks()
-        return (dequantize_block(kq, self.dtype).view(b, h, n, -1),
-                dequantize_block(vq, self.dtype).view(b, h, n, -1))
-
-    def qblocks(self) -> tuple[QBlock, QBlock]:
-        """Keys and values as kernel blocks over rows ``R = batch * kv_heads`` (views, no copy)."""
-        q = self.quant
-        b, h, n, p = self.k_codes.shape
-        R, d = b * h, self.head_dim
-        lut = uniform_lut(q.bits, q.symmetric, self.k_codes.device)
-        k_zero = None if self.k_zero is None else self.k_zero.reshape(R, -1, d)
-        keys = QBlock(self.k_codes.reshape(R, n, p), q.bits, lut, "channel", self.k_scale.reshape(R, -1, d), k_zero,
-                      q.group_size, None if self.k_group is None else self.k_group.reshape(R, n))
-        gv = min(q.group_size, d)
-        v_zero = None if self.v_zero is None else self.v_zero.reshape(R, n, d // gv)
-        values = QBlock(self.v_codes.reshape(R, n, p), q.bits, lut, "token", self.v_scale.reshape(R, n, d // gv),
-                        v_zero, gv)
-        return keys, values
-
-    def gather(self, idx: torch.Tensor) -> None:
-        """Keep tokens ``idx`` (``[b, h, k]``) and drop key scale groups no head uses any more."""
-        for name in ("k_codes", "v_codes", "v_scale", "v_zero", "k_group"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, gather_tokens(t, idx))
-        used = torch.unique(self.k_group)
-        if used.numel() < self.k_scale.shape[2]:
-            remap = torch.full((self.k_scale.shape[2],), -1, dtype=torch.int32, device=used.device)
-            remap[used.long()] = torch.arange(used.numel(), dtype=torch.int32, device=used.device)
-            self.k_scale = self.k_scale.index_select(2, used.long())
-            if self.k_zero is not None:
-                self.k_zero = self.k_zero.index_select(2, used.long())
-            self.k_group = remap[self.k_group.long()]
-
-    def named_tensors(self) -> dict[str, torch.Tensor]:
-        return {name: t for name in self._SLOTS if (t := getattr(self, name)) is not None}
-
-    def map_tensors(self, fn) -> None:
-        for name, t in self.named_tensors().items():
-            setattr(self, name, fn(t))
-
-    def add_nbytes(self, out: dict[str, int]) -> None:
-        for name, t in self.named_tensors().items():
-            out[self._CATEGORY[name]] += t.nbytes
-
-
 class QuantizedStorage(LayerStorage):
     """KIVI storage: ``[ full-precision sinks | packed quantized tokens | full-precision residual ]``.
 
@@ -275,12 +154,13 @@ class QuantizedStorage(LayerStorage):
       packed part stays rectangular and the residual append-only).
     """
 
-    def __init__(self, quant: QuantConfig, keys: torch.Tensor, values: torch.Tensor, track_groups: bool):
+    def __init__(self, quant: QuantConfig, keys: torch.Tensor, values: torch.Tensor, track_groups: bool,
+                 layer: int = 0):
         self.quant = quant
         self.keys, self.values = keys, values  # the residual, [b, h, r, d]
         self.sink_keys: torch.Tensor | None = None
         self.sink_values: torch.Tensor | None = None
-        self.packed = PackedKV(quant, keys.dtype, keys.shape[-1], track_groups)
+        self.packed = PackedKV(quant, keys.dtype, keys.shape[-1], track_groups, layer)
 
     @property
     def n_sinks(self) -> int:
@@ -337,7 +217,8 @@ class QuantizedStorage(LayerStorage):
         if self.sink_keys is not None:
             out.append(FullBlock(self.sink_keys, self.sink_values))
         if self.packed.length:
-            out.append(QuantBlock(*self.packed.qblocks(), batch=self.keys.shape[0], kv_heads=self.keys.shape[1]))
+            out.append(QuantBlock(*self.packed.qblocks(), batch=self.keys.shape[0], kv_heads=self.keys.shape[1],
+                                  rotation=self.packed.rotation))
         if self.keys.shape[2]:
             out.append(FullBlock(self.keys, self.values))
         return out
@@ -376,10 +257,10 @@ class QuantizedStorage(LayerStorage):
 
 
 def make_storage(
-    quant: QuantConfig | None, keys: torch.Tensor, values: torch.Tensor, track_groups: bool
+    quant: QuantConfig | None, keys: torch.Tensor, values: torch.Tensor, track_groups: bool, layer: int = 0
 ) -> LayerStorage:
-    """The storage for ``quant`` (None: full precision), starting empty like ``keys``/``values``
-    (``[batch, kv_heads, 0, head_dim]``). ``track_groups``: tokens may be evicted."""
+    """The storage of layer ``layer`` for ``quant`` (None: full precision), starting empty like
+    ``keys``/``values`` (``[batch, kv_heads, 0, head_dim]``). ``track_groups``: tokens may be evicted."""
     if quant is None:
         return FullPrecisionStorage(keys, values)
-    return QuantizedStorage(quant, keys, values, track_groups)
+    return QuantizedStorage(quant, keys, values, track_groups, layer)

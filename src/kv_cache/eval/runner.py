@@ -38,7 +38,8 @@ import torch.nn.functional as F
 
 from ..cache import CompressedCache
 from ..cache.report import fp16_kv_bytes
-from ..cache.storage import LayerStorage, PackedKV
+from ..cache.packed import PackedKV, Rotation
+from ..cache.storage import LayerStorage
 from .methods import REFERENCE_SPEC, Method, MethodUnavailable, parse_methods
 from .tasks import (TASKS, TaskRequest, build_prompt, build_task, check_context_fits, perplexity_windows,
                     score_retrieval)
@@ -80,7 +81,7 @@ def _inner_tensors(obj: Any, seen: set[int]) -> list[torch.Tensor]:
         return [t for v in obj.values() for t in _inner_tensors(v, seen)]
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _inner_tensors(v, seen)]
-    if isinstance(obj, (LayerStorage, PackedKV)):  # our storage objects: walked like a dict
+    if isinstance(obj, (LayerStorage, PackedKV, Rotation)):  # our storage objects: walked like a dict
         return _inner_tensors(vars(obj), seen)
     return []
 

@@ -1,0 +1,225 @@
+"""The packed quantized part of one layer: codes, scales, zero points, and how they were made.
+
+Keys and values are each one :class:`~kv_cache.kernels.QBlock` layout, chosen by
+:class:`~kv_cache.cache.config.QuantConfig`:
+
+* keys per channel (KIVI: one scale per ``group_size`` tokens and channel) or per token (one
+  scale per ``channel_group`` channels of a token); values per token;
+* uniform levels (scale + zero point, or symmetric) or Lloyd-Max levels of N(0, 1) with one
+  RMS scale per group and no zero point (norm-only);
+* optionally rotated first: a randomized Hadamard transform per KV head, ``x R`` with
+  ``R = diag(s_h) H`` (``H`` the normalized Sylvester matrix, block-diagonal when ``head_dim``
+  is not a power of two); attention undoes it by rotating the query and the output once.
+
+Codes are packed token-major (``head_dim * bits / 8`` bytes per token and head), so keeping a
+subset of tokens is a gather of whole bytes: no unpacking, no re-quantization.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..compression.codebook import lloyd_max_gaussian
+from ..compression.rotation import RandomizedHadamard
+from ..kernels import QBlock, dequantize_block, quantize_block, uniform_lut
+from .config import QuantConfig
+
+
+def _cat(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    return new if old is None else torch.cat([old, new], dim=2)
+
+
+def gather_tokens(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``t[b, h, idx[b, h, j], ...]`` for ``t`` ``[B, H, n, ...]`` and ``idx`` ``[B, H, k]``.
+
+    One ``index_select`` over flattened rows: much cheaper than ``gather`` with an index
+    expanded to the trailing dims.
+    """
+    b, h, n = t.shape[:3]
+    k = idx.shape[2]
+    rows = (idx.reshape(b * h, k) + torch.arange(b * h, device=t.device).unsqueeze(1) * n).reshape(-1)
+    return t.reshape(b * h * n, *t.shape[3:]).index_select(0, rows).reshape(b, h, k, *t.shape[3:])
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard(dim: int, device: str) -> torch.Tensor:
+    """The normalized (block-)Sylvester matrix ``H`` ``[dim, dim]`` (symmetric, orthonormal).
+
+    A constant of the code like a codebook's levels: the data-dependent part of a rotation is
+    the per-head signs, which the cache holds (and counts)."""
+    rh = RandomizedHadamard(dim)
+    return rh.signs()[:, None] * rh.matrix()  # R = diag(s) H, so H = diag(s) R
+
+
+class Rotation:
+    """Per-KV-head randomized Hadamard rotations of one layer: ``signs`` ``[kv_heads, d]`` (int8)."""
+
+    def __init__(self, layer: int, kv_heads: int, head_dim: int, seed: int, device) -> None:
+        self.signs = torch.stack([RandomizedHadamard.for_head(head_dim, layer, h, seed).signs()
+                                  for h in range(kv_heads)]).to(device=device, dtype=torch.int8)
+
+    def _parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.signs.to(x.dtype)[None, :, None, :], _hadamard(x.shape[-1], str(x.device)).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x R`` for ``x`` ``[b, kv_heads, n, d]`` (each head its own signs)."""
+        s, h = self._parts(x)
+        return (x * s) @ h
+
+    def inverse(self, y: torch.Tensor) -> torch.Tensor:
+        """``y R^T = (y H) * s`` (``H`` symmetric)."""
+        s, h = self._parts(y)
+        return (y @ h) * s
+
+
+class PackedKV:
+    """Quantized keys and values of one layer, packed token-major.
+
+    Attributes (``n`` tokens, ``G`` key scale groups, ``d`` head_dim, ``c`` channel group)
+    ------------------------------------------------------------------------------------
+    k_codes, v_codes : uint8 ``[b, h, n, d * bits / 8]`` (key and value bits may differ)
+    k_scale, k_zero : per channel ``[b, h, G, d]``; per token ``[b, h, n, d / c]``
+        (``k_zero`` int16; None when symmetric or with Lloyd-Max levels)
+    v_scale, v_zero : ``[b, h, n, d / c]``
+    k_group : int32 ``[b, h, n]`` or None
+        Per-channel keys only: each key's scale group, kept when tokens may be evicted (groups
+        become ragged then); None while groups are whole (token ``t`` uses ``t // group_size``).
+    rotation : :class:`Rotation` or None
+        Its ``signs`` are held and counted (category ``tables``).
+    """
+
+    _SLOTS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_group")
+    _CATEGORY = {"k_codes": "codes", "v_codes": "codes", "k_scale": "scales", "v_scale": "scales",
+                 "k_zero": "zero_points", "v_zero": "zero_points", "k_group": "indices"}
+
+    def __init__(self, quant: QuantConfig, dtype: torch.dtype, head_dim: int, track_groups: bool, layer: int = 0):
+        self.quant, self.dtype, self.head_dim, self.layer = quant, dtype, head_dim, layer
+        self.key_bits, self.value_bits = quant.bits_for(layer)
+        self.channel_group = quant.channel_group_for(head_dim)
+        self.per_channel_keys = quant.key_grouping == "channel"
+        self.track_groups = track_groups and self.per_channel_keys
+        self.k_codes = self.k_scale = self.k_zero = None
+        self.v_codes = self.v_scale = self.v_zero = None
+        self.k_group: torch.Tensor | None = None
+        self.rotation: Rotation | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k_codes is None else self.k_codes.shape[2]
+
+    def _lut(self, bits: int, device) -> torch.Tensor | None:
+        """Lloyd-Max levels, or None for uniform levels (the kernels build those)."""
+        return lloyd_max_gaussian(bits).to(device) if self.quant.levels == "lloyd_max" else None
+
+    def _levels(self, bits: int, codebook: bool) -> torch.Tensor:
+        """The levels the codes index: a constant of the layout (like the formula), not held."""
+        lut = self._lut(bits, self.k_codes.device) if codebook else None
+        return uniform_lut(bits, self.quant.symmetric, self.k_codes.device) if lut is None else lut
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Quantize ``[b, h, n, d]`` tokens (``n`` a multiple of ``group_size``) and append them.
+
+        One fused quantize + pack per tensor (:func:`kv_cache.kernels.quantize_block`); with
+        uniform levels bit for bit :func:`kv_cache.compression.quantize` (keys per channel or
+        per token, values per token). Rotated layouts rotate first.
+        """
+        q = self.quant
+        g, c = q.group_size, self.channel_group
+        b, h, n, d = keys.shape
+        R = b * h
+        if q.rotation is not None:
+            if self.rotation is None:
+                self.rotation = Rotation(self.layer, h, d, q.rotation_seed, keys.device)
+            keys, values = self.rotation.forward(keys), self.rotation.forward(values)
+        if self.per_channel_keys:
+            kq = quantize_block(keys.reshape(R, n, d), self.key_bits, "channel", g, q.symmetric, q.scale_dtype)
+            k_meta_shape = (b, h, n // g, d)
+        else:
+            kq = quantize_block(keys.reshape(R, n, d), self.key_bits, "token", c, q.symmetric, q.scale_dtype,
+                                lut=self._lut(self.key_bits, keys.device))
+            k_meta_shape = (b, h, n, d // c)
+        vq = quantize_block(values.reshape(R, n, d), self.value_bits, "token", c, q.symmetric, q.scale_dtype,
+                            lut=self._lut(self.value_bits, keys.device))
+        if self.track_groups:
+            first = 0 if self.k_scale is None else self.k_scale.shape[2]  # index into the scale table
+            gid = torch.arange(first, first + n // g, device=keys.device, dtype=torch.int32)
+            self.k_group = _cat(self.k_group, gid.repeat_interleave(g).expand(b, h, n).contiguous())
+        self.k_codes = _cat(self.k_codes, kq.codes.view(b, h, n, -1))
+        self.k_scale = _cat(self.k_scale, kq.scale.view(k_meta_shape))
+        self.v_codes = _cat(self.v_codes, vq.codes.view(b, h, n, -1))
+        self.v_scale = _cat(self.v_scale, vq.scale.view(b, h, n, -1))  # [b, h, n, d / c]
+        if kq.zero is not None:  # symmetric and codebook codes have no zero point (None)
+            self.k_zero = _cat(self.k_zero, kq.zero.view(k_meta_shape))
+        if vq.zero is not None:
+            self.v_zero = _cat(self.v_zero, vq.zero.view(b, h, n, -1))
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[b, h, n, d]`` in ``dtype`` (math dictionary section 3), one fused
+        unpack + dequantize pass each (:func:`kv_cache.kernels.dequantize_block`), rotated back."""
+        b, h, n, _ = self.k_codes.shape
+        kq, vq = self.qblocks()
+        k = dequantize_block(kq, self.dtype).view(b, h, n, -1)
+        v = dequantize_block(vq, self.dtype).view(b, h, n, -1)
+        if self.rotation is not None:
+            k, v = self.rotation.inverse(k), self.rotation.inverse(v)
+        return k, v
+
+    def qblocks(self) -> tuple[QBlock, QBlock]:
+        """Keys and values as kernel blocks over rows ``R = batch * kv_heads`` (views, no copy);
+        rotated layouts are in the rotated space."""
+        b, h, n, _ = self.k_codes.shape
+        R, d, c = b * h, self.head_dim, self.channel_group
+
+        def rows(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
+            return None if t is None else t.reshape(R, -1, width)
+
+        if self.per_channel_keys:
+            keys = QBlock(rows(self.k_codes, self.k_codes.shape[-1]), self.key_bits,
+                          self._levels(self.key_bits, False), "channel",
+                          rows(self.k_scale, d), rows(self.k_zero, d), self.quant.group_size,
+                          None if self.k_group is None else self.k_group.reshape(R, n))
+        else:
+            keys = QBlock(rows(self.k_codes, self.k_codes.shape[-1]), self.key_bits,
+                          self._levels(self.key_bits, True), "token",
+                          rows(self.k_scale, d // c), rows(self.k_zero, d // c), c)
+        values = QBlock(rows(self.v_codes, self.v_codes.shape[-1]), self.value_bits,
+                        self._levels(self.value_bits, True), "token",
+                        rows(self.v_scale, d // c), rows(self.v_zero, d // c), c)
+        return keys, values
+
+    def gather(self, idx: torch.Tensor) -> None:
+        """Keep tokens ``idx`` (``[b, h, k]``) and drop key scale groups no head uses any more."""
+        per_token = ("k_codes", "v_codes", "v_scale", "v_zero", "k_group")
+        if not self.per_channel_keys:
+            per_token += ("k_scale", "k_zero")
+        for name in per_token:
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, gather_tokens(t, idx))
+        if not self.per_channel_keys:
+            return
+        used = torch.unique(self.k_group)
+        if used.numel() < self.k_scale.shape[2]:
+            remap = torch.full((self.k_scale.shape[2],), -1, dtype=torch.int32, device=used.device)
+            remap[used.long()] = torch.arange(used.numel(), dtype=torch.int32, device=used.device)
+            self.k_scale = self.k_scale.index_select(2, used.long())
+            if self.k_zero is not None:
+                self.k_zero = self.k_zero.index_select(2, used.long())
+            self.k_group = remap[self.k_group.long()]
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        out = {name: t for name in self._SLOTS if (t := getattr(self, name)) is not None}
+        if self.rotation is not None:
+            out["rotation_signs"] = self.rotation.signs
+        return out
+
+    def map_tensors(self, fn) -> None:
+        for name in self._SLOTS:
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, fn(t))
+
+    def add_nbytes(self, out: dict[str, int]) -> None:
+        for name, t in self.named_tensors().items():
+            out[self._CATEGORY.get(name, "tables")] += t.nbytes
