@@ -218,3 +218,23 @@ def test_unsupported_architecture_is_a_clear_error():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match=r"supports model types .*; got 'gpt2'"):
         CompressedCache(model.config)
+
+
+@pytest.mark.parametrize("policy", ["none", "h2o"])
+@pytest.mark.parametrize("layout", ["rotated", "rotated-lloyd-max-k3v2"])
+def test_native_matches_reference_on_rotated_layouts(layout, policy):
+    """The query is rotated once (and the output back) instead of every stored key and value."""
+    model = tiny(LlamaConfig, 4, 2)
+    ids = torch.randint(3, 97, (2, 70), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    quant = {
+        "rotated": QuantConfig(bits=4, group_size=8, residual_length=8, rotation="hadamard"),
+        "rotated-lloyd-max-k3v2": QuantConfig(bits=2, key_bits=3, group_size=8, residual_length=8,
+                                              rotation="hadamard", key_grouping="token", channel_group=16,
+                                              levels="lloyd_max"),
+    }[layout]
+    runs = {mode: _decode(model, CompressedCache(model.config, quant=quant, eviction=POLICIES[policy]()), ids, mask,
+                          mode) for mode in ("reference", "native")}
+    assert runs["native"][1] == runs["reference"][1]
+    torch.testing.assert_close(runs["native"][0], runs["reference"][0], rtol=0, atol=1e-3)

@@ -66,19 +66,31 @@ def test_missing_peer_package_is_reported_only_when_checked(monkeypatch):
 def test_every_quantization_option_sets_its_field():
     head, *suffixes = QUANT_OPTIONS
     assert head.field == "bits"
-    values = {o.field: 2 + 8 * i for i, o in enumerate(suffixes)}  # distinct, valid for every field
-    spec = "q4" + "".join(f"{o.letter}{values[o.field]}" for o in suffixes)
+    valid = {"group_size": 8, "residual_length": 16, "sink_tokens": 4, "key_bits": 3, "value_bits": 2,
+             "channel_group": 64}  # distinct, valid for every valued field
+    text = {o.field: "" if not o.value else str(valid[o.field]) for o in suffixes}
+    values = {o.field: o.convert(text[o.field]) for o in suffixes}
+    spec = "q4" + "".join(f"{o.letter}{text[o.field]}" for o in suffixes)
     assert parse_method(spec).resolved == f"kv_cache quant={QuantConfig(bits=4, **values)!r} eviction=None"
-    for o in suffixes:  # each alone, the others at QuantConfig's defaults
-        method = parse_method(f"q2{o.letter}{values[o.field]}")
-        assert method.resolved == f"kv_cache quant={QuantConfig(bits=2, **{o.field: values[o.field]})!r} eviction=None"
-    assert "q<bits>" + "".join(f"[{o.letter}<{o.placeholder}>]" for o in suffixes) in grammar_help()
+    for o in suffixes:  # each alone, the others at QuantConfig's defaults (flags that need others get them)
+        kw = {o.field: values[o.field]}
+        extra = ""
+        if o.field == "levels":
+            kw["key_grouping"], extra = "token", "t"
+        letters = f"{extra}{o.letter}{text[o.field]}" if o.field == "levels" else f"{o.letter}{text[o.field]}"
+        method = parse_method(f"q2{letters}")
+        assert method.resolved == f"kv_cache quant={QuantConfig(bits=2, **kw)!r} eviction=None"
+    grammar = "q<bits>" + "".join(f"[{o.letter}<{o.placeholder}>]" if o.placeholder else f"[{o.letter}]"
+                                  for o in suffixes)
+    assert grammar in grammar_help()
 
 
 def test_quantization_options_keep_their_order():
     letters = [o.letter for o in QUANT_OPTIONS[1:]]
     with pytest.raises(ValueError, match="unknown method"):
         parse_method("q4" + "".join(f"{letter}8" for letter in reversed(letters)))
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_method("q2lt")  # t must come before l
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

@@ -50,6 +50,12 @@ QUANT_OPTIONS: tuple[QuantOption, ...] = (
     QuantOption("g", "group_size", "group", "group"),
     QuantOption("r", "residual_length", "residual", "full-precision residual"),
     QuantOption("s", "sink_tokens", "sinks", "full-precision sinks"),
+    QuantOption("k", "key_bits", "bits", "key bits (e.g. q2k3 = K3V2)"),
+    QuantOption("v", "value_bits", "bits", "value bits"),
+    QuantOption("h", "rotation", "", "randomized Hadamard rotation per KV head", "", lambda _: "hadamard"),
+    QuantOption("t", "key_grouping", "", "keys grouped per token (after a rotation)", "", lambda _: "token"),
+    QuantOption("c", "channel_group", "channels", "channels per scale of per-token groups (up to head_dim)"),
+    QuantOption("l", "levels", "", "Lloyd-Max levels, one norm per group, no zero point", "", lambda _: "lloyd_max"),
 )
 
 KVPRESS_PRESSES = {  # spec name -> kvpress class
@@ -139,8 +145,8 @@ def _number(text: str) -> float | int:
 _HEAD, *_SUFFIXES = QUANT_OPTIONS
 _QUANT = re.compile(f"^{_HEAD.letter}(?P<{_HEAD.field}>{_HEAD.value})"
                     + "".join(f"(?:{o.letter}(?P<{o.field}>{o.value}))?" for o in _SUFFIXES) + "$")
-_QUANT_GRAMMAR = f"{_HEAD.letter}<{_HEAD.placeholder}>" + "".join(f"[{o.letter}<{o.placeholder}>]"
-                                                                  for o in _SUFFIXES)
+_QUANT_GRAMMAR = f"{_HEAD.letter}<{_HEAD.placeholder}>" + "".join(
+    f"[{o.letter}<{o.placeholder}>]" if o.placeholder else f"[{o.letter}]" for o in _SUFFIXES)
 _POLICY = re.compile(r"^(?P<name>[a-z0-9_]+)@(?P<budget>\d+(?:\.\d+)?)(?:w(?P<w>\d+(?:\.\d+)?))?$")
 
 
@@ -243,8 +249,8 @@ def _choices(names) -> str:
 
 
 def _quant_about() -> str:
-    suffixes = ", ".join(f"{o.about} <{o.placeholder}> (default {_default(QuantConfig, o.field)})"
-                         for o in _SUFFIXES)
+    suffixes = ", ".join(f"{o.letter}<{o.placeholder}>: {o.about} (default {_default(QuantConfig, o.field)})"
+                         if o.placeholder else f"{o.letter}: {o.about} (flag)" for o in _SUFFIXES)
     return f"kv_cache quantized storage: {_HEAD.about}, {suffixes}"
 
 
@@ -273,7 +279,7 @@ class MethodForm(NamedTuple):
 # `_ours`; a peer by the first row whose pattern matches.
 METHOD_GRAMMAR: tuple[MethodForm, ...] = (
     MethodForm("ours", REFERENCE_SPEC, "the uncompressed cache (always run, as the reference)", (REFERENCE_SPEC,)),
-    MethodForm("ours", _QUANT_GRAMMAR, _quant_about(), ("q8", "q4", "q2", "q4g64r128")),
+    MethodForm("ours", _QUANT_GRAMMAR, _quant_about(), ("q8", "q4", "q2", "q4g64r128", "q2k3", "q2s4htc64l")),
     MethodForm("ours", f"{_choices(POLICIES)}@<budget>[w<window>]", _policy_about(),
                ("snapkv@0.5", "h2o@0.25", "h2o@0.5w32", "streaming@512")),
     MethodForm("ours", "<quantization>+<eviction>", "both levers in one cache", ("q4+h2o@0.5",)),
