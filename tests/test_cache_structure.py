@@ -266,3 +266,44 @@ def test_quant_config_options_are_validated():
                                          "symmetric=False, scale_dtype=torch.float16)")
     assert QuantConfig(bits=2, key_bits=3, layer_bits={0: 4}).bits_for(0) == (4, 4)
     assert QuantConfig(bits=2, key_bits=3).bits_for(5) == (3, 2)
+
+
+def test_compact_rows_compiled_and_torch_agree(monkeypatch):
+    from kv_cache.kernels import compact_rows_, ops
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float16, torch.uint8, torch.int32):
+        buf = (torch.rand(6, 50, 3, 5, generator=g) * 100).to(dtype)
+        keep = torch.stack([torch.sort(torch.randperm(50, generator=g)[:37]).values for _ in range(6)])
+        want = torch.stack([buf[r, keep[r]] for r in range(6)])
+        got = compact_rows_(buf.clone(), keep)[:, :37]
+        monkeypatch.setattr(ops, "_compiled", lambda *t: None)  # the torch path
+        got_torch = compact_rows_(buf.clone(), keep)[:, :37]
+        monkeypatch.undo()
+        assert torch.equal(got, want) and torch.equal(got_torch, want)
+    with pytest.raises(TypeError, match="int64"):
+        compact_rows_(torch.zeros(2, 4, 3), torch.zeros(2, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="cap >= 5"):
+        compact_rows_(torch.zeros(2, 4, 3), torch.zeros(2, 5, dtype=torch.int64))
+
+
+def test_h2o_steady_state_compacts_in_place_and_snapkv_frees():
+    """Append one, evict one: the buffers stay put; a one-shot eviction returns the memory."""
+    model = tiny(LlamaConfig, 4, 2)
+    ids = torch.randint(3, 97, (1, 60))
+    cache = CompressedCache(model.config, eviction=H2O(budget=24))
+    with torch.no_grad(), compress(model, cache):
+        out = model(ids, past_key_values=cache)
+        nxt = out.logits[:, -1:].argmax(-1)
+        out = model(nxt, past_key_values=cache)
+        ptr = cache.layers[0].storage.named_tensors()["keys"].data_ptr()
+        for _ in range(5):
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+            st = cache.layers[0].storage
+            assert st.named_tensors()["keys"].data_ptr() == ptr and st.length == 24
+    assert cache.memory_report().residual_bytes == sum(  # the whole buffers are counted
+        layer.storage.named_tensors()["keys"].nbytes * 2 for layer in cache.layers)
+    snap = CompressedCache(model.config, eviction=SnapKV(budget=16, recent_window=4))
+    with torch.no_grad(), compress(model, snap):
+        model(ids, past_key_values=snap)
+    assert snap.layers[0].storage.named_tensors()["keys"].shape[2] == 16  # 60 -> 16 slots held

@@ -112,7 +112,7 @@ class CompressedLayer(CacheLayerMixin):
             if self.observed:
                 self._pending = keys
             else:  # a policy that needs no attention (checked above) evicts here; attention still sees all
-                self._evict(self._score_inputs(keys.shape[:3], keys=keys), None)
+                self._evict(self._score_inputs(keys.shape[:3], keys=keys), None, before_attention=True)
         return keys, values
 
     def get_seq_length(self) -> int:
@@ -277,9 +277,11 @@ class CompressedLayer(CacheLayerMixin):
             fields.setdefault(name, None)
         return ScoreInputs(shape=tuple(shape), state=self.state, **fields)
 
-    def _evict(self, inputs: ScoreInputs, valid: torch.Tensor | None) -> None:
-        """Score the ``T`` stored slots (``inputs.shape``: every token attention just used is
-        stored now) and keep the policy's choice; ``valid`` ``[batch, 1 or kv_heads, T]``."""
+    def _evict(self, inputs: ScoreInputs, valid: torch.Tensor | None, before_attention: bool = False) -> None:
+        """Score the ``T`` stored slots (``inputs.shape``: every token attention uses is stored
+        now) and keep the policy's choice; ``valid`` ``[batch, 1 or kv_heads, T]``.
+        ``before_attention``: the tensors ``update`` returns are still to be read, so the
+        storage must not compact in place."""
         pol = self.policy
         T = inputs.shape[2]
         budget = pol.budget_tokens(self.layer_idx, self.prompt_len)
@@ -313,7 +315,7 @@ class CompressedLayer(CacheLayerMixin):
             self._starts = (keep < self._starts.unsqueeze(-1)).sum(-1).to(torch.int32)
             if not bool(self._starts.any()):
                 self._starts = None
-        self.storage.gather(keep)
+        self.storage.gather(keep, in_place=not before_attention)
 
     # ------------------------------------------------------------------ accounting
     def held_tensors(self) -> dict[str, torch.Tensor]:

@@ -32,9 +32,14 @@ import torch
 
 from ..attention.blocks import FullBlock, QuantBlock
 from .config import QuantConfig
+from ..kernels import compact_rows_
 from .packed import PackedKV, _cat, gather_tokens
 
 CATEGORIES = ("codes", "scales", "zero_points", "residual", "indices", "tables")
+
+COMPACT_SLACK = 8
+"""An eviction leaving at most ``max(1, kept // COMPACT_SLACK)`` slots unused compacts in place;
+more unused slots are given back (exact-size buffers)."""
 """Byte categories of a storage (the layer adds ``scores`` for policy state)."""
 
 
@@ -82,8 +87,11 @@ class LayerStorage(ABC):
         """``(leading, trailing)``: slots eviction must keep (full-precision sinks, residual)."""
 
     @abstractmethod
-    def gather(self, keep: torch.Tensor) -> None:
-        """Keep the slots ``keep`` (``[batch, kv_heads, K]`` int64, sorted, every protected slot in)."""
+    def gather(self, keep: torch.Tensor, in_place: bool = True) -> None:
+        """Keep the slots ``keep`` (``[batch, kv_heads, K]`` int64, sorted, every protected slot in).
+
+        ``in_place=False``: tensors handed out by :meth:`update` for an attention call that has
+        not run yet must not change."""
 
     @abstractmethod
     def named_tensors(self) -> dict[str, torch.Tensor]:
@@ -99,18 +107,41 @@ class LayerStorage(ABC):
 
 
 class FullPrecisionStorage(LayerStorage):
-    """Tokens in the model dtype, appended by concatenation: exactly ``DynamicCache``."""
+    """Tokens in the model dtype: exactly ``DynamicCache`` when nothing is evicted.
+
+    Held in buffers ``[b, h, cap, d]``; ``keys``/``values`` are views of the first ``n`` slots.
+    Appending beyond ``cap`` concatenates to exactly ``n + q_len`` (``DynamicCache``'s growth);
+    an eviction that frees few slots compacts the buffers in place
+    (:func:`kv_cache.kernels.compact_rows_`), so H2O's steady state (append one, evict one)
+    neither allocates nor copies more than half a row; one that frees many (SnapKV after the
+    prefill) gathers into exact-size buffers, so the memory is really returned. The report
+    counts the whole buffers.
+    """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-        self.keys, self.values = keys, values  # [b, h, n, d]
+        self._kbuf, self._vbuf, self.n = keys, values, keys.shape[2]  # [b, h, cap, d]
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._kbuf[:, :, :self.n]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._vbuf[:, :, :self.n]
 
     @property
     def length(self) -> int:
-        return self.keys.shape[2]
+        return self.n
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys = torch.cat([self.keys, keys], dim=2)
-        self.values = torch.cat([self.values, values], dim=2)
+        q = keys.shape[2]
+        if self.n + q > self._kbuf.shape[2]:
+            self._kbuf = torch.cat([self.keys, keys], dim=2)
+            self._vbuf = torch.cat([self.values, values], dim=2)
+        else:  # a slot freed by the last eviction
+            self._kbuf[:, :, self.n:self.n + q] = keys
+            self._vbuf[:, :, self.n:self.n + q] = values
+        self.n += q
 
     def read(self, new_keys=None, new_values=None):
         if new_keys is None:
@@ -118,7 +149,7 @@ class FullPrecisionStorage(LayerStorage):
         return torch.cat([self.keys, new_keys], dim=2), torch.cat([self.values, new_values], dim=2)
 
     def update(self, keys, values):
-        self.append(keys, values)  # one concatenation, and attention reads the stored tensors
+        self.append(keys, values)  # one concatenation (or none), and attention reads the stored tensors
         return self.keys, self.values
 
     def blocks(self) -> list:
@@ -127,18 +158,27 @@ class FullPrecisionStorage(LayerStorage):
     def protected(self) -> tuple[int, int]:
         return 0, 0
 
-    def gather(self, keep: torch.Tensor) -> None:
-        self.keys, self.values = gather_tokens(self.keys, keep), gather_tokens(self.values, keep)
+    def gather(self, keep: torch.Tensor, in_place: bool = True) -> None:
+        b, h, cap = self._kbuf.shape[:3]
+        K = keep.shape[-1]
+        if not in_place or cap - K > max(1, K // COMPACT_SLACK):  # exact-size buffers give the memory back
+            self._kbuf, self._vbuf = gather_tokens(self.keys, keep), gather_tokens(self.values, keep)
+        else:
+            rows = keep.reshape(b * h, K)
+            compact_rows_(self._kbuf.view(b * h, cap, -1), rows)
+            compact_rows_(self._vbuf.view(b * h, cap, -1), rows)
+        self.n = K
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        return {"keys": self.keys, "values": self.values}
+        return {"keys": self._kbuf, "values": self._vbuf}
 
     def map_tensors(self, fn) -> None:
-        self.keys, self.values = fn(self.keys), fn(self.values)
+        self._kbuf, self._vbuf = fn(self.keys), fn(self.values)
+        self.n = self._kbuf.shape[2]
 
     def nbytes_by_category(self) -> dict[str, int]:
         out = dict.fromkeys(CATEGORIES, 0)
-        out["residual"] = self.keys.nbytes + self.values.nbytes
+        out["residual"] = self._kbuf.nbytes + self._vbuf.nbytes
         return out
 
 
@@ -226,7 +266,7 @@ class QuantizedStorage(LayerStorage):
     def protected(self) -> tuple[int, int]:
         return self.n_sinks, self.keys.shape[2] if self.packed.length else 0
 
-    def gather(self, keep: torch.Tensor) -> None:
+    def gather(self, keep: torch.Tensor, in_place: bool = True) -> None:
         lead, trail = self.protected()
         idx = keep[..., lead: keep.shape[-1] - trail] - lead  # same count in every row: protected slots are shared
         if self.packed.length:

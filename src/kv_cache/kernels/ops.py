@@ -264,3 +264,39 @@ def attend_block(
 
 
 __all__ = ["attend_block", "dequantize_block", "quantize_block"]
+
+
+def compact_rows_(buf: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """In place, keep tokens ``keep`` of every row: ``buf[r, j] = buf[r, keep[r, j]]``, ``j < K``.
+
+    Parameters
+    ----------
+    buf : torch.Tensor, ``[R, cap, ...]``, contiguous, any dtype
+    keep : torch.Tensor, int64 ``[R, K]``, sorted ascending and unique per row, ``< cap``
+
+    Returns
+    -------
+    ``buf`` (slots ``K..cap-1`` of each row are left as they were). The compiled path is one
+    forward sweep of ``memmove`` per row (``keep[r, j] >= j``): no temporary, and only tokens
+    after the first dropped one move. The torch path gathers into a temporary, then copies.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``keep`` not int64 ``[R, K]``, or shapes that do not match.
+    """
+    if keep.dtype != torch.int64 or keep.dim() != 2:
+        raise TypeError(f"keep must be an int64 [R, K] tensor; got {keep.dtype} of shape {tuple(keep.shape)}")
+    if buf.dim() < 2 or buf.shape[0] != keep.shape[0] or keep.shape[1] > buf.shape[1]:
+        raise ValueError(f"buf must be [R, cap, ...] with R = {keep.shape[0]} and cap >= {keep.shape[1]}; "
+                         f"got shape {tuple(buf.shape)}")
+    if not buf.is_contiguous():
+        raise ValueError("buf must be contiguous (it is compacted in place)")
+    ext = _compiled(buf, keep)
+    if ext is not None:
+        ext.compact_rows(buf, keep.contiguous())
+        return buf
+    K = keep.shape[1]
+    rows = torch.arange(buf.shape[0], device=buf.device).unsqueeze(1)
+    buf[:, :K] = buf[rows, keep]
+    return buf

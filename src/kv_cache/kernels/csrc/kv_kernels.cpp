@@ -490,6 +490,41 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
     }
 }
 
+// In place: row r of buf ([R, cap, ...] contiguous, any dtype) keeps the tokens keep[r, :K]
+// (sorted ascending, unique): buf[r, j] = buf[r, keep[r, j]] for j < K. Since keep[r, j] >= j,
+// a forward sweep of memmoves never reads a token it has already overwritten: no temporary, and
+// only the tokens after the first dropped one move (eviction of one token moves half a row).
+void compact_rows(torch::Tensor buf, torch::Tensor keep) {
+  TORCH_CHECK(buf.is_contiguous() && buf.device().is_cpu(), "buf must be a contiguous CPU tensor");
+  TORCH_CHECK(keep.dim() == 2 && keep.scalar_type() == torch::kInt64 && keep.is_contiguous(),
+              "keep must be a contiguous int64 [R, K] tensor");
+  TORCH_CHECK(buf.dim() >= 2 && buf.size(0) == keep.size(0), "buf must be [R, cap, ...] with R = keep.size(0)");
+  const int64_t R = buf.size(0), cap = buf.size(1), K = keep.size(1);
+  TORCH_CHECK(K <= cap, "keep has more tokens than buf holds");
+  const int64_t token = buf.numel() / std::max<int64_t>(1, R * cap) * buf.element_size();
+  uint8_t* base = static_cast<uint8_t*>(buf.data_ptr());
+  const int64_t* kp = keep.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t* kr = kp + r * K;
+    for (int64_t j = 0; j < K; ++j)
+      TORCH_CHECK(kr[j] >= j && kr[j] < cap && (j == 0 || kr[j] > kr[j - 1]),
+                  "keep must be sorted, unique and inside the buffer");
+  }
+#pragma omp parallel for if (R > 1)
+  for (int64_t r = 0; r < R; ++r) {
+    uint8_t* row = base + r * cap * token;
+    const int64_t* kr = kp + r * K;
+    int64_t j = 0;
+    while (j < K && kr[j] == j) ++j;  // the untouched prefix
+    while (j < K) {  // runs of consecutive kept tokens move as one block
+      int64_t e = j + 1;
+      while (e < K && kr[e] == kr[e - 1] + 1) ++e;
+      std::memmove(row + j * token, row + kr[j] * token, static_cast<size_t>((e - j) * token));
+      j = e;
+    }
+  }
+}
+
 }  // namespace kvk
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -497,5 +532,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize", &kvk::quantize, "fused quantize + pack (see kv_cache.kernels.ops.quantize_block)");
   m.def("dequantize", &kvk::dequantize, "fused unpack + dequantize (see kv_cache.kernels.ops.dequantize_block)");
   m.def("attend", &kvk::attend, "attention from packed codes (see kv_cache.kernels.ops.attend_block)");
+  m.def("compact_rows", &kvk::compact_rows, "in-place gather of sorted kept tokens per row (see ops.compact_rows_)");
   m.def("isa", &kvk::isa_name, "name of the code path a call with this isa flag takes");
 }
