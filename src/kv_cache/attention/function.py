@@ -30,13 +30,10 @@ from typing import Any, Iterator
 
 import torch
 
-from .blocks import FullBlock, attend_new, merge
+from .blocks import attend_new, merge
 
 ATTENTION_NAME = "kv_cache"
 """The name under which :func:`compressed_attention` is registered in transformers."""
-
-JOIN_NEW_TOKEN_BELOW = 256
-"""A decoded token is attended together with a full-precision block shorter than this."""
 
 _ACTIVE: ContextVar[Any] = ContextVar("kv_cache_active_cache", default=None)
 
@@ -113,15 +110,8 @@ def compressed_attention(
     if n_stat:
         stat_rows = (torch.arange(G, device=q.device)[:, None] * L
                      + torch.arange(L - n_stat, L, device=q.device)[None, :]).reshape(-1)
-    if L == 1:
-        # Decoding: the new token is one more full-precision token after everything stored (no
-        # causal structure inside the call), so it joins a short residual block: one block fewer
-        # for the price of copying that block (never the whole full-precision cache).
-        if view and isinstance(view[-1], FullBlock) and view[-1].length <= JOIN_NEW_TOKEN_BELOW:
-            last = view.pop()
-            view.append(FullBlock(torch.cat([last.keys, key], 2), torch.cat([last.values, value], 2)))
-        else:
-            view.append(FullBlock(key, value))
+    # A decoded token (L == 1) is already in the view (storage.attention_update); a longer call's
+    # tokens are attended causally below.
     parts, stats, offset = [], [], 0
     for blk in view:
         start = None if starts is None else (starts - offset).clamp(0, blk.length)

@@ -102,9 +102,8 @@ class CompressedLayer(CacheLayerMixin):
         self.seen += q_len
         acts = self.policy is not None and not (self.policy.prefill_only and self._prefill_done)
         if self.native:
-            # The attention function reads the blocks stored so far in place, then this call's tokens.
-            self._view = self.storage.blocks()
-            self.storage.append(key_states, value_states)
+            # The attention function reads the stored blocks in place (a decoded token included).
+            self._view = self.storage.attention_update(key_states, value_states)
             self._pending = True if acts else None
             return key_states, value_states
         keys, values = self.storage.update(key_states, value_states)

@@ -37,6 +37,9 @@ from .packed import PackedKV, _cat, gather_tokens
 
 CATEGORIES = ("codes", "scales", "zero_points", "residual", "indices", "tables")
 
+JOIN_NEW_TOKEN_BELOW = 256
+"""A decoded token is attended together with a full-precision block shorter than this."""
+
 COMPACT_SLACK = 8
 """An eviction leaving at most ``max(1, kept // COMPACT_SLACK)`` slots unused compacts in place;
 more unused slots are given back (exact-size buffers)."""
@@ -81,6 +84,24 @@ class LayerStorage(ABC):
     @abstractmethod
     def blocks(self) -> list:
         """The stored tokens as :mod:`kv_cache.attention.blocks` blocks, in token order."""
+
+    def attention_update(self, keys: torch.Tensor, values: torch.Tensor) -> list:
+        """Append this call's tokens; return the blocks its attention reads (native path).
+
+        The blocks stored before the call, in token order; when the call has one token
+        (decoding, no causal structure inside the call) that token is included too, in full
+        precision, joined to a short full-precision block (one block fewer); longer calls get
+        their own causal block in the attention function.
+        """
+        view = self.blocks()
+        self.append(keys, values)
+        if keys.shape[2] == 1:
+            if view and isinstance(view[-1], FullBlock) and view[-1].length <= JOIN_NEW_TOKEN_BELOW:
+                last = view.pop()
+                view.append(FullBlock(torch.cat([last.keys, keys], 2), torch.cat([last.values, values], 2)))
+            else:
+                view.append(FullBlock(keys, values))
+        return view
 
     @abstractmethod
     def protected(self) -> tuple[int, int]:
@@ -154,6 +175,12 @@ class FullPrecisionStorage(LayerStorage):
 
     def blocks(self) -> list:
         return [FullBlock(self.keys, self.values)] if self.length else []
+
+    def attention_update(self, keys, values):
+        if keys.shape[2] == 1:  # decoding: the stored buffers already hold the new token
+            self.append(keys, values)
+            return self.blocks()
+        return super().attention_update(keys, values)
 
     def protected(self) -> tuple[int, int]:
         return 0, 0
