@@ -307,3 +307,27 @@ def test_h2o_steady_state_compacts_in_place_and_snapkv_frees():
     with torch.no_grad(), compress(model, snap):
         model(ids, past_key_values=snap)
     assert snap.layers[0].storage.named_tensors()["keys"].shape[2] == 16  # 60 -> 16 slots held
+
+
+def test_clipping_shrinks_each_group_range_about_its_midpoint():
+    from kv_cache.cache.packed import clip_groups
+
+    x = torch.tensor([[[0.0, 10.0], [4.0, 2.0], [10.0, 0.0], [6.0, 4.0]]])  # [R=1, N=4, d=2]
+    per_token = clip_groups(x, 0.8, axis=2, group=2)  # each token's 2 channels: range shrinks by 20%
+    assert torch.equal(per_token[0, 0], torch.tensor([1.0, 9.0])) and torch.equal(per_token[0, 1], torch.tensor([3.8, 2.2]))
+    per_channel = clip_groups(x, 0.5, axis=1, group=4)  # channel 0 over 4 tokens: [0, 10] -> [2.5, 7.5]
+    assert torch.equal(per_channel[0, :, 0], torch.tensor([2.5, 4.0, 7.5, 6.0]))
+    assert torch.equal(clip_groups(x, 1.0, axis=1, group=4), x)
+    q = QuantConfig(bits=2, group_size=8, residual_length=8, key_grouping="token", channel_group=16,
+                    clip_keys=0.9, clip_values=0.8)
+    k, v = _kv(b=1, h=2, n=32)
+    st = make_storage(q, k[:, :, :0], v[:, :, :0], track_groups=False)
+    st.append(k, v)
+    got_k, _ = st.read()
+    ref = dequantize(quantize(clip_groups(k.reshape(2, 32, 16), 0.9, 2, 16), 2, axis=-1, group_size=16,
+                              scale_dtype=torch.float16)).reshape(1, 2, 32, 16)
+    torch.testing.assert_close(got_k, ref, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"clip_keys must be a float in \(0, 1\]; got 1.5"):
+        QuantConfig(clip_keys=1.5)
+    with pytest.raises(ValueError, match="uniform levels only"):
+        QuantConfig(key_grouping="token", levels="lloyd_max", clip_values=0.9)

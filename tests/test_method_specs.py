@@ -67,11 +67,14 @@ def test_every_quantization_option_sets_its_field():
     head, *suffixes = QUANT_OPTIONS
     assert head.field == "bits"
     valid = {"group_size": 8, "residual_length": 16, "sink_tokens": 4, "key_bits": 3, "value_bits": 2,
-             "channel_group": 64}  # distinct, valid for every valued field
+             "channel_group": 64, "clip_keys": 0.96, "clip_values": 0.92}  # distinct, valid for every valued field
     text = {o.field: "" if not o.value else str(valid[o.field]) for o in suffixes}
     values = {o.field: o.convert(text[o.field]) for o in suffixes}
-    spec = "q4" + "".join(f"{o.letter}{text[o.field]}" for o in suffixes)
-    assert parse_method(spec).resolved == f"kv_cache quant={QuantConfig(bits=4, **values)!r} eviction=None"
+    # All at once: clipping applies to uniform levels only, so with `l` the ratios are 1.
+    every = {**text, "clip_keys": "1.0", "clip_values": "1.0"}
+    spec = "q4" + "".join(f"{o.letter}{every[o.field]}" for o in suffixes)
+    combined = {o.field: o.convert(every[o.field]) for o in suffixes}
+    assert parse_method(spec).resolved == f"kv_cache quant={QuantConfig(bits=4, **combined)!r} eviction=None"
     for o in suffixes:  # each alone, the others at QuantConfig's defaults (flags that need others get them)
         kw = {o.field: values[o.field]}
         extra = ""

@@ -61,6 +61,10 @@ class QuantConfig:
     levels : {"uniform", "lloyd_max"}, default "uniform"
         ``lloyd_max``: the Lloyd-Max levels of N(0, 1) with one RMS scale per group and no zero
         point (norm-only; needs per-token groups for keys, 2-4 bits; math dictionary §18).
+    clip_keys, clip_values : float in (0, 1], default 1.0
+        Uniform levels only: each group's range ``[min, max]`` is shrunk about its midpoint to
+        this fraction before quantizing (OSCAR uses 0.96 for keys, 0.92 for values); values
+        outside are clamped. Trades the few extreme values for a finer grid for the rest.
     """
 
     bits: int = 4
@@ -77,6 +81,8 @@ class QuantConfig:
     key_grouping: str = "channel"
     channel_group: int | None = None
     levels: str = "uniform"
+    clip_keys: float = 1.0
+    clip_values: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("bits", "key_bits", "value_bits"):
@@ -100,6 +106,12 @@ class QuantConfig:
         for name, allowed in (("rotation", ROTATIONS), ("key_grouping", KEY_GROUPINGS), ("levels", LEVELS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"QuantConfig.{name} must be one of {list(allowed)}; got {getattr(self, name)!r}")
+        for name in ("clip_keys", "clip_values"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+                raise ValueError(f"QuantConfig.{name} must be a float in (0, 1]; got {v!r}")
+            if v != 1.0 and self.levels != "uniform":
+                raise ValueError(f"QuantConfig.{name} applies to uniform levels only; got levels={self.levels!r}")
         pairs = tuple(sorted(dict(self.layer_bits).items())) if self.layer_bits else ()
         for layer, b in pairs:
             if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0 or b not in SUPPORTED_BITS:

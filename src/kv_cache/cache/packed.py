@@ -27,6 +27,23 @@ from ..kernels import QBlock, dequantize_block, quantize_block, uniform_lut
 from .config import QuantConfig
 
 
+def clip_groups(x: torch.Tensor, ratio: float, axis: int, group: int) -> torch.Tensor:
+    """Shrink each group's range ``[lo, hi]`` about its midpoint to ``ratio`` and clamp ``x``.
+
+    ``x`` ``[R, N, d]``; groups of ``group`` elements along ``axis`` (1: tokens, the per-channel
+    layout; 2: channels, the per-token layout). The quantizer then spans ``ratio (hi - lo)``
+    (math dictionary §18.6). ``ratio == 1`` returns ``x`` unchanged.
+    """
+    if ratio >= 1.0:
+        return x
+    R, N, d = x.shape
+    g = x.reshape(R, N // group, group, d) if axis == 1 else x.reshape(R, N, d // group, group)
+    red = 2 if axis == 1 else 3
+    lo, hi = g.amin(red, keepdim=True), g.amax(red, keepdim=True)
+    mid, half = (hi + lo) / 2, (hi - lo) * (ratio / 2)
+    return torch.maximum(torch.minimum(g, mid + half), mid - half).reshape(R, N, d)
+
+
 def _cat(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
     return new if old is None else torch.cat([old, new], dim=2)
 
@@ -132,15 +149,17 @@ class PackedKV:
             if self.rotation is None:
                 self.rotation = Rotation(self.layer, h, d, q.rotation_seed, keys.device)
             keys, values = self.rotation.forward(keys), self.rotation.forward(values)
+        k3, v3 = keys.reshape(R, n, d), values.reshape(R, n, d)
         if self.per_channel_keys:
-            kq = quantize_block(keys.reshape(R, n, d), self.key_bits, "channel", g, q.symmetric, q.scale_dtype)
+            kq = quantize_block(clip_groups(k3, q.clip_keys, 1, g), self.key_bits, "channel", g, q.symmetric,
+                                q.scale_dtype)
             k_meta_shape = (b, h, n // g, d)
         else:
-            kq = quantize_block(keys.reshape(R, n, d), self.key_bits, "token", c, q.symmetric, q.scale_dtype,
-                                lut=self._lut(self.key_bits, keys.device))
+            kq = quantize_block(clip_groups(k3, q.clip_keys, 2, c), self.key_bits, "token", c, q.symmetric,
+                                q.scale_dtype, lut=self._lut(self.key_bits, keys.device))
             k_meta_shape = (b, h, n, d // c)
-        vq = quantize_block(values.reshape(R, n, d), self.value_bits, "token", c, q.symmetric, q.scale_dtype,
-                            lut=self._lut(self.value_bits, keys.device))
+        vq = quantize_block(clip_groups(v3, q.clip_values, 2, c), self.value_bits, "token", c, q.symmetric,
+                            q.scale_dtype, lut=self._lut(self.value_bits, keys.device))
         if self.track_groups:
             first = 0 if self.k_scale is None else self.k_scale.shape[2]  # index into the scale table
             gid = torch.arange(first, first + n // g, device=keys.device, dtype=torch.int32)

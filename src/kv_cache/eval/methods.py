@@ -56,6 +56,10 @@ QUANT_OPTIONS: tuple[QuantOption, ...] = (
     QuantOption("t", "key_grouping", "", "keys grouped per token (after a rotation)", "", lambda _: "token"),
     QuantOption("c", "channel_group", "channels", "channels per scale of per-token groups (up to head_dim)"),
     QuantOption("l", "levels", "", "Lloyd-Max levels, one norm per group, no zero point", "", lambda _: "lloyd_max"),
+    QuantOption("xk", "clip_keys", "ratio", "key range clipping ratio (uniform levels)", r"0?\.\d+|1(?:\.0+)?",
+                float),
+    QuantOption("xv", "clip_values", "ratio", "value range clipping ratio (uniform levels)", r"0?\.\d+|1(?:\.0+)?",
+                float),
 )
 
 KVPRESS_PRESSES = {  # spec name -> kvpress class
