@@ -44,7 +44,7 @@ EVIDENCE = _evidence()
 def test_evidence_covers_the_documented_commands():
     readme = (RESULTS / "README.md").read_text()
     documented = {s for run in re.findall(r"--methods (\S+)", readme) if "," in run for s in run.split(",")}
-    assert len(EVIDENCE) == 16 and documented == set(EVIDENCE)
+    assert len(EVIDENCE) >= 16 and documented == set(EVIDENCE)
 
 
 @pytest.mark.parametrize("spec", sorted(EVIDENCE))
