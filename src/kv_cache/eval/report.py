@@ -71,7 +71,10 @@ def markdown_table(doc: dict) -> str:
             row[0] += f" (failed: {m['error'][:60]})"
         lines.append("| " + " | ".join(row) + " |")
     for spec, why in doc.get("skipped", {}).items():
-        lines.append(f"\nSkipped `{spec}`: {why}")
+        if spec in doc.get("methods", {}):  # saved samples of an earlier run are still shown
+            lines.append(f"\n`{spec}`: results of an earlier run of the same samples and settings, not re-run here ({why})")
+        else:
+            lines.append(f"\nSkipped `{spec}`: {why}")
     cfg = doc.get("config", {})
     lines.append(f"\nModel `{cfg.get('model')}`, context {cfg.get('context')} tokens, {cfg.get('samples')} samples "
                  f"per task, {'query-aware' if cfg.get('query_aware') else 'query-agnostic'}; KV bytes are the sum "
