@@ -77,6 +77,17 @@ class Rotation:
         self.signs = torch.stack([RandomizedHadamard.for_head(head_dim, layer, h, seed).signs()
                                   for h in range(kv_heads)]).to(device=device, dtype=torch.int8)
 
+    @classmethod
+    def from_signs(cls, signs: torch.Tensor) -> "Rotation":
+        """A rotation with the given per-head ``signs`` ``[kv_heads, d]`` (int8)."""
+        out = cls.__new__(cls)
+        out.signs = signs
+        return out
+
+    def head(self, h: int) -> "Rotation":
+        """The rotation of KV head ``h`` alone (its own copy of the signs, ``[1, d]``)."""
+        return Rotation.from_signs(self.signs[h:h + 1].clone())
+
     def _parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.signs.to(x.dtype)[None, :, None, :], _hadamard(x.shape[-1], str(x.device)).to(x.dtype)
 
@@ -226,6 +237,16 @@ class PackedKV:
             if self.k_zero is not None:
                 self.k_zero = self.k_zero.index_select(2, used.long())
             self.k_group = remap[self.k_group.long()]
+
+    def row(self, b: int, h: int) -> "PackedKV":
+        """Row ``(b, h)`` alone, ``[1, 1, n, ...]``, in tensors of its own (copies, not views)."""
+        out = PackedKV.__new__(PackedKV)
+        out.__dict__.update(self.__dict__)
+        for name in self._SLOTS:
+            t = getattr(self, name)
+            setattr(out, name, None if t is None else t[b:b + 1, h:h + 1].clone())
+        out.rotation = None if self.rotation is None else self.rotation.head(h)
+        return out
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         out = {name: t for name in self._SLOTS if (t := getattr(self, name)) is not None}
