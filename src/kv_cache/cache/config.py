@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -10,7 +12,9 @@ import torch
 from ..compression.codebook import LLOYD_MAX_BITS
 from ..compression.packing import SUPPORTED_BITS
 
-ROTATIONS = (None, "hadamard")
+ROTATIONS = (None, "hadamard", "calibrated")
+ZERO_DTYPES = (torch.int16, torch.int8, torch.uint8)
+RESIDUAL_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)
 KEY_GROUPINGS = ("channel", "token")
 LEVELS = ("uniform", "lloyd_max")
 
@@ -41,16 +45,24 @@ class QuantConfig:
         is never quantized in one shot with its sink tokens).
     symmetric : bool, default False
     scale_dtype : torch.dtype, default torch.float16
-        Storage dtype of scales (zero points are int16).
+        Storage dtype of scales (zero points: ``zero_dtype``).
     key_bits, value_bits : {2, 3, 4, 8} or None
         Separate precisions for keys and values (e.g. K3V2); None: ``bits``.
     layer_bits : mapping or tuple of pairs, default ()
         ``{layer: bits}`` overrides for chosen layers (keys and values), e.g. the first layer
         at 4 bits in a 2-bit cache.
-    rotation : {None, "hadamard"}
-        A randomized Hadamard rotation per layer and KV head (seeded, no calibration), applied
-        to keys (post-RoPE) and values before quantization; attention undoes it by rotating the
-        query once and the output once (math dictionary §17).
+    rotation : {None, "hadamard", "calibrated"}
+        ``"hadamard"``: a randomized Hadamard rotation per layer and KV head (seeded, no
+        calibration), applied to keys (post-RoPE) and values before quantization; attention
+        undoes it by rotating the query once and the output once (math dictionary §17).
+        ``"calibrated"``: the per-layer, per-KV-head matrices ``R = V H`` of ``rotation_path``
+        (``V`` the eigenvectors of the calibration queries' covariance, §17.4), applied to keys
+        and values the same way (values share the key's ``R``: its Hadamard factor spreads
+        their outliers too, and one rotation keeps one query and one output rotation per call).
+    rotation_path : str or os.PathLike or None
+        The calibration file of ``rotation="calibrated"`` (``kvcache calibrate``; a safetensors
+        file read by :func:`kv_cache.compression.calibration.load_calibration`). It must exist;
+        its shapes are checked against the model at first use.
     rotation_seed : int, default 0
     key_grouping : {"channel", "token"}, default "channel"
         Keys quantized per channel (KIVI) or per token (after a rotation spreads the channel
@@ -65,6 +77,15 @@ class QuantConfig:
         Uniform levels only: each group's range ``[min, max]`` is shrunk about its midpoint to
         this fraction before quantizing (OSCAR uses 0.96 for keys, 0.92 for values); values
         outside are clamped. Trades the few extreme values for a finer grid for the rest.
+    zero_dtype : {torch.int16, torch.int8, torch.uint8}, default torch.int16
+        Storage dtype of zero points (asymmetric uniform levels only). 8-bit zero points halve
+        their bytes; a group whose zero point does not fit (its range does not come close to
+        0) gets the nearest one that does and a scale widened so its whole range is still
+        covered (math dictionary §18.7). ``torch.int8`` cannot hold the zero points 0..255 of
+        8-bit codes, so it is refused when any layer uses 8 bits (use ``torch.uint8``).
+    residual_dtype : {None, torch.float16, torch.bfloat16, torch.float32}, default None
+        Storage dtype of the full-precision residual and sink tokens; None: the model's dtype.
+        Attention reads them in float32 either way.
     """
 
     bits: int = 4
@@ -83,6 +104,9 @@ class QuantConfig:
     levels: str = "uniform"
     clip_keys: float = 1.0
     clip_values: float = 1.0
+    rotation_path: Any = None
+    zero_dtype: Any = torch.int16
+    residual_dtype: Any = None
 
     def __post_init__(self) -> None:
         for name in ("bits", "key_bits", "value_bits"):
@@ -112,6 +136,8 @@ class QuantConfig:
                 raise ValueError(f"QuantConfig.{name} must be a float in (0, 1]; got {v!r}")
             if v != 1.0 and self.levels != "uniform":
                 raise ValueError(f"QuantConfig.{name} applies to uniform levels only; got levels={self.levels!r}")
+        self._check_rotation_path()
+        self._check_metadata_dtypes()
         pairs = tuple(sorted(dict(self.layer_bits).items())) if self.layer_bits else ()
         for layer, b in pairs:
             if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0 or b not in SUPPORTED_BITS:
@@ -132,6 +158,52 @@ class QuantConfig:
                 raise ValueError(
                     f"QuantConfig.levels='lloyd_max' supports bits {list(LLOYD_MAX_BITS)}; got {sorted(used)}"
                 )
+        if self.zero_dtype == torch.int8 and 8 in self._all_bits():
+            raise ValueError(
+                "QuantConfig.zero_dtype=torch.int8 cannot hold the zero points (0..255) of 8-bit codes; "
+                f"use torch.uint8 or torch.int16 (bits in use: {sorted(self._all_bits())})"
+            )
+
+    def _all_bits(self) -> set[int]:
+        return {self.bits, self.key_bits or self.bits, self.value_bits or self.bits,
+                *(b for _, b in self.layer_bits)}
+
+    def _check_rotation_path(self) -> None:
+        path = self.rotation_path
+        if self.rotation != "calibrated":
+            if path is not None:
+                raise ValueError(
+                    f"QuantConfig.rotation_path is read only with rotation='calibrated'; got "
+                    f"rotation={self.rotation!r}, rotation_path={path!r}"
+                )
+            return
+        if path is None:
+            raise ValueError("QuantConfig.rotation='calibrated' needs rotation_path (a file written by "
+                             "`kvcache calibrate`); got None")
+        if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"QuantConfig.rotation_path must be a str or os.PathLike; got {type(path).__name__}")
+        path = os.fspath(path)
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"QuantConfig.rotation_path: no calibration file at {path!r}")
+        object.__setattr__(self, "rotation_path", path)  # a str: hashable, and printed as given
+
+    def _check_metadata_dtypes(self) -> None:
+        if not isinstance(self.zero_dtype, torch.dtype) or self.zero_dtype not in ZERO_DTYPES:
+            raise ValueError(
+                "QuantConfig.zero_dtype must be one of torch.int16, torch.int8, torch.uint8; "
+                f"got {self.zero_dtype!r}"
+            )
+        if self.zero_dtype != torch.int16 and (self.symmetric or self.levels != "uniform"):
+            raise ValueError(
+                "QuantConfig.zero_dtype applies to asymmetric uniform levels only (the others store no "
+                f"zero point); got symmetric={self.symmetric!r}, levels={self.levels!r}"
+            )
+        rd = self.residual_dtype
+        if rd is not None and (not isinstance(rd, torch.dtype) or rd not in RESIDUAL_DTYPES):
+            raise ValueError(
+                "QuantConfig.residual_dtype must be one of None, torch.float16, torch.bfloat16, torch.float32; "
+                f"got {rd!r}"
+            )
 
     def __repr__(self) -> str:
         shown = [f.name for f in fields(self)
@@ -165,7 +237,7 @@ class QuantConfig:
                     f"head_dim * bits must be a multiple of 8 so each token's codes fill whole bytes; "
                     f"got head_dim={head_dim}, bits={b}"
                 )
-        if self.rotation is not None and head_dim % 2:
+        if self.rotation == "hadamard" and head_dim % 2:
             raise ValueError(
                 f"QuantConfig.rotation='hadamard' needs an even head_dim (power-of-two blocks); got {head_dim}"
             )

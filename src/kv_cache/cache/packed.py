@@ -9,7 +9,8 @@ Keys and values are each one :class:`~kv_cache.kernels.QBlock` layout, chosen by
   RMS scale per group and no zero point (norm-only);
 * optionally rotated first: a randomized Hadamard transform per KV head, ``x R`` with
   ``R = diag(s_h) H`` (``H`` the normalized Sylvester matrix, block-diagonal when ``head_dim``
-  is not a power of two); attention undoes it by rotating the query and the output once.
+  is not a power of two), or a calibrated ``R_h = V_h H`` (math dictionary §17.4); attention
+  undoes it by rotating the query and the output once.
 
 Codes are packed token-major (``head_dim * bits / 8`` bytes per token and head), so keeping a
 subset of tokens is a gather of whole bytes: no unpacking, no re-quantization.
@@ -17,11 +18,13 @@ subset of tokens is a gather of whole bytes: no unpacking, no re-quantization.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
 from ..compression.codebook import lloyd_max_gaussian
+from ..compression.packing import pack_bits
 from ..compression.rotation import RandomizedHadamard
 from ..kernels import QBlock, dequantize_block, quantize_block, uniform_lut
 from .config import QuantConfig
@@ -71,7 +74,16 @@ def _hadamard(dim: int, device: str) -> torch.Tensor:
 
 
 class Rotation:
-    """Per-KV-head randomized Hadamard rotations of one layer: ``signs`` ``[kv_heads, d]`` (int8)."""
+    """Per-KV-head rotations of one layer, ``x R_h`` for head ``h``.
+
+    Randomized Hadamard (``rotation="hadamard"``): ``R_h = diag(s_h) H``, held as ``signs``
+    ``[kv_heads, d]`` (int8; ``H`` is a constant of the code). Calibrated
+    (``rotation="calibrated"``, :meth:`from_matrices`): dense orthonormal ``R_h = V_h H``, held
+    as ``matrices`` ``[kv_heads, d, d]`` (float32) and ``signs`` None. Either is held by the
+    cache and counted (category ``tables``, :meth:`named_tensors`).
+    """
+
+    matrices: torch.Tensor | None = None
 
     def __init__(self, layer: int, kv_heads: int, head_dim: int, seed: int, device) -> None:
         self.signs = torch.stack([RandomizedHadamard.for_head(head_dim, layer, h, seed).signs()
@@ -84,22 +96,105 @@ class Rotation:
         out.signs = signs
         return out
 
+    @classmethod
+    def from_matrices(cls, matrices: torch.Tensor) -> "Rotation":
+        """A rotation with dense per-head orthonormal ``matrices`` ``[kv_heads, d, d]`` (float32)."""
+        out = cls.__new__(cls)
+        out.signs = None
+        out.matrices = matrices
+        return out
+
     def head(self, h: int) -> "Rotation":
         """The rotation of KV head ``h`` alone (its own copy of the signs, ``[1, d]``)."""
+        if self.matrices is not None:
+            return Rotation.from_matrices(self.matrices[h:h + 1].clone())
         return Rotation.from_signs(self.signs[h:h + 1].clone())
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """The held tensors: ``rotation_signs`` or ``rotation_matrices``."""
+        if self.matrices is not None:
+            return {"rotation_matrices": self.matrices}
+        return {"rotation_signs": self.signs}
 
     def _parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.signs.to(x.dtype)[None, :, None, :], _hadamard(x.shape[-1], str(x.device)).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x R`` for ``x`` ``[b, kv_heads, n, d]`` (each head its own signs)."""
+        """``x R`` for ``x`` ``[b, kv_heads, n, d]`` (each head its own rotation)."""
+        if self.matrices is not None:
+            return x @ self.matrices.to(x.dtype).unsqueeze(0)  # [b, h, n, d] @ [1, h, d, d]
         s, h = self._parts(x)
         return (x * s) @ h
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
-        """``y R^T = (y H) * s`` (``H`` symmetric)."""
+        """``y R^T`` (Hadamard: ``(y H) * s``, ``H`` symmetric)."""
+        if self.matrices is not None:
+            return y @ self.matrices.to(y.dtype).transpose(-1, -2).unsqueeze(0)
         s, h = self._parts(y)
         return (y @ h) * s
+
+
+def _make_rotation(quant: QuantConfig, layer: int, kv_heads: int, head_dim: int, device) -> Rotation:
+    if quant.rotation == "calibrated":
+        from ..compression.calibration import rotation_matrices
+
+        return Rotation.from_matrices(rotation_matrices(quant.rotation_path, layer, kv_heads, head_dim, device))
+    return Rotation(layer, kv_heads, head_dim, quant.rotation_seed, device)
+
+
+def _zero_range(dtype: torch.dtype) -> tuple[int, int]:
+    info = torch.iinfo(dtype)
+    return info.min, info.max
+
+
+def narrow_zero_points(block: QBlock, x: torch.Tensor, zero_dtype: torch.dtype) -> QBlock:
+    """``block`` (asymmetric uniform, int16 zero points) with zero points stored as ``zero_dtype``.
+
+    Groups whose zero point ``z`` fits are unchanged (same codes, same scale). A group whose
+    ``z`` lies outside ``[zmin, zmax]`` (its range ``[lo, hi]`` stays far from 0) gets
+    ``z' = clamp(z)`` and the smallest scale whose grid ``[-z' s, (L - z') s]`` still covers
+    the range, ``s = hi / (L - z')`` (``lo > 0``) or ``s = lo / -z'`` (``hi < 0``), rounded up in
+    the stored scale dtype; its codes are recomputed ``clamp(round(x / s) + z', 0, L)`` from
+    ``x`` ``[R, N, d]`` (the tensor that was quantized). Math dictionary §18.7.
+    """
+    if block.zero is None or zero_dtype == torch.int16:
+        return block
+    zmin, zmax = _zero_range(zero_dtype)
+    z = block.zero
+    bad = (z < zmin) | (z > zmax)
+    if not bool(bad.any()):
+        return dataclasses.replace(block, zero=z.to(zero_dtype))
+    from ..kernels.reference import expand_meta, unpack_codes
+
+    L = (1 << block.bits) - 1
+    xf = x.float()
+    zc = z.clamp(zmin, zmax).to(torch.float32)
+    # The group's range, recovered from the element-wise tensor: max/min over each group.
+    big = torch.finfo(torch.float32).max
+    bad_el = expand_meta(block, bad.float()).bool()  # [R, N, d]
+    lo = _group_reduce(block, torch.where(bad_el, xf, torch.full_like(xf, big)), "amin")
+    hi = _group_reduce(block, torch.where(bad_el, xf, torch.full_like(xf, -big)), "amax")
+    need = torch.where(z < zmin, hi / (L - zc), lo / -zc.clamp(min=1))
+    stored = need.to(block.scale.dtype)
+    stored = torch.where(stored.float() < need, torch.nextafter(stored, torch.full_like(stored, float("inf"))), stored)
+    new_scale = torch.where(bad, stored, block.scale)
+    new_zero = torch.where(bad, zc.to(torch.int16), z)
+    s_el = expand_meta(block, new_scale)
+    z_el = expand_meta(block, new_zero)
+    recoded = (xf / s_el).round().add(z_el).clamp(0, L).to(torch.uint8)
+    codes = torch.where(bad_el, recoded, unpack_codes(block))
+    R, N, d = x.shape
+    packed = pack_bits(codes.contiguous(), block.bits).view(R, N, d * block.bits // 8)
+    return dataclasses.replace(block, codes=packed, scale=new_scale, zero=new_zero.to(zero_dtype))
+
+
+def _group_reduce(block: QBlock, xe: torch.Tensor, op: str) -> torch.Tensor:
+    """Reduce ``xe`` ``[R, N, d]`` over each scale group of ``block``: the shape of ``block.scale``."""
+    R, N, d = xe.shape
+    gs = block.group_size
+    if block.grouping == "token":
+        return getattr(xe.view(R, N, d // gs, gs), op)(-1)
+    return getattr(xe.view(R, N // gs, gs, d), op)(2)
 
 
 class PackedKV:
@@ -109,13 +204,14 @@ class PackedKV:
     ------------------------------------------------------------------------------------
     k_codes, v_codes : uint8 ``[b, h, n, d * bits / 8]`` (key and value bits may differ)
     k_scale, k_zero : per channel ``[b, h, G, d]``; per token ``[b, h, n, d / c]``
-        (``k_zero`` int16; None when symmetric or with Lloyd-Max levels)
+        (``k_zero`` of ``quant.zero_dtype``, int16 by default; None when symmetric or with
+        Lloyd-Max levels)
     v_scale, v_zero : ``[b, h, n, d / c]``
     k_group : int32 ``[b, h, n]`` or None
         Per-channel keys only: each key's scale group, kept when tokens may be evicted (groups
         become ragged then); None while groups are whole (token ``t`` uses ``t // group_size``).
     rotation : :class:`Rotation` or None
-        Its ``signs`` are held and counted (category ``tables``).
+        Its ``signs`` (or calibrated ``matrices``) are held and counted (category ``tables``).
     """
 
     _SLOTS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_group")
@@ -156,21 +252,26 @@ class PackedKV:
         g, c = q.group_size, self.channel_group
         b, h, n, d = keys.shape
         R = b * h
+        if keys.dtype != self.dtype:  # a residual held in a narrower dtype: quantize in the model's
+            keys, values = keys.to(self.dtype), values.to(self.dtype)
         if q.rotation is not None:
             if self.rotation is None:
-                self.rotation = Rotation(self.layer, h, d, q.rotation_seed, keys.device)
+                self.rotation = _make_rotation(q, self.layer, h, d, keys.device)
             keys, values = self.rotation.forward(keys), self.rotation.forward(values)
         k3, v3 = keys.reshape(R, n, d), values.reshape(R, n, d)
         if self.per_channel_keys:
-            kq = quantize_block(clip_groups(k3, q.clip_keys, 1, g), self.key_bits, "channel", g, q.symmetric,
-                                q.scale_dtype)
+            kx = clip_groups(k3, q.clip_keys, 1, g)
+            kq = quantize_block(kx, self.key_bits, "channel", g, q.symmetric, q.scale_dtype)
             k_meta_shape = (b, h, n // g, d)
         else:
-            kq = quantize_block(clip_groups(k3, q.clip_keys, 2, c), self.key_bits, "token", c, q.symmetric,
+            kx = clip_groups(k3, q.clip_keys, 2, c)
+            kq = quantize_block(kx, self.key_bits, "token", c, q.symmetric,
                                 q.scale_dtype, lut=self._lut(self.key_bits, keys.device))
             k_meta_shape = (b, h, n, d // c)
-        vq = quantize_block(clip_groups(v3, q.clip_values, 2, c), self.value_bits, "token", c, q.symmetric,
+        vx = clip_groups(v3, q.clip_values, 2, c)
+        vq = quantize_block(vx, self.value_bits, "token", c, q.symmetric,
                             q.scale_dtype, lut=self._lut(self.value_bits, keys.device))
+        kq, vq = narrow_zero_points(kq, kx, q.zero_dtype), narrow_zero_points(vq, vx, q.zero_dtype)
         if self.track_groups:
             first = 0 if self.k_scale is None else self.k_scale.shape[2]  # index into the scale table
             gid = torch.arange(first, first + n // g, device=keys.device, dtype=torch.int32)
@@ -251,7 +352,7 @@ class PackedKV:
     def named_tensors(self) -> dict[str, torch.Tensor]:
         out = {name: t for name in self._SLOTS if (t := getattr(self, name)) is not None}
         if self.rotation is not None:
-            out["rotation_signs"] = self.rotation.signs
+            out.update(self.rotation.named_tensors())
         return out
 
     def map_tensors(self, fn) -> None:

@@ -288,4 +288,101 @@ class RandomizedHadamard:
         return self.forward(eye).to(dtype=dtype, device=device)
 
 
-__all__ = ["RandomizedHadamard", "fwht", "pow2_blocks", "seed_for"]
+def hadamard_matrix(dim: int, block: int | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The normalized block-diagonal Sylvester-Hadamard matrix ``blockdiag(H_b / sqrt(b))``, ``[dim, dim]``.
+
+    Symmetric and orthonormal (each block is its own inverse). ``block`` None: the blocks of
+    :func:`pow2_blocks` (one block when ``dim`` is a power of two); otherwise equal blocks of
+    ``block`` channels (a power of two >= 2 dividing ``dim``), e.g. the channel group of a
+    per-token quantizer, so every scale group mixes only its own channels (§17.3).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad ``dim`` (odd, < 2) or ``block`` (not a power of two >= 2 dividing ``dim``), or a
+        non-floating ``dtype``.
+    """
+    dim = check_int(dim, "dim", minimum=2)
+    if block is None:
+        blocks = pow2_blocks(dim)
+    else:
+        block = check_int(block, "block", minimum=2)
+        if not _is_pow2(block) or dim % block:
+            raise ValueError(f"block must be a power of two >= 2 dividing dim={dim}; got {block}")
+        blocks = (block,) * (dim // block)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be one of {_FLOAT_NAMES}; got {dtype!r}")
+    out = torch.zeros(dim, dim, dtype=torch.float64)
+    at = 0
+    for b in blocks:
+        out[at:at + b, at:at + b] = fwht(torch.eye(b, dtype=torch.float64))
+        at += b
+    return out.to(dtype)
+
+
+def covariance_eigenvectors(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigen-decomposition ``C = V diag(lam) V^T`` of symmetric PSD matrices, largest first.
+
+    The sign of each eigenvector is fixed (its largest-magnitude entry is positive) so the
+    result is deterministic across LAPACK builds; computed in float64.
+
+    Parameters
+    ----------
+    cov : torch.Tensor, ``[..., d, d]``
+        Symmetric (up to rounding), finite.
+
+    Returns
+    -------
+    lam : torch.Tensor, float64 ``[..., d]``
+        Eigenvalues, descending.
+    V : torch.Tensor, float64 ``[..., d, d]``
+        Orthonormal; column ``j`` is the eigenvector of ``lam[..., j]``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Not a floating tensor; not square ``[..., d, d]``; NaN or Inf.
+    """
+    cov = _check_input(cov, "cov")
+    if cov.ndim < 2 or cov.shape[-1] != cov.shape[-2]:
+        raise ValueError(f"cov must be square matrices [..., d, d]; got shape {tuple(cov.shape)}")
+    c = cov.to(torch.float64)
+    lam, vec = torch.linalg.eigh((c + c.transpose(-1, -2)) / 2)  # ascending
+    lam, vec = lam.flip(-1), vec.flip(-1)
+    pivot = vec.abs().argmax(-2, keepdim=True)  # [..., 1, d]: the largest entry of each column
+    sign = torch.sign(torch.gather(vec, -2, pivot))
+    return lam, vec * torch.where(sign == 0, torch.ones_like(sign), sign)
+
+
+def calibrated_rotation(query_cov: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """OSCAR-style rotation ``R = V H`` from a query covariance ``C_Q = Q^T Q`` (§17.4).
+
+    ``V`` holds the eigenvectors of ``C_Q``, largest eigenvalue first (:func:`covariance_eigenvectors`);
+    ``H`` = :func:`hadamard_matrix` ``(d, block)`` mixes them inside each block, so each channel
+    group of the rotated key sees directions of similar query energy and no single outlier
+    direction sets a group's scale. ``R`` is orthonormal: ``q . k = (q R) . (k R)``.
+
+    Parameters
+    ----------
+    query_cov : torch.Tensor, ``[..., d, d]``
+        Symmetric PSD (e.g. the summed ``q^T q`` of the query heads sharing a KV head).
+    block : int or None
+        Hadamard block size (the quantizer's channel group); None: :func:`pow2_blocks`.
+
+    Returns
+    -------
+    torch.Tensor, float64 ``[..., d, d]``
+        Row-vector convention: ``forward(x) = x @ R``, ``inverse(y) = y @ R^T``.
+
+    Examples
+    --------
+    >>> R = calibrated_rotation(torch.diag(torch.arange(1.0, 9.0)))
+    >>> torch.allclose(R @ R.T, torch.eye(8, dtype=torch.float64))
+    True
+    """
+    _, vec = covariance_eigenvectors(query_cov)
+    return vec @ hadamard_matrix(vec.shape[-1], block)
+
+
+__all__ = ["RandomizedHadamard", "calibrated_rotation", "covariance_eigenvectors", "fwht", "hadamard_matrix",
+           "pow2_blocks", "seed_for"]

@@ -1,0 +1,369 @@
+"""Calibrated KV rotations (OSCAR-style): fit, save, load, validate (math dictionary §17.4).
+
+For each layer and KV head the post-RoPE queries of the query heads that share that KV head
+are collected on calibration text and summed into ``C_Q = sum_t q_t^T q_t`` ``[d, d]``; the
+rotation is ``R = V H`` with ``V`` the eigenvectors of ``C_Q`` (largest first) and ``H`` a
+normalized (block-)Hadamard matrix (:func:`kv_cache.compression.rotation.calibrated_rotation`).
+Zhou et al., "OSCAR: Offline Spectral Covariance-Aware Rotation for 2-bit KV Cache
+Quantization" (2026).
+
+* :func:`query_covariances` / :func:`calibrate_rotations` run the model once per window with
+  forward hooks on its attention modules; the hooks are registered inside the function and
+  removed in ``finally`` (the model's code and config are not touched).
+* :func:`save_calibration` / :func:`load_calibration`: a safetensors file, one float32 tensor
+  ``layers.<i>`` ``[kv_heads, d, d]`` per layer, and a JSON header (key
+  :data:`METADATA_KEY`) with :data:`FORMAT_VERSION`, the model's architecture and shapes,
+  the sha256 of the text and the token count. Loading validates all of it.
+* :func:`rotation_matrices`: one layer's matrices for the cache (``QuantConfig(rotation=
+  "calibrated", rotation_path=...)``), loaded once per file and checked against the layer's
+  shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from .rotation import calibrated_rotation
+
+FORMAT_VERSION = 1
+METADATA_KEY = "kv_cache.calibration"
+KIND = "query_covariance_eigh_hadamard"
+ORTHONORMAL_ATOL = 1e-3
+"""Largest ``|R R^T - I|`` entry accepted on load (float32 matrices are ~1e-6 off)."""
+
+_REQUIRED_META = {"format_version": int, "kind": str, "model_type": str, "architecture": str,
+                  "num_layers": int, "kv_heads": int, "q_heads": int, "head_dim": int,
+                  "text_sha256": str, "tokens": int}
+
+
+class CalibrationError(ValueError):
+    """A calibration file that is unreadable, malformed, or fitted for another model."""
+
+
+def model_shapes(config: Any) -> dict[str, Any]:
+    """``model_type``, ``architecture``, ``num_layers``, ``kv_heads``, ``q_heads``, ``head_dim`` of a config."""
+    q_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
+    archs = getattr(config, "architectures", None) or [type(config).__name__]
+    return {"model_type": str(config.model_type), "architecture": str(archs[0]),
+            "num_layers": int(config.num_hidden_layers),
+            "kv_heads": int(getattr(config, "num_key_value_heads", None) or q_heads),
+            "q_heads": int(q_heads), "head_dim": int(head_dim)}
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from ..cache.hooks import _attention_classes
+
+    mods = [m for m in model.modules() if isinstance(m, _attention_classes())]
+    if not mods:
+        mt = getattr(getattr(model, "config", None), "model_type", None)
+        raise ValueError(f"calibration recomputes queries of Llama, Mistral, Qwen2 and Qwen3 attention only; "
+                         f"got model type {mt!r}")
+    return mods
+
+
+def query_covariances(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    window: int | None = None,
+) -> tuple[dict[int, torch.Tensor], int]:
+    """Per layer ``C_Q[h] = sum_t sum_{j in group(h)} q_{j,t}^T q_{j,t}``: float64 ``[kv_heads, d, d]``.
+
+    ``q_{j,t}`` is the post-RoPE query of query head ``j`` at token ``t`` (recomputed from the
+    attention module's own ``q_proj`` / ``q_norm`` and the rotary embedding it was called
+    with); ``group(h)`` the query heads that share KV head ``h`` (``j // (q_heads / kv_heads)``,
+    transformers' ``repeat_kv`` order). Padding (``attention_mask == 0``) is left out.
+
+    Parameters
+    ----------
+    model : a transformers Llama / Mistral / Qwen2 / Qwen3 causal LM
+    input_ids : torch.Tensor, int ``[batch, n]``
+    attention_mask : torch.Tensor, ``[batch, n]``, optional
+    window : int, optional
+        Run the columns in independent windows of this many tokens (each from position 0);
+        None: one pass.
+
+    Returns
+    -------
+    (dict of layer index -> float64 ``[kv_heads, d, d]``, number of tokens counted)
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad ``input_ids`` / ``attention_mask`` / ``window``; an unsupported architecture; no token.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point:
+        raise TypeError(f"input_ids must be an integer tensor [batch, n]; got {getattr(input_ids, 'shape', type(input_ids))}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}; "
+                         f"got {tuple(attention_mask.shape)}")
+    n = input_ids.shape[1]
+    if window is None:
+        window = max(n, 1)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1 or None; got {window!r}")
+    shapes = model_shapes(model.config)
+    kvh, group = shapes["kv_heads"], shapes["q_heads"] // shapes["kv_heads"]
+    covs: dict[int, torch.Tensor] = {}
+    weight: list[torch.Tensor | None] = [None]
+
+    def hook(module, args, kwargs, output):
+        from ..cache.hooks import _queries
+
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        q = _queries(module, hidden, kwargs["position_embeddings"], hidden.shape[1]).double()  # [b, Hq, t, d]
+        b, _, t, d = q.shape
+        if weight[0] is not None:
+            q = q * weight[0][:, None, :, None]
+        q = q.view(b, kvh, group, t, d)
+        c = torch.einsum("bhgtd,bhgte->hde", q, q)
+        idx = module.layer_idx
+        covs[idx] = c if idx not in covs else covs[idx] + c
+
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in _attention_modules(model)]
+    count = 0
+    try:
+        with torch.no_grad():
+            for s in range(0, n, window):
+                ids = input_ids[:, s:s + window]
+                mask = None if attention_mask is None else attention_mask[:, s:s + window]
+                weight[0] = None if mask is None else mask.to(torch.float64)
+                count += ids.numel() if mask is None else int(mask.sum())
+                model(input_ids=ids, attention_mask=mask, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    if count == 0:
+        raise ValueError("calibration needs at least one (non-padding) token; got none")
+    return covs, count
+
+
+def calibrate_rotations(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    block: int | None = None,
+    window: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Fit ``R = V H`` per layer and KV head on ``input_ids`` (§17.4).
+
+    Parameters
+    ----------
+    model, input_ids, attention_mask, window
+        As :func:`query_covariances`.
+    block : int or None
+        Hadamard block size; match the quantizer's channel group (``QuantConfig.channel_group``)
+        so each scale group mixes directions of similar query energy. None: one Hadamard over
+        the head (power-of-two blocks when ``head_dim`` is not a power of two).
+
+    Returns
+    -------
+    dict
+        ``"layers.<i>"`` -> float32 ``[kv_heads, head_dim, head_dim]``, orthonormal, for every
+        layer ``i`` (row-vector convention: the cache stores ``k R``, ``v R``).
+
+    Examples
+    --------
+    >>> tensors = calibrate_rotations(model, tok(text, return_tensors="pt").input_ids)  # doctest: +SKIP
+    >>> save_calibration("calib.safetensors", tensors, calibration_meta(model, text, 4096))  # doctest: +SKIP
+    """
+    covs, _ = query_covariances(model, input_ids, attention_mask, window)
+    num_layers = model_shapes(model.config)["num_layers"]
+    missing = sorted(set(range(num_layers)) - set(covs))
+    if missing:
+        raise ValueError(f"no queries were seen for layers {missing}: is every layer's attention a supported module?")
+    return {f"layers.{i}": calibrated_rotation(covs[i], block).float().contiguous() for i in range(num_layers)}
+
+
+def text_sha256(text: str) -> str:
+    """The sha256 of ``text`` encoded as UTF-8 (hex)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def calibration_meta(model: torch.nn.Module, text: str, tokens: int, block: int | None = None,
+                     source: str = "") -> dict[str, Any]:
+    """The metadata header of a calibration of ``model`` on ``text`` (``tokens`` tokens)."""
+    return {"format_version": FORMAT_VERSION, "kind": KIND, **model_shapes(model.config),
+            "text_sha256": text_sha256(text), "tokens": int(tokens), "hadamard_block": block, "source": source}
+
+
+def _check_meta(meta: Any, where: str) -> dict[str, Any]:
+    if not isinstance(meta, dict):
+        raise CalibrationError(f"{where}: metadata must be a JSON object; got {type(meta).__name__}")
+    for key, typ in _REQUIRED_META.items():
+        if key not in meta:
+            raise CalibrationError(f"{where}: metadata lacks {key!r} (required: {sorted(_REQUIRED_META)})")
+        if not isinstance(meta[key], typ) or isinstance(meta[key], bool):
+            raise CalibrationError(f"{where}: metadata {key!r} must be a {typ.__name__}; got {meta[key]!r}")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise CalibrationError(f"{where}: format_version {meta['format_version']} is not supported "
+                               f"(this library reads version {FORMAT_VERSION})")
+    if meta["kind"] != KIND:
+        raise CalibrationError(f"{where}: kind must be {KIND!r}; got {meta['kind']!r}")
+    for key in ("num_layers", "kv_heads", "q_heads", "head_dim", "tokens"):
+        if meta[key] < 1:
+            raise CalibrationError(f"{where}: metadata {key!r} must be >= 1; got {meta[key]}")
+    return meta
+
+
+def _check_tensors(tensors: Mapping[str, torch.Tensor], meta: dict[str, Any], where: str) -> None:
+    want = {f"layers.{i}" for i in range(meta["num_layers"])}
+    if set(tensors) != want:
+        extra, lost = sorted(set(tensors) - want), sorted(want - set(tensors), key=lambda k: int(k.split(".")[1]))
+        raise CalibrationError(f"{where}: expected tensors layers.0 .. layers.{meta['num_layers'] - 1}; "
+                               f"missing {lost[:5]}, unexpected {extra[:5]}")
+    shape = (meta["kv_heads"], meta["head_dim"], meta["head_dim"])
+    eye = torch.eye(meta["head_dim"], dtype=torch.float64)
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.float32, torch.float16, torch.float64):
+            raise CalibrationError(f"{where}: {name} must be a float16/float32/float64 tensor; "
+                                   f"got {getattr(t, 'dtype', type(t).__name__)}")
+        if tuple(t.shape) != shape:
+            raise CalibrationError(f"{where}: {name} must have shape [kv_heads, head_dim, head_dim] = {list(shape)}; "
+                                   f"got {list(t.shape)}")
+        if not bool(torch.isfinite(t).all()):
+            raise CalibrationError(f"{where}: {name} holds NaN or Inf")
+        r = t.double()
+        err = float((r @ r.transpose(-1, -2) - eye).abs().max())
+        tol = ORTHONORMAL_ATOL if t.dtype != torch.float16 else 5e-3
+        if err > tol:
+            raise CalibrationError(f"{where}: {name} is not orthonormal (max |R R^T - I| = {err:.3g} > {tol})")
+
+
+def save_calibration(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> Path:
+    """Write ``tensors`` (``layers.<i>`` -> ``[kv_heads, d, d]``) and ``meta`` to a safetensors file.
+
+    ``meta`` is validated (the keys of :func:`calibration_meta`) and stored as JSON under
+    :data:`METADATA_KEY`; the tensors must match it (names, shapes, finite, orthonormal).
+
+    Returns
+    -------
+    pathlib.Path
+        The written path.
+
+    Raises
+    ------
+    CalibrationError (a ValueError)
+        Metadata or tensors that do not agree.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    meta = _check_meta(dict(meta), str(path))
+    _check_tensors(tensors, meta, str(path))
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path),
+              metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
+    return path
+
+
+def load_calibration(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Read and validate a file written by :func:`save_calibration`.
+
+    Returns
+    -------
+    (tensors, meta)
+        ``layers.<i>`` -> float32 ``[kv_heads, d, d]`` on the CPU, and the metadata dict.
+
+    Raises
+    ------
+    FileNotFoundError
+        No file at ``path``.
+    CalibrationError (a ValueError)
+        The file is not readable safetensors (corrupted, truncated), lacks the metadata
+        header, has another format version, or its tensors do not match its header.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no calibration file at {str(path)!r}")
+    where = str(path)
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CalibrationError(f"{where}: not a readable safetensors calibration file "
+                               f"(corrupted or truncated?): {exc}") from None
+    if METADATA_KEY not in header:
+        raise CalibrationError(f"{where}: no {METADATA_KEY!r} metadata; was it written by save_calibration?")
+    try:
+        meta = json.loads(header[METADATA_KEY])
+    except json.JSONDecodeError as exc:
+        raise CalibrationError(f"{where}: metadata is not valid JSON: {exc}") from None
+    meta = _check_meta(meta, where)
+    _check_tensors(tensors, meta, where)
+    return {k: v.float() for k, v in tensors.items()}, meta
+
+
+def check_against_model(meta: Mapping[str, Any], config: Any, where: str = "calibration") -> None:
+    """Raise :class:`CalibrationError` unless ``meta`` was fitted for a model shaped like ``config``."""
+    have = model_shapes(config)
+    for key in ("model_type", "num_layers", "kv_heads", "q_heads", "head_dim"):
+        if meta.get(key) != have[key]:
+            raise CalibrationError(f"{where} was fitted for {key}={meta.get(key)!r}; this model has "
+                                   f"{key}={have[key]!r}")
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(path: str, mtime_ns: int, size: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    return load_calibration(path)
+
+
+def rotation_matrices(path: str | os.PathLike, layer: int, kv_heads: int, head_dim: int,
+                      device: Any = None) -> torch.Tensor:
+    """Layer ``layer``'s calibrated rotations from ``path``: float32 ``[kv_heads, head_dim, head_dim]``.
+
+    The file is read and validated once (cached by path, modification time and size); each
+    call returns a fresh copy on ``device``, which the cache holds and counts.
+
+    Raises
+    ------
+    FileNotFoundError
+        No file at ``path``.
+    CalibrationError (a ValueError)
+        An invalid file, or one fitted for other shapes (the message names the file's and the
+        model's values).
+    """
+    p = os.fspath(path)
+    if not os.path.isfile(p):
+        raise FileNotFoundError(f"no calibration file at {p!r}")
+    st = os.stat(p)
+    tensors, meta = _load_cached(p, st.st_mtime_ns, st.st_size)
+    if (meta["kv_heads"], meta["head_dim"]) != (kv_heads, head_dim):
+        raise CalibrationError(
+            f"{p} was fitted for kv_heads={meta['kv_heads']}, head_dim={meta['head_dim']} "
+            f"({meta['architecture']}, {meta['num_layers']} layers); this model's layer {layer} has "
+            f"kv_heads={kv_heads}, head_dim={head_dim}")
+    if not 0 <= layer < meta["num_layers"]:
+        raise CalibrationError(f"{p} holds layers 0..{meta['num_layers'] - 1} ({meta['architecture']}); "
+                               f"this model asks for layer {layer}")
+    return tensors[f"layers.{layer}"].to(device=device, dtype=torch.float32, copy=True)
+
+
+__all__ = [
+    "CalibrationError",
+    "FORMAT_VERSION",
+    "METADATA_KEY",
+    "calibrate_rotations",
+    "calibration_meta",
+    "check_against_model",
+    "load_calibration",
+    "model_shapes",
+    "query_covariances",
+    "rotation_matrices",
+    "save_calibration",
+    "text_sha256",
+]
