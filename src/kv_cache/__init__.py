@@ -1,7 +1,8 @@
 """kv_cache: KV-cache compression for transformer LLMs (quantization x eviction)."""
 
 from .cache import CompressedCache, MemoryReport, QuantConfig, compress
-from .policies import H2O, EvictionPolicy, SnapKV, StreamingLLM
+from .context import CompressedContext, PrefillStats, prefill
+from .policies import H2O, EvictionPolicy, KVzip, SnapKV, StreamingLLM
 
-__all__ = ["CompressedCache", "EvictionPolicy", "H2O", "MemoryReport", "QuantConfig", "SnapKV", "StreamingLLM",
-           "compress"]
+__all__ = ["CompressedCache", "CompressedContext", "EvictionPolicy", "H2O", "KVzip", "MemoryReport", "PrefillStats",
+           "QuantConfig", "SnapKV", "StreamingLLM", "compress", "prefill"]

@@ -7,6 +7,7 @@ eval   run a grid of methods x tasks on a model and a text file; writes results.
 demo   the README's main job: a small eval of SmolLM2-135M on wikitext-2 (a few minutes on
        2 CPU cores); prints the table and the path of the plot
 bill   the byte bill of one captured KV cache under several quantization/selection settings
+calibrate  fit calibrated KV rotations of a model on a text (QuantConfig(rotation="calibrated"))
 """
 
 from __future__ import annotations
@@ -175,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bill", help="byte bill of one captured KV cache")
     b.add_argument("--model", default="stories260K")
     b.add_argument("--prompt-tokens", type=int, default=256)
+    from .cli_calibrate import add_parser as _add_calibrate
+
+    _add_calibrate(sub)
     return ap
 
 
@@ -188,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()  # the CLI owns the terminal; library code never does this
         if args.command == "bill":
             return _run_bill(args)
+        if args.command == "calibrate":
+            return args._run(args)
         return _run_eval(args)
     except (ValueError, PermissionError, FileNotFoundError) as exc:
         print(f"kvcache: error: {exc}", file=sys.stderr)

@@ -119,6 +119,61 @@ class QuantBlock:
         return out, lse.reshape(B, H, M), p_stat
 
 
+@dataclass
+class RaggedBlock:
+    """Rows that hold different numbers of tokens (per-head budgets): each ``(b, h)`` row has its
+    own blocks (``batch = kv_heads = 1``) and ``lengths[r]`` tokens.
+
+    Seen from outside, the block is ``length = max(lengths)`` slots long and row ``r`` is
+    right-aligned: its first ``length - lengths[r]`` slots are virtual padding (never held,
+    always masked), so starts and statistics keep the rectangular ``[B, Hkv, ...]`` contract.
+    """
+
+    rows: list
+    batch: int
+    kv_heads: int
+    lengths: list
+
+    @property
+    def length(self) -> int:
+        return max(self.lengths, default=0)
+
+    def attend(self, q: torch.Tensor, scaling: float, start: torch.Tensor | None, stat_rows: torch.Tensor | None):
+        B, H, M, _ = q.shape
+        L = self.length
+        outs, lses, stats = [], [], []
+        for r, blocks in enumerate(self.rows):
+            b, h = divmod(r, H)
+            qr = q[b:b + 1, h:h + 1]
+            local = 0 if start is None else int(start[b, h]) - (L - self.lengths[r])
+            parts, ps, off = [], [], 0
+            for blk in blocks:
+                st = None
+                if local > off:
+                    st = torch.full((1, 1), min(local - off, blk.length), dtype=torch.int32, device=q.device)
+                o, l, p = blk.attend(qr, scaling, st, stat_rows)
+                parts.append((o, l))
+                ps.append(p)
+                off += blk.length
+            if not parts:
+                dv = q.shape[-1]
+                parts = [(q.new_zeros(1, 1, M, dv, dtype=torch.float32),
+                          torch.full((1, 1, M), float("-inf"), device=q.device))]
+            o, l = merge(parts)
+            outs.append(o)
+            lses.append(l)
+            if stat_rows is not None:
+                row = [p * torch.exp(lb[:, :, stat_rows] - l[:, :, stat_rows]).nan_to_num_(0.0).unsqueeze(-1)
+                       for p, (_, lb) in zip(ps, parts) if p is not None]
+                pad = L - self.lengths[r]
+                cols = torch.cat(row, dim=-1) if row else q.new_zeros(1, 1, stat_rows.numel(), 0)
+                stats.append(torch.nn.functional.pad(cols, (pad, 0)))
+        out = torch.cat(outs, dim=0).reshape(B, H, M, -1)
+        lse = torch.cat(lses, dim=0).reshape(B, H, M)
+        p_stat = None if stat_rows is None else torch.cat(stats, dim=0).reshape(B, H, -1, L)
+        return out, lse, p_stat
+
+
 def attend_new(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -216,3 +271,45 @@ def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor,
         w = torch.exp(l - lse).nan_to_num_(0.0).unsqueeze(-1)
         out = o * w if out is None else out.addcmul_(o, w)
     return out, lse
+
+
+def reconstruction_scores(
+    q: torch.Tensor,
+    stored_keys: torch.Tensor,
+    new_keys: torch.Tensor,
+    scaling: float,
+    group: int,
+    sinks: int,
+    start: int,
+    end: int,
+) -> torch.Tensor:
+    """KVzip's scores of stored slots ``[start, end)`` from one repeat chunk (math dictionary §19.3).
+
+    ``q`` ``[B, Hkv, G * L, d]`` are the repeat chunk's queries (grouped as everywhere here),
+    ``stored_keys`` ``[B, Hkv, T, d]`` the stored context in full precision, ``new_keys``
+    ``[B, Hkv, L, d]`` the chunk's own keys. Each query's softmax runs over the first ``sinks``
+    stored slots, the repeated slots ``[start, end)`` and the chunk's tokens up to itself
+    (causal); the score of a repeated slot is its largest probability over the chunk's queries
+    and the ``G`` query heads of its KV head. Returns float32 ``[B, Hkv, end - start]``.
+    Queries are taken in row blocks of at most :data:`ROW_CHUNK_BYTES` of logits.
+    """
+    B, H, M, d = q.shape
+    G = group
+    L = M // G
+    k_ctx = torch.cat([stored_keys[:, :, :sinks], stored_keys[:, :, start:end]], dim=2).float()
+    kn = new_keys.float()
+    q5 = q.reshape(B, H, G, L, d).float()
+    n_ctx = k_ctx.shape[2]
+    best = torch.zeros(B, H, end - start, device=q.device)
+    pos = torch.arange(L, device=q.device)
+    step = max(1, ROW_CHUNK_BYTES // max(1, 4 * (n_ctx + L) * B * H * G))
+    for s in range(0, L, step):
+        e = min(L, s + step)
+        qc = q5[:, :, :, s:e]
+        lc = (qc @ k_ctx[:, :, None].transpose(-1, -2)) * scaling  # [B, H, G, c, n_ctx]
+        ln = (qc @ kn[:, :, None, :e].transpose(-1, -2)) * scaling  # [B, H, G, c, e]
+        ln = ln.masked_fill(pos[None, :e] > pos[s:e, None], float("-inf"))
+        lse = torch.logsumexp(torch.cat([lc, ln], dim=-1), dim=-1, keepdim=True)
+        p = torch.exp(lc[..., sinks:] - lse)
+        best = torch.maximum(best, p.amax(dim=(2, 3)))
+    return best

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .blocks import attend_new, merge
+from .blocks import attend_new, merge, reconstruction_scores
 
 ATTENTION_NAME = "kv_cache"
 """The name under which :func:`compressed_attention` is registered in transformers."""
@@ -104,7 +104,11 @@ def compressed_attention(
     q = query.reshape(B, Hkv, G * L, d)
     view = layer.take_attention_view()
     new_valid = _new_token_valid(attention_mask, L)
-    starts = layer.stored_starts(new_valid, L)  # [B, Hkv] leading padding slots among the stored ones
+    recon = layer.reconstructing  # KVzip's repeat pass: its tokens are attended, never stored
+    if recon is not None:
+        starts = layer._starts
+    else:
+        starts = layer.stored_starts(new_valid, L)  # [B, Hkv] leading padding slots among the stored ones
     n_stat = layer.query_window(L) if layer.awaits_observation else 0
     stat_rows = None
     if n_stat:
@@ -125,6 +129,10 @@ def compressed_attention(
         parts.append((out, lse))
         stats.append(p)
     out, lse = merge(parts)
+    if recon is not None:
+        sinks, start, end = recon
+        layer.observe_reconstruction(reconstruction_scores(q, layer.reconstruction_keys(), key, scaling, G,
+                                                           sinks, start, end))
     if layer.awaits_observation:
         attn = None
         if n_stat:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
+import torch
 from transformers.cache_utils import Cache
 
+from ..compression.global_budget import select_global
 from ..policies.base import EvictionPolicy
 from .config import QuantConfig
 from .layer import CompressedLayer
@@ -83,6 +86,72 @@ class CompressedCache(Cache):
         self.head_dim = geometry.head_dim
         layers = [CompressedLayer(i, quant, eviction) for i in range(geometry.layers)]
         super().__init__(layers=layers)
+        self._shared: dict[int, tuple] = {}
+        for layer in self.layers:
+            layer.share = self._share_budget
+
+    def _share_budget(self, layer: CompressedLayer, scores, valid, forced, budget: int, floor: int,
+                      before_attention: bool) -> None:
+        """``scope="model"``: collect every layer's scores, then one top-k over all of them
+        (per batch row), ``budget`` tokens per head on average (math dictionary §19)."""
+        self._shared[layer.layer_idx] = (scores, valid, forced, budget, floor, before_attention)
+        if len(self._shared) < len(self.layers):
+            return
+        pending, self._shared = self._shared, {}
+        order = sorted(pending)
+        B = pending[order[0]][0].shape[0]
+        total_valid = max(int(sum(pending[i][1][b].sum() for i in order)) for b in range(B))
+        total_budget = sum(pending[i][3] * pending[i][0].shape[1] for i in order)
+        if total_valid <= total_budget:
+            return
+        floor = pending[order[0]][4]
+        masks = {i: [] for i in order}
+        for b in range(B):
+            sel = select_global([pending[i][0][b] for i in order], total_budget, floor=floor,
+                                valid=[pending[i][1][b] for i in order], forced=[pending[i][2][b] for i in order])
+            for i, m in zip(order, sel):
+                masks[i].append(m)
+        for i in order:
+            self.layers[i].apply_keep_masks(torch.stack(masks[i]), in_place=not pending[i][5])
+
+    @contextmanager
+    def session(self) -> Iterator["CompressedCache"]:
+        """Ask one question of a compressed context: tokens added inside the block (the question,
+        the answer) go to a full-precision tail that is dropped on exit, and positions return to
+        the context's length. The compressed context is read, never changed: no eviction, no
+        quantization, no restoration of evicted tokens.
+
+        >>> with cache.session():                                                 # doctest: +SKIP
+        ...     out = model.generate(question_ids, past_key_values=cache, max_new_tokens=32)
+        """
+        if not any(layer.is_initialized for layer in self.layers):
+            raise RuntimeError("cache.session() needs a prefilled context: prefill it first (kv_cache.prefill)")
+        started = []
+        try:
+            for layer in self.layers:
+                layer.begin_session()
+                started.append(layer)
+            yield self
+        finally:
+            for layer in started:
+                layer.end_session()
+
+    def begin_reconstruction(self, sinks: int, start: int, end: int) -> None:
+        for layer in self.layers:
+            layer.begin_reconstruction(sinks, start, end)
+
+    def end_reconstruction_chunk(self) -> None:
+        for layer in self.layers:
+            layer.end_reconstruction_chunk()
+
+    def finish_reconstruction(self) -> None:
+        """Evict every layer with its KVzip scores (a model-wide budget selects once, at the end)."""
+        for layer in self.layers:
+            layer.finish_reconstruction()
+
+    @property
+    def awaiting_reconstruction(self) -> bool:
+        return any(layer._awaiting_reconstruction for layer in self.layers)
 
     @property
     def needs_hooks(self) -> bool:
@@ -114,9 +183,9 @@ class CompressedCache(Cache):
             if layer.is_initialized:
                 b = layer.storage.batch
                 seen = layer.seen
-                k = layer.kept_length()
-                kept += k
-                elements += 2 * b * self.geometry.kv_heads * self.head_dim * k
+                heads = layer.head_lengths()  # [b, kv_heads]: differs per head under a shared budget
+                kept += float(heads.float().mean())
+                elements += 2 * self.head_dim * int(heads.sum())
                 fp16 += fp16_kv_bytes(self.config, layer.seen, batch=b, layers=1)
         n = max(1, sum(1 for layer in self.layers if layer.is_initialized))
         return MemoryReport(

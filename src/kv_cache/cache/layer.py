@@ -25,12 +25,20 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..compression.selection import select_tokens
+from ..compression.global_budget import select_global
+from ..compression.selection import forced_mask, select_tokens
 from ..policies.base import EvictionPolicy, ScoreInputs
 from .config import QuantConfig
-from .storage import LayerStorage, gather_tokens, make_storage
+from .ragged import RaggedStorage, ragged_state
+from .storage import FullPrecisionStorage, LayerStorage, gather_tokens, make_storage
 
 _FORCE = torch.finfo(torch.float32).max
+
+_RECONSTRUCTION_MISSING = (
+    "KVzip scores the context with a reconstruction pass after the prefill, which did not run: prefill "
+    "the context with kv_cache.prefill(model, cache, input_ids, tokenizer=tokenizer) (or "
+    "kv_cache.CompressedContext), then generate or ask"
+)
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -68,6 +76,11 @@ class CompressedLayer(CacheLayerMixin):
         self._view: list | None = None
         self._starts: torch.Tensor | None = None  # [b, h] leading padding slots (native attention)
         self._prefill_done = False
+        self.share = None  # the cache's collector of model-wide shared budgets (scope="model")
+        self._awaiting_reconstruction = False  # KVzip: prefilled, scores not computed yet
+        self._reconstruct: tuple[int, int, int] | None = None  # (sinks, start, end) of the chunk repeated now
+        self._tail: FullPrecisionStorage | None = None  # a session's question/answer tokens
+        self._session_seen = 0
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -95,6 +108,11 @@ class CompressedLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self._reconstruct is not None:  # KVzip's repeat pass: attend, never store, positions unchanged
+            self._view = self.storage.blocks()
+            return key_states, value_states
+        if self._tail is not None:
+            return self._session_update(key_states, value_states)
         self._check_policy_can_act(key_states.shape[0])
         q_len = key_states.shape[2]
         if self.prompt_len is None:
@@ -131,9 +149,9 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        observed, native = self.observed, self.native
+        observed, native, share = self.observed, self.native, self.share
         self.__init__(self.layer_idx, self.quant, self.policy)
-        self.observed, self.native = observed, native
+        self.observed, self.native, self.share = observed, native, share
 
     def crop(self, max_length: int) -> None:
         raise RuntimeError(
@@ -159,8 +177,99 @@ class CompressedLayer(CacheLayerMixin):
             self._starts = fn(self._starts)
 
     def kept_length(self) -> int:
-        """Tokens currently stored (sinks + quantized + residual)."""
-        return 0 if self.storage is None else self.storage.length
+        """Tokens currently stored (sinks + quantized + residual, and a session's tail); the
+        longest head's count when heads hold different numbers (a shared budget)."""
+        n = 0 if self.storage is None else self.storage.length
+        return n + (0 if self._tail is None else self._tail.length)
+
+    def head_lengths(self) -> torch.Tensor:
+        """``[batch, kv_heads]`` int64: tokens each head holds (differs under a shared budget)."""
+        st = self.storage
+        if st is None:
+            return torch.zeros(0, 0, dtype=torch.int64)
+        tail = 0 if self._tail is None else self._tail.length
+        if isinstance(st, RaggedStorage):
+            return torch.tensor(st.row_lengths, dtype=torch.int64).reshape(st.batch, st.heads) + tail
+        return torch.full((st.batch, st.heads), st.length + tail, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ compress once, ask many
+    def begin_session(self) -> None:
+        """From now on new tokens go to a full-precision tail that :meth:`end_session` drops: the
+        compressed context is read, never changed (no eviction, no quantization of the tail)."""
+        if self._tail is not None:
+            raise RuntimeError(f"layer {self.layer_idx} is already in a session")
+        if self._awaiting_reconstruction:
+            raise RuntimeError(_RECONSTRUCTION_MISSING)
+        self._session_seen = self.seen
+        if self.storage is not None:
+            d, dv = self.storage_head_dims()
+            b, h = self.storage.batch, self.storage.heads
+            self._tail = FullPrecisionStorage(torch.empty(b, h, 0, d, dtype=self.dtype, device=self.device),
+                                              torch.empty(b, h, 0, dv, dtype=self.dtype, device=self.device))
+        else:
+            self._tail = None
+
+    def end_session(self) -> None:
+        """Drop the tail (the question and its answer) and return to the context's length."""
+        self._tail = None
+        self.seen = self._session_seen
+
+    def storage_head_dims(self) -> tuple[int, int]:
+        t = self.storage.named_tensors()
+        k = next(v for n, v in t.items() if n.endswith("keys") and v.dim() == 4)
+        vv = next(v for n, v in t.items() if n.endswith("values") and v.dim() == 4)
+        return k.shape[-1], vv.shape[-1]
+
+    def _session_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        self.seen += key_states.shape[2]
+        if self.native:
+            self._view = self.storage.blocks() + self._tail.attention_update(key_states, value_states)
+            return key_states, value_states
+        k, v = self.storage.read()
+        tk, tv = self._tail.update(key_states, value_states)
+        return torch.cat([k, tk], dim=2), torch.cat([v, tv], dim=2)
+
+    # ------------------------------------------------------------------ KVzip's reconstruction pass
+    @property
+    def reconstructing(self) -> tuple[int, int, int] | None:
+        """``(sinks, start, end)`` while the stored context slots ``[start, end)`` are repeated."""
+        return self._reconstruct
+
+    def begin_reconstruction(self, sinks: int, start: int, end: int) -> None:
+        if not self._awaiting_reconstruction:
+            raise RuntimeError(f"layer {self.layer_idx} has no prefilled context awaiting KVzip scores")
+        self._reconstruct = (sinks, start, end)
+
+    def reconstruction_keys(self) -> torch.Tensor:
+        """The stored keys in full precision ``[batch, kv_heads, T, d]`` (dequantized if packed)."""
+        return self.storage.read()[0]
+
+    def observe_reconstruction(self, scores: torch.Tensor) -> None:
+        """``scores`` ``[batch, kv_heads, end - start]``: this chunk's max probabilities; kept as the max."""
+        _, s, e = self._reconstruct
+        acc = self.state.get("kvzip")
+        if acc is None:
+            acc = torch.zeros(self.storage.batch, self.storage.heads, self.storage.length, device=scores.device)
+        acc[..., s:e] = torch.maximum(acc[..., s:e], scores.float())
+        self.state["kvzip"] = acc
+        self._view = None
+
+    def end_reconstruction_chunk(self) -> None:
+        self._reconstruct = None
+        self._view = None
+
+    def finish_reconstruction(self) -> None:
+        """Evict with the reconstruction scores (shared budgets wait for every layer)."""
+        self._awaiting_reconstruction = False
+        self._reconstruct = None
+        shape = (self.storage.batch, self.storage.heads, self.kept_length())
+        if "kvzip" not in self.state:
+            self.state["kvzip"] = torch.zeros(shape)
+        valid = None
+        if self._starts is not None:
+            valid = torch.arange(shape[2], device=self._starts.device) >= self._starts.unsqueeze(-1)
+        self._evict(self._score_inputs(shape, key_valid=valid), valid)
+        self.state.pop("kvzip", None)
 
     # ------------------------------------------------------------------ the observer seam
     @property
@@ -240,6 +349,10 @@ class CompressedLayer(CacheLayerMixin):
         (None when the policy needs none), computed by the attention function over every
         stored token."""
         self._pending = None
+        if self.policy.needs_reconstruction:  # KVzip: scored by its own pass (kv_cache.prefill)
+            self._awaiting_reconstruction = True
+            self._prefill_done = True
+            return
         shape = (self.storage.batch, self.storage.heads, self.kept_length())
         valid = None
         if self._starts is not None:
@@ -253,6 +366,15 @@ class CompressedLayer(CacheLayerMixin):
         if pol is None:
             return
         name = type(pol).__name__
+        if self._awaiting_reconstruction:
+            raise RuntimeError(_RECONSTRUCTION_MISSING)
+        if (pol.scope != "head" or pol.needs_reconstruction) and not self.native:
+            raise RuntimeError(
+                f"{name}(scope={pol.scope!r}) keeps a different number of tokens per head, which only the native "
+                "attention reads: run the model inside kv_cache.compress(model, cache) (attention='native')"
+            )
+        if pol.needs_reconstruction and self._prefill_done:
+            return
         if self._pending is not None:
             raise RuntimeError(
                 f"{name} needs attention statistics but none were observed for layer {self.layer_idx}: "
@@ -288,7 +410,8 @@ class CompressedLayer(CacheLayerMixin):
         scores = pol.score(inputs) if not pol.prefill_only else None
         if pol.prefill_only:
             self._prefill_done = True
-        if T <= budget:
+        shared = pol.scope != "head"
+        if T <= budget and pol.scope != "model":
             return
         if scores is None:
             scores = pol.score(inputs)
@@ -303,6 +426,9 @@ class CompressedLayer(CacheLayerMixin):
                 f"({lead}) + full-precision residual ({trail}) + recent_window ({window}) "
                 f"+ sink_tokens ({pol.sink_tokens}); raise the budget or lower QuantConfig.residual_length"
             )
+        if shared:
+            self._evict_shared(scores, valid, budget, lead, trail, window, before_attention)
+            return
         scores[..., :lead] = _FORCE
         if trail:
             scores[..., T - trail:] = _FORCE
@@ -316,16 +442,69 @@ class CompressedLayer(CacheLayerMixin):
                 self._starts = None
         self.storage.gather(keep, in_place=not before_attention)
 
+    def _evict_shared(self, scores, valid, budget: int, lead: int, trail: int, window: int,
+                      before_attention: bool) -> None:
+        """One top-k over the heads of this layer (``scope="layer"``) or, through the cache, of
+        every layer (``scope="model"``): ``budget`` tokens per head on average (math dictionary §19)."""
+        pol = self.policy
+        B, H, T = scores.shape
+        valid = torch.ones(B, H, T, dtype=torch.bool) if valid is None else valid.expand(B, H, T)
+        forced = forced_mask(valid, sink_tokens=pol.sink_tokens, recent_window=window)
+        forced[..., :lead] |= valid[..., :lead]
+        if trail:
+            forced[..., T - trail:] |= valid[..., T - trail:]
+        floor = pol.floor_tokens(budget)
+        if pol.scope == "model":
+            if self.share is None:
+                raise RuntimeError(f"layer {self.layer_idx} has no cache to share its budget with (scope='model')")
+            self.share(self, scores, valid, forced, budget, floor, before_attention)
+            return
+        if int(valid.sum(-1).sum(-1).max()) <= budget * H:
+            return
+        masks = torch.stack([select_global([scores[b]], budget * H, floor=floor, valid=[valid[b]],
+                                           forced=[forced[b]])[0] for b in range(B)])
+        self.apply_keep_masks(masks, in_place=not before_attention)
+
+    def apply_keep_masks(self, masks: torch.Tensor, in_place: bool = True) -> None:
+        """Keep the slots ``masks`` (bool ``[batch, kv_heads, T]``, every protected slot set):
+        heads keeping different numbers of tokens become ragged rows that hold only those."""
+        st = self.storage
+        B, H, T = masks.shape
+        counts = masks.sum(-1)
+        pad = [T - n for n in st.row_lengths] if isinstance(st, RaggedStorage) else [0] * (B * H)
+        self.state = {name: ragged_state(t, masks) for name, t in self.state.items()}
+        if not isinstance(st, RaggedStorage) and bool((counts == counts.flatten()[0]).all()):
+            keep = masks.nonzero()[:, 2].reshape(B, H, -1)
+            if self._starts is not None:
+                self._starts = (keep < self._starts.unsqueeze(-1)).sum(-1).to(torch.int32)
+                if not bool(self._starts.any()):
+                    self._starts = None
+            st.gather(keep, in_place=in_place)
+            return
+        keeps = [masks[b, h].nonzero().squeeze(1) - pad[b * H + h] for b in range(B) for h in range(H)]
+        if isinstance(st, RaggedStorage):
+            st.gather_rows(keeps, in_place)
+        else:
+            starts = self._starts
+            lead = [0 if starts is None else int((k < int(starts[r // H, r % H])).sum()) for r, k in enumerate(keeps)]
+            self.storage = RaggedStorage.split(st, keeps, lead)
+        self._starts = self.storage.starts()
+
     # ------------------------------------------------------------------ accounting
     def held_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor this layer holds, by slot name (``state.*``: the policy's state)."""
         out = {} if self.storage is None else dict(self.storage.named_tensors())
+        if self._tail is not None:
+            out.update({f"tail.{k}": v for k, v in self._tail.named_tensors().items()})
         out.update({f"state.{k}": v for k, v in self.state.items()})
         return out
 
     def nbytes_by_category(self) -> dict[str, int]:
         """Bytes held by category: the storage's plus ``scores`` (the policy's state)."""
         out = {} if self.storage is None else self.storage.nbytes_by_category()
+        if self._tail is not None:
+            for k, v in self._tail.nbytes_by_category().items():
+                out[k] = out.get(k, 0) + v
         out["scores"] = sum(t.nbytes for t in self.state.values())
         return out
 

@@ -115,6 +115,11 @@ class LayerStorage(ABC):
         not run yet must not change."""
 
     @abstractmethod
+    def row(self, b: int, h: int) -> "LayerStorage":
+        """Row ``(b, h)`` alone (``batch = heads = 1``) in tensors of its own: the unit of a
+        :class:`~kv_cache.cache.ragged.RaggedStorage`, whose heads hold different numbers of tokens."""
+
+    @abstractmethod
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor held, by slot name."""
 
@@ -195,6 +200,9 @@ class FullPrecisionStorage(LayerStorage):
             compact_rows_(self._kbuf.view(b * h, cap, -1), rows)
             compact_rows_(self._vbuf.view(b * h, cap, -1), rows)
         self.n = K
+
+    def row(self, b: int, h: int) -> "FullPrecisionStorage":
+        return FullPrecisionStorage(self.keys[b:b + 1, h:h + 1].clone(), self.values[b:b + 1, h:h + 1].clone())
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return {"keys": self._kbuf, "values": self._vbuf}
@@ -300,6 +308,18 @@ class QuantizedStorage(LayerStorage):
             self.packed.gather(idx)
         else:
             self.keys, self.values = gather_tokens(self.keys, idx), gather_tokens(self.values, idx)
+
+    def row(self, b: int, h: int) -> "QuantizedStorage":
+        out = QuantizedStorage.__new__(QuantizedStorage)
+        out.quant = self.quant
+
+        def one(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[b:b + 1, h:h + 1].clone()
+
+        out.keys, out.values = one(self.keys), one(self.values)
+        out.sink_keys, out.sink_values = one(self.sink_keys), one(self.sink_values)
+        out.packed = self.packed.row(b, h)
+        return out
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         out = {"keys": self.keys, "values": self.values}

@@ -55,22 +55,43 @@ class ScoreInputs:
     attention_queries: int = 0
 
 
+SCOPES = ("head", "layer", "model")
+"""Who shares a token budget: every KV head its own (``head``), the KV heads of a layer one
+top-k (``layer``, Ada-KV), or every head of every layer one top-k (``model``, KVzip)."""
+
+
 @dataclass
 class EvictionPolicy(ABC):
     """Base class. ``budget`` is a token count (int) or a fraction (float in (0, 1]) of the
     prompt length (resolved once, at the first forward call). ``recent_window`` is a token
     count (int) or a fraction (float in [0, 1]) of the resolved token budget: H2O's paper
-    splits its budget evenly, ``H2O(budget=0.2, recent_window=0.5)`` = 10% heavy + 10% recent."""
+    splits its budget evenly, ``H2O(budget=0.2, recent_window=0.5)`` = 10% heavy + 10% recent.
+
+    ``scope`` (:data:`SCOPES`): ``"head"`` keeps ``budget`` tokens in every KV head; ``"layer"``
+    and ``"model"`` keep ``budget`` tokens per head *on average*, chosen by one top-k over the
+    heads of a layer or of the whole model (math dictionary §19), each head first keeping
+    ``head_floor`` (a fraction of ``budget``) of its best tokens. Heads then hold different
+    numbers of tokens (:class:`kv_cache.cache.ragged.RaggedStorage`): memory is the tokens kept."""
 
     budget: int | float = 0.5
     recent_window: int | float = 32
     sink_tokens: int = 0
+    scope: str = "head"
+    head_floor: float = 0.2
 
     needs_attention: ClassVar[bool] = False
     prefill_only: ClassVar[bool] = False
+    needs_reconstruction: ClassVar[bool] = False
+    """True for a policy scored by a pass of its own after the prefill (KVzip's reconstruction),
+    run by :func:`kv_cache.prefill`."""
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
+        if self.scope not in SCOPES:
+            raise ValueError(f"{type(self).__name__}.scope must be one of {list(SCOPES)}; got {self.scope!r}")
+        f = self.head_floor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+            raise ValueError(f"{type(self).__name__}.head_floor must be a fraction of the budget in [0, 1]; got {f!r}")
         v = self.sink_tokens
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{type(self).__name__}.sink_tokens must be an int >= 0; got {v!r}")
@@ -85,6 +106,10 @@ class EvictionPolicy(ABC):
                 f"{type(self).__name__}: budget ({self.budget}) must be >= recent_window + sink_tokens "
                 f"({self.window_tokens(self.budget)} + {self.sink_tokens})"
             )
+
+    def floor_tokens(self, budget_tokens: int) -> int:
+        """Tokens every head keeps first under a shared budget (``head_floor * budget``)."""
+        return int(self.head_floor * budget_tokens)
 
     def window_tokens(self, budget_tokens: int) -> int:
         """Recent-window length in tokens for a resolved budget of ``budget_tokens``."""

@@ -18,6 +18,14 @@ class StreamingLLM(EvictionPolicy):
 
     sink_tokens: int = 4
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.scope != "head":
+            raise ValueError(
+                f"StreamingLLM scores tokens by position, the same in every head, so a shared budget "
+                f"(scope={self.scope!r}) has nothing to allocate: use scope='head'"
+            )
+
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         b, h, T = inputs.shape
         return torch.arange(T, dtype=torch.float32).expand(b, h, T)

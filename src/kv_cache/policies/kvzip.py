@@ -1,0 +1,70 @@
+"""KVzip (Kim et al., NeurIPS 2025): query-agnostic scores from reconstructing the context.
+
+After the context is prefilled, the model reads a "repeat the previous context" prompt followed
+by the context itself again, in chunks (:func:`kv_cache.prefill` runs this pass; it leaves no
+trace in the cache or the positions). A stored context token's score is the largest attention
+probability any repeat query gives it, over the repeat queries and the query heads of its KV
+head (math dictionary §19.3)::
+
+    score(t) = max_{chunk c, query i in c, head g of the KV head}  softmax_i(s)_t
+
+where chunk ``c``'s queries see the sink tokens, the stored tokens of the chunk they repeat, and
+their own repeat tokens (causally). Tokens needed to rebuild the context are exactly those a
+future question may need. One budget is shared by every head of every layer by default
+(``scope="model"``, as in the paper); the first ``sink_tokens`` are always kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import EvictionPolicy, ScoreInputs
+
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
+CONTINUE_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+@dataclass
+class KVzip(EvictionPolicy):
+    """Reconstruction scores, ``budget`` tokens per head on average.
+
+    Parameters (beyond :class:`EvictionPolicy`)
+    ----------
+    chunk_size : int, default 2048
+        Context tokens repeated per forward pass: the pass's extra memory is bounded by the
+        chunk (its scores are ``chunk x (sinks + chunk + prompt)`` probabilities, formed in
+        row blocks), not by the context.
+    overlap : int, default 8
+        The last tokens of the previous chunk, repeated after :data:`CONTINUE_PROMPT` to say
+        where the chunk starts.
+    """
+
+    recent_window: int | float = 0
+    sink_tokens: int = 4
+    scope: str = "model"
+    head_floor: float = 0.0
+    chunk_size: int = 2048
+    overlap: int = 8
+
+    needs_attention: ClassVar[bool] = True
+    prefill_only: ClassVar[bool] = True
+    needs_reconstruction: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, low in (("chunk_size", 1), ("overlap", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"KVzip.{name} must be an int >= {low}; got {v!r}")
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        acc = inputs.state.get("kvzip")
+        if acc is None:
+            raise RuntimeError(
+                "KVzip scores come from its reconstruction pass, which did not run: prefill the context "
+                "with kv_cache.prefill(model, cache, input_ids, tokenizer=...)"
+            )
+        return acc.float()
