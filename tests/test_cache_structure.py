@@ -251,7 +251,7 @@ def test_low_bit_layouts_read_back_their_reference(name):
 def test_quant_config_options_are_validated():
     with pytest.raises(ValueError, match=r"key_bits must be one of \[2, 3, 4, 8\]; got 5"):
         QuantConfig(key_bits=5)
-    with pytest.raises(ValueError, match=r"rotation must be one of \[None, 'hadamard'\]; got 'random'"):
+    with pytest.raises(ValueError, match=r"rotation must be one of \[None, 'hadamard', 'calibrated'\]; got 'random'"):
         QuantConfig(rotation="random")
     with pytest.raises(ValueError, match="needs key_grouping='token'"):
         QuantConfig(levels="lloyd_max")
