@@ -206,5 +206,6 @@ class CompressedContext:
         """Read a file written by :meth:`save`; refuses a different model or a damaged file."""
         from .cache.serialize import load_cache
 
-        cache, extra = load_cache(path, model_config=model.config)
+        device = next(model.parameters()).device  # the cache's tensors go where the model is
+        cache, extra = load_cache(path, model_config=model.config, device=device)
         return cls(model, tokenizer, cache, int(extra["context_tokens"]))
