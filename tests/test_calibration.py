@@ -1,4 +1,4 @@
-"""Calibrated (OSCAR-style) rotations: the fit, the file, and the cache that uses it (math dictionary §17.4)."""
+"""Calibrated (OSCAR-style) rotations: the fit, the file, and the cache that uses it (math dictionary §17.7)."""
 
 from __future__ import annotations
 

@@ -94,7 +94,8 @@ def test_packed_kv_stores_8bit_zero_points_and_counts_them():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(zero_dtype=torch.float16), r"zero_dtype must be one of torch.int16, torch.int8, torch.uint8; got torch.float16"),
+    (dict(zero_dtype=torch.float16),
+     r"zero_dtype must be one of torch.int16, torch.int8, torch.uint8; got torch.float16"),
     (dict(zero_dtype="int8"), r"zero_dtype must be one of torch.int16, torch.int8, torch.uint8; got 'int8'"),
     (dict(zero_dtype=torch.int32), r"got torch.int32"),
     (dict(zero_dtype=torch.int8, symmetric=True), r"asymmetric uniform levels only .*got symmetric=True"),

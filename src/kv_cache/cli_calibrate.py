@@ -1,4 +1,4 @@
-"""``kvcache calibrate``: fit the calibrated KV rotations of a model on a text (math dictionary §17.4).
+"""``kvcache calibrate``: fit the calibrated KV rotations of a model on a text (math dictionary §17.7).
 
 Writes a safetensors file for ``QuantConfig(rotation="calibrated", rotation_path=...)``. The
 default text is a Gutenberg novel (Moby Dick) from ``shared/data``: never the wikitext-2 test

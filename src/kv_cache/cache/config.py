@@ -56,7 +56,7 @@ class QuantConfig:
         calibration), applied to keys (post-RoPE) and values before quantization; attention
         undoes it by rotating the query once and the output once (math dictionary §17).
         ``"calibrated"``: the per-layer, per-KV-head matrices ``R = V H`` of ``rotation_path``
-        (``V`` the eigenvectors of the calibration queries' covariance, §17.4), applied to keys
+        (``V`` the eigenvectors of the calibration queries' covariance, §17.7), applied to keys
         and values the same way (values share the key's ``R``: its Hadamard factor spreads
         their outliers too, and one rotation keeps one query and one output rotation per call).
     rotation_path : str or os.PathLike or None

@@ -9,7 +9,7 @@ Keys and values are each one :class:`~kv_cache.kernels.QBlock` layout, chosen by
   RMS scale per group and no zero point (norm-only);
 * optionally rotated first: a randomized Hadamard transform per KV head, ``x R`` with
   ``R = diag(s_h) H`` (``H`` the normalized Sylvester matrix, block-diagonal when ``head_dim``
-  is not a power of two), or a calibrated ``R_h = V_h H`` (math dictionary §17.4); attention
+  is not a power of two), or a calibrated ``R_h = V_h H`` (math dictionary §17.7); attention
   undoes it by rotating the query and the output once.
 
 Codes are packed token-major (``head_dim * bits / 8`` bytes per token and head), so keeping a

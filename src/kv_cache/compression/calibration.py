@@ -1,4 +1,4 @@
-"""Calibrated KV rotations (OSCAR-style): fit, save, load, validate (math dictionary §17.4).
+"""Calibrated KV rotations (OSCAR-style): fit, save, load, validate (math dictionary §17.7).
 
 For each layer and KV head the post-RoPE queries of the query heads that share that KV head
 are collected on calibration text and summed into ``C_Q = sum_t q_t^T q_t`` ``[d, d]``; the
@@ -101,7 +101,8 @@ def query_covariances(
         Bad ``input_ids`` / ``attention_mask`` / ``window``; an unsupported architecture; no token.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point:
-        raise TypeError(f"input_ids must be an integer tensor [batch, n]; got {getattr(input_ids, 'shape', type(input_ids))}")
+        got = getattr(input_ids, "shape", type(input_ids).__name__)
+        raise TypeError(f"input_ids must be an integer tensor [batch, n]; got {got}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}; "
                          f"got {tuple(attention_mask.shape)}")
@@ -154,7 +155,7 @@ def calibrate_rotations(
     block: int | None = None,
     window: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Fit ``R = V H`` per layer and KV head on ``input_ids`` (§17.4).
+    """Fit ``R = V H`` per layer and KV head on ``input_ids`` (§17.7).
 
     Parameters
     ----------

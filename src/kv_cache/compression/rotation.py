@@ -294,7 +294,7 @@ def hadamard_matrix(dim: int, block: int | None = None, dtype: torch.dtype = tor
     Symmetric and orthonormal (each block is its own inverse). ``block`` None: the blocks of
     :func:`pow2_blocks` (one block when ``dim`` is a power of two); otherwise equal blocks of
     ``block`` channels (a power of two >= 2 dividing ``dim``), e.g. the channel group of a
-    per-token quantizer, so every scale group mixes only its own channels (§17.3).
+    per-token quantizer, so every scale group mixes only its own channels (§17.7).
 
     Raises
     ------
@@ -355,7 +355,7 @@ def covariance_eigenvectors(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def calibrated_rotation(query_cov: torch.Tensor, block: int | None = None) -> torch.Tensor:
-    """OSCAR-style rotation ``R = V H`` from a query covariance ``C_Q = Q^T Q`` (§17.4).
+    """OSCAR-style rotation ``R = V H`` from a query covariance ``C_Q = Q^T Q`` (§17.7).
 
     ``V`` holds the eigenvectors of ``C_Q``, largest eigenvalue first (:func:`covariance_eigenvectors`);
     ``H`` = :func:`hadamard_matrix` ``(d, block)`` mixes them inside each block, so each channel
