@@ -8,6 +8,8 @@ demo   the README's main job: a small eval of SmolLM2-135M on wikitext-2 (a few 
        2 CPU cores); prints the table and the path of the plot
 bill   the byte bill of one captured KV cache under several quantization/selection settings
 calibrate  fit calibrated KV rotations of a model on a text (QuantConfig(rotation="calibrated"))
+compress   compress a document once into a file (kvcache compress doc.txt -o doc.kvc --method kvzip@0.3)
+ask        answer questions from that file (kvcache ask doc.kvc "question" ...)
 """
 
 from __future__ import annotations
@@ -179,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_calibrate import add_parser as _add_calibrate
 
     _add_calibrate(sub)
+    from .cli_context import add_parsers as _add_context
+
+    _add_context(sub)
     return ap
 
 
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()  # the CLI owns the terminal; library code never does this
         if args.command == "bill":
             return _run_bill(args)
-        if args.command == "calibrate":
+        if args.command in ("calibrate", "compress", "ask"):
             return args._run(args)
         return _run_eval(args)
     except (ValueError, PermissionError, FileNotFoundError) as exc:

@@ -61,6 +61,7 @@ _VOLATILE_CONFIG_KEYS = ("transformers_version", "torch_dtype", "dtype", "archit
 """Config keys that do not change the cache (keys starting with ``_`` are dropped too):
 the model's identity is its shapes and the settings its attention depends on."""
 
+_HEADER_KEYS = ("model", "quant", "eviction", "tokens_seen", "layers", "extra", "tensors")
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 
 
@@ -427,6 +428,38 @@ def _read_header(data: bytes, path: str) -> tuple[dict[str, Any], dict[str, str]
     return st_header, meta
 
 
+def _read_file(path: str | os.PathLike) -> tuple[bytes, dict[str, Any], str]:
+    """The bytes of a kv_cache file and its checked JSON header (tensors not read yet)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no kv_cache file at {str(p)!r}")
+    data, name = p.read_bytes(), str(p)
+    _, meta = _read_header(data, name)
+    text = meta.get("kv_cache")
+    if not isinstance(text, str):
+        raise ValueError(f"{name} is not a kv_cache file: its metadata has no 'kv_cache' header")
+    found = hashlib.sha256(text.encode()).hexdigest()
+    if meta.get("kv_cache_sha256") != found:
+        raise ValueError(f"{name} is corrupted: header sha256 expected {meta.get('kv_cache_sha256')}, found {found}")
+    try:
+        header = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name} is corrupted: unreadable kv_cache header ({exc})") from None
+    missing = [k for k in _HEADER_KEYS if not isinstance(header, dict) or k not in header]
+    if missing:
+        raise ValueError(f"{name} is corrupted: its kv_cache header lacks {missing}")
+    return data, header, name
+
+
+def read_info(path: str | os.PathLike) -> dict[str, Any]:
+    """The header of a kv_cache file, checked (format, version, sizes, header sha256), without
+    reading its tensors: ``model`` (identity), ``quant``, ``eviction``, ``tokens_seen``, ``extra``.
+
+    Raises the errors of :func:`load_cache` for the file itself (not the model check)."""
+    _, header, _ = _read_file(path)
+    return {k: header[k] for k in ("model", "quant", "eviction", "tokens_seen", "extra")}
+
+
 def load_cache(path: str | os.PathLike, *, model_config: Any, device: str | torch.device | None = None
                ) -> tuple[CompressedCache, dict[str, Any]]:
     """Read a file written by :func:`save_cache` for the model of ``model_config``.
@@ -457,23 +490,8 @@ def load_cache(path: str | os.PathLike, *, model_config: Any, device: str | torc
     from safetensors import SafetensorError
     from safetensors.torch import load
 
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"no kv_cache file at {str(p)!r}")
-    data = p.read_bytes()
-    name = str(p)
-    _, meta = _read_header(data, name)
-    text = meta.get("kv_cache")
-    if not isinstance(text, str):
-        raise ValueError(f"{name} is not a kv_cache file: its metadata has no 'kv_cache' header")
-    found = hashlib.sha256(text.encode()).hexdigest()
-    if meta.get("kv_cache_sha256") != found:
-        raise ValueError(f"{name} is corrupted: header sha256 expected {meta.get('kv_cache_sha256')}, found {found}")
-    try:
-        header = json.loads(text)
-        saved_model, layer_recs, digests = header["model"], header["layers"], header["tensors"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ValueError(f"{name} is corrupted: unreadable kv_cache header ({exc})") from None
+    data, header, name = _read_file(path)
+    saved_model, layer_recs, digests = header["model"], header["layers"], header["tensors"]
     _check_model(saved_model, model_config, name)
     try:
         tensors = load(data)
@@ -511,4 +529,4 @@ def load_cache(path: str | os.PathLike, *, model_config: Any, device: str | torc
     return cache, dict(header.get("extra", {}))
 
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "load_cache", "model_identity", "save_cache"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "load_cache", "model_identity", "read_info", "save_cache"]

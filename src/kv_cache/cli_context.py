@@ -1,0 +1,131 @@
+"""``kvcache compress`` and ``kvcache ask``: compress a document once into a file, ask it many questions.
+
+``kvcache compress --model stories260K doc.txt -o doc.kvc --method kvzip@0.3`` prefills and
+compresses the document (:class:`kv_cache.CompressedContext`), prints the bytes held against an
+fp16 cache and the seconds of the prefill and of KVzip's reconstruction pass, and writes the
+file (:mod:`kv_cache.cache.serialize`). ``--method`` is a method spec of ``kvcache eval``
+(``q4+kvzip@0.3``, ``q4htc8l``, ``snapkv@0.5:layer``, ``full``; our methods only).
+
+``kvcache ask doc.kvc "question" ["question" ...]`` loads the model the file names (or
+``--model``), checks it is the one the cache was made from, and answers each question from the
+compressed context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_METHOD = "kvzip@0.3"
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+def add_parsers(sub) -> None:
+    """Register ``compress`` and ``ask`` on ``sub`` (an argparse subparsers object)."""
+    c = sub.add_parser("compress", help="compress a document once into a .kvc file",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("document", help="the text file to compress")
+    c.add_argument("-o", "--out", required=True, help="the file to write (e.g. doc.kvc)")
+    c.add_argument("--model", default="smollm2", help="as `kvcache eval --model` (an alias or a path) [smollm2]")
+    c.add_argument("--method", default=DEFAULT_METHOD,
+                   help=f"a method spec of `kvcache eval` (quantization and/or eviction) [{DEFAULT_METHOD}]")
+    c.add_argument("--bits", type=int, default=None,
+                   help="quantize to this many bits: prefixes q<bits>+ to --method (which then has no q part)")
+    c.set_defaults(_run=run_compress)
+
+    a = sub.add_parser("ask", help="answer questions from a .kvc file written by `kvcache compress`",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a.add_argument("file", help="a file written by `kvcache compress`")
+    a.add_argument("questions", nargs="*", help="the questions, each appended after the document")
+    a.add_argument("--questions-file", default=None, help="a text file with one question per line")
+    a.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help=f"tokens generated per answer at most [{DEFAULT_MAX_NEW_TOKENS}]")
+    a.add_argument("--model", default=None, help="the model to load [the one recorded in the file]")
+    a.set_defaults(_run=run_ask)
+
+
+def method_settings(spec: str, bits: int | None, model: Any) -> tuple[Any, Any, str]:
+    """``(quant, eviction, spec)`` of an ``kvcache eval`` method spec (ours only), ``bits`` prefixed."""
+    from .cache import CompressedCache
+    from .eval.methods import parse_method
+
+    if bits is not None:
+        spec = f"q{bits}+{spec}"
+    method = parse_method(spec)
+    if method.family != "ours":
+        raise ValueError(f"--method {spec!r} is a peer's method; `kvcache compress` takes kv_cache's own "
+                         "(e.g. kvzip@0.3, q4+kvzip@0.3, q4htc8l, snapkv@0.5:layer, full)")
+    cache, _ = method.make(model)
+    if not isinstance(cache, CompressedCache):  # "full": the uncompressed cache
+        return None, None, spec
+    return cache.quant, cache.eviction, spec
+
+
+def _model_ref(name: str) -> str:
+    """What ``ask`` loads: an existing path made absolute, otherwise the alias or hub id as given."""
+    p = Path(name).expanduser()
+    return str(p.resolve()) if p.exists() else name
+
+
+def run_compress(args: argparse.Namespace) -> int:
+    from .cache.serialize import save_cache
+    from .context import CompressedContext
+    from .models import load_model
+
+    doc = Path(args.document)
+    if not doc.is_file():
+        raise FileNotFoundError(f"no document at {str(doc)!r}")
+    text = doc.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise ValueError(f"{doc} is empty")
+    model, tok = load_model(args.model)
+    quant, eviction, spec = method_settings(args.method, args.bits, model)
+    ctx = CompressedContext.build(model, tok, text, quant=quant, eviction=eviction)
+    written = save_cache(ctx.cache, args.out, model_config=model.config,
+                         extra={"context_tokens": ctx.context_tokens, "model": _model_ref(args.model),
+                                "method": spec, "document": doc.name})
+    rep, st = ctx.cache.memory_report(), ctx.stats
+    print(f"compressed {doc.name}: {ctx.context_tokens} tokens with {spec} on {args.model}")
+    print(f"held:  {rep.total_bytes:,} B vs fp16 {rep.fp16_bytes:,} B ({rep.ratio:.2f}x smaller; "
+          f"{rep.tokens_kept:.1f} of {rep.tokens_seen} tokens kept per head on average)")
+    line = f"time:  prefill {st.prefill_s:.2f} s"
+    if st.reconstruction_s:
+        line += f" + reconstruction {st.reconstruction_s:.2f} s ({st.cost_ratio:.2f}x the prefill alone)"
+    print(line)
+    print(f"wrote: {args.out} ({written:,} B)")
+    return 0
+
+
+def _questions(args: argparse.Namespace) -> list[str]:
+    qs = list(args.questions)
+    if args.questions_file:
+        f = Path(args.questions_file)
+        if not f.is_file():
+            raise FileNotFoundError(f"--questions-file: no file at {str(f)!r}")
+        qs += [line.strip() for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not qs:
+        raise ValueError("no question: give questions as arguments or with --questions-file")
+    return qs
+
+
+def run_ask(args: argparse.Namespace) -> int:
+    from .cache.serialize import read_info
+    from .context import CompressedContext
+    from .models import load_model
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
+    questions = _questions(args)
+    info = read_info(args.file)  # checks the file before the model is loaded
+    name = args.model or info["extra"].get("model")
+    if not name:
+        raise ValueError(f"{args.file} does not record its model: pass --model")
+    model, tok = load_model(name)
+    ctx = CompressedContext.load(args.file, model, tok)
+    for q in questions:
+        answer = ctx.ask(q, max_new_tokens=args.max_new_tokens)
+        print(f"Q: {q}\nA: {answer.strip()}\n")
+    sys.stdout.flush()
+    return 0
