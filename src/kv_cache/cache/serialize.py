@@ -247,8 +247,10 @@ class _Writer:
             return {"list": list(v)}
         if type(v).__name__ in STORAGE_CLASSES or type(v).__name__ in _rotation_classes():
             return self.obj(v, name)
-        raise ValueError(f"cannot save attribute {name!r} of type {type(v).__name__}: not a tensor, scalar, "
-                         "dtype or kv_cache storage")
+        t = type(v)
+        raise ValueError(f"cannot save attribute {name!r} of type {t.__module__}.{t.__qualname__}: "
+                         "kv_cache.cache.serialize saves tensors, scalars, dtypes and the classes "
+                         f"{sorted(STORAGE_CLASSES) + sorted(_rotation_classes())}")
 
 
 def _join(prefix: str, name: str) -> str:
