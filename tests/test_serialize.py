@@ -126,7 +126,8 @@ def test_unknown_rotation_type_refused(stories, tmp_path):
 
     layer.storage.packed.rotation = Other()
     try:
-        with pytest.raises(ValueError, match=r"cannot save attribute 'layer0.packed.rotation' of type .*Other: .*Rotation"):
+        refused = r"cannot save attribute 'layer0.packed.rotation' of type .*Other: .*Rotation"
+        with pytest.raises(ValueError, match=refused):
             save_cache(ctx.cache, tmp_path / "x.kvc")
     finally:
         layer.storage.packed.rotation = rot

@@ -53,7 +53,7 @@ def method_settings(spec: str, bits: int | None, model: Any) -> tuple[Any, Any, 
 
     if bits is not None:
         spec = f"q{bits}+{spec}"
-    method = parse_method(spec)
+    method = parse_method(spec, check_packages=False)  # a peer is refused below, installed or not
     if method.family != "ours":
         raise ValueError(f"--method {spec!r} is a peer's method; `kvcache compress` takes kv_cache's own "
                          "(e.g. kvzip@0.3, q4+kvzip@0.3, q4htc8l, snapkv@0.5:layer, full)")
