@@ -140,6 +140,15 @@ def test_save_refused_inside_a_session(stories, tmp_path):
         save_cache(ctx.cache, tmp_path / "x.kvc")
 
 
+def test_calibrated_quant_without_its_calibration_file():
+    """The file holds the rotation matrices: a calibration file deleted since is not needed."""
+    settings = {**serialize._encode_quant(QuantConfig(bits=4)), "rotation": "calibrated",
+                "rotation_path": "/no/such/calibration.safetensors"}
+    quant = serialize._decode_quant(settings)
+    assert (quant.rotation, quant.rotation_path) == ("calibrated", "/no/such/calibration.safetensors")
+    assert quant.bits == 4
+
+
 # ------------------------------------------------------------------------------------ errors
 def test_missing_file(stories, tmp_path):
     with pytest.raises(FileNotFoundError, match="no kv_cache file at"):

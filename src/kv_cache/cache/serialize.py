@@ -281,6 +281,8 @@ class _Reader:
                              f"{sorted(STORAGE_CLASSES) + sorted(_rotation_classes())}")
         out = cls.__new__(cls)
         for k, v in d["attrs"].items():
+            if not isinstance(k, str) or not k.isidentifier() or k.startswith("__"):
+                raise ValueError(f"kv_cache file is corrupted: attribute name {k!r} of a {name}")
             setattr(out, k, self.value(v))
         return out
 
