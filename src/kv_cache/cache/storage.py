@@ -232,7 +232,9 @@ class QuantizedStorage(LayerStorage):
     def __init__(self, quant: QuantConfig, keys: torch.Tensor, values: torch.Tensor, track_groups: bool,
                  layer: int = 0):
         self.quant = quant
-        self.keys, self.values = keys, values  # the residual, [b, h, r, d]
+        self.dtype = keys.dtype  # the model's: read() returns it, PackedKV quantizes in it
+        rd = quant.residual_dtype or keys.dtype  # full-precision residual and sinks (e.g. fp16 on a fp32 model)
+        self.keys, self.values = keys.to(rd), values.to(rd)  # the residual, [b, h, r, d]
         self.sink_keys: torch.Tensor | None = None
         self.sink_values: torch.Tensor | None = None
         self.packed = PackedKV(quant, keys.dtype, keys.shape[-1], track_groups, layer)
@@ -246,8 +248,8 @@ class QuantizedStorage(LayerStorage):
         return self.n_sinks + self.packed.length + self.keys.shape[2]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys = torch.cat([self.keys, keys], dim=2)
-        self.values = torch.cat([self.values, values], dim=2)
+        self.keys = torch.cat([self.keys, keys.to(self.keys.dtype)], dim=2)
+        self.values = torch.cat([self.values, values.to(self.values.dtype)], dim=2)
         self._flush()
 
     def _flush(self) -> None:
@@ -284,8 +286,8 @@ class QuantizedStorage(LayerStorage):
             ks.append(new_keys)
             vs.append(new_values)
         if len(ks) == 1:
-            return ks[0], vs[0]
-        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+            return ks[0].to(self.dtype), vs[0].to(self.dtype)
+        return torch.cat([k.to(self.dtype) for k in ks], dim=2), torch.cat([v.to(self.dtype) for v in vs], dim=2)
 
     def blocks(self) -> list:
         out = []
@@ -311,7 +313,7 @@ class QuantizedStorage(LayerStorage):
 
     def row(self, b: int, h: int) -> "QuantizedStorage":
         out = QuantizedStorage.__new__(QuantizedStorage)
-        out.quant = self.quant
+        out.quant, out.dtype = self.quant, self.dtype
 
         def one(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[b:b + 1, h:h + 1].clone()

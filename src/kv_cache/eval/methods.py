@@ -28,6 +28,7 @@ from typing import Any, Callable, NamedTuple
 from ..cache import CompressedCache, QuantConfig, compress
 from ..compression.packing import SUPPORTED_BITS
 from ..policies import POLICIES, EvictionPolicy
+from ..policies.base import SCOPES
 
 REFERENCE_SPEC = "full"  # the uncompressed cache every other method is measured against
 
@@ -116,6 +117,9 @@ class Method:
         restart only when it is unchanged, so a changed default never mixes into old results.
     requires : tuple of (import name, pip package), or None
         The optional package a peer needs.
+    needs_tokenizer : bool
+        The prefill is :func:`kv_cache.prefill` with the tokenizer (KVzip's reconstruction
+        pass reads a repeat prompt).
     """
 
     spec: str
@@ -126,6 +130,7 @@ class Method:
     prefill_only_context: bool = False
     resolved: str = ""
     requires: tuple[str, str] | None = None
+    needs_tokenizer: bool = False  # the prefill runs a reconstruction pass (KVzip): kv_cache.prefill
 
     @property
     def is_peer(self) -> bool:
@@ -151,7 +156,8 @@ _QUANT = re.compile(f"^{_HEAD.letter}(?P<{_HEAD.field}>{_HEAD.value})"
                     + "".join(f"(?:{o.letter}(?P<{o.field}>{o.value}))?" for o in _SUFFIXES) + "$")
 _QUANT_GRAMMAR = f"{_HEAD.letter}<{_HEAD.placeholder}>" + "".join(
     f"[{o.letter}<{o.placeholder}>]" if o.placeholder else f"[{o.letter}]" for o in _SUFFIXES)
-_POLICY = re.compile(r"^(?P<name>[a-z0-9_]+)@(?P<budget>\d+(?:\.\d+)?)(?:w(?P<w>\d+(?:\.\d+)?))?$")
+_POLICY = re.compile(r"^(?P<name>[a-z0-9_]+)@(?P<budget>\d+(?:\.\d+)?)(?:w(?P<w>\d+(?:\.\d+)?))?"
+                     r"(?::(?P<scope>[a-z]+))?$")
 
 
 def _quant_config(m: re.Match[str]) -> QuantConfig:
@@ -162,6 +168,8 @@ def _policy(m: re.Match[str]) -> EvictionPolicy:
     cls = POLICIES[m["name"]]
     budget = _number(m["budget"])
     kw: dict[str, Any] = {"budget": budget}
+    if m["scope"] is not None:
+        kw["scope"] = m["scope"]  # the policy validates it (and says which scopes exist)
     if m["w"] is not None:
         kw["recent_window"] = _number(m["w"])
     else:
@@ -201,7 +209,8 @@ def _ours(spec: str, parts: list[str]) -> Method:
         return cache, lambda: compress(model, cache)
 
     return Method(spec, "ours", None if quant is None else quant.bits, None if policy is None else policy.budget,
-                  make, resolved=f"kv_cache quant={quant!r} eviction={policy!r}")
+                  make, resolved=f"kv_cache quant={quant!r} eviction={policy!r}",
+                  needs_tokenizer=policy is not None and policy.needs_reconstruction)
 
 
 def _hf(backend: str, spec: str, m: re.Match[str]) -> Method:
@@ -263,9 +272,12 @@ def _policy_about() -> str:
     for name, cls in POLICIES.items():
         sinks = _default(cls, "sink_tokens")
         defaults.append(f"{name} {_default(cls, 'recent_window')}" + (f" after {sinks} sinks" if sinks else ""))
+    scopes = ", ".join(f"{name} {_default(cls, 'scope')}" for name, cls in POLICIES.items())
     return ("kv_cache eviction keeping <budget>: a fraction of the context (0.5) or a token count (512); <window>: the "
             "always-kept recent tokens, a count (w32) or a fraction of the budget (w0.5); default window: "
-            + ", ".join(defaults) + " (see each policy's docstring for why)")
+            + ", ".join(defaults) + " (see each policy's docstring for why); <scope> "
+            + _choices(SCOPES) + ": who shares the budget, each KV head its own, the heads of a layer, or every head "
+            "of every layer (one top-k; heads then hold different numbers of tokens); default scope: " + scopes)
 
 
 class MethodForm(NamedTuple):
@@ -284,8 +296,8 @@ class MethodForm(NamedTuple):
 METHOD_GRAMMAR: tuple[MethodForm, ...] = (
     MethodForm("ours", REFERENCE_SPEC, "the uncompressed cache (always run, as the reference)", (REFERENCE_SPEC,)),
     MethodForm("ours", _QUANT_GRAMMAR, _quant_about(), ("q8", "q4", "q2", "q4g64r128", "q2k3", "q2s4htc64l")),
-    MethodForm("ours", f"{_choices(POLICIES)}@<budget>[w<window>]", _policy_about(),
-               ("snapkv@0.5", "h2o@0.25", "h2o@0.5w32", "streaming@512")),
+    MethodForm("ours", f"{_choices(POLICIES)}@<budget>[w<window>][:<scope>]", _policy_about(),
+               ("snapkv@0.5", "h2o@0.25", "h2o@0.5w32", "streaming@512", "kvzip@0.3", "snapkv@0.5:layer")),
     MethodForm("ours", "<quantization>+<eviction>", "both levers in one cache", ("q4+h2o@0.5",)),
     *(MethodForm("hf", f"hf-{key}-int<{'|'.join(map(str, hf.bits))}>",
                  f"transformers' QuantizedCache, {hf.name} backend (pip install {hf.package})",

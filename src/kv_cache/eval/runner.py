@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.report import fp16_kv_bytes
+from ..context import prefill
 from .accounting import held_nbytes, walked_nbytes  # noqa: F401  (re-exported: runner's public API)
 from .metrics import ReferenceLogProbs, bits_per_element, next_token_kl
 from .methods import REFERENCE_SPEC, Method, MethodUnavailable, parse_methods
@@ -81,13 +82,25 @@ class Prefilled:
     logits: torch.Tensor
     kv_bytes: int
     scope: Any = field(repr=False)
+    prefill_cost: float = 1.0  # prefill time over a plain prefill's (KVzip's reconstruction pass)
 
 
-def _prefill(model, method: Method, ids: torch.Tensor) -> Prefilled:
+def _prefill(model, method: Method, ids: torch.Tensor, tokenizer=None) -> Prefilled:
     """Prefill ``ids`` into a fresh cache of ``method``; ``scope`` stays open for what follows
-    (ours: the ``compress`` hooks; kvpress presses only wrap the prefill)."""
+    (ours: the ``compress`` hooks; kvpress presses only wrap the prefill). A method scored by a
+    reconstruction pass (KVzip) prefills through :func:`kv_cache.prefill`, which runs it."""
     cache, ctx = method.make(model)
     scope = contextlib.ExitStack()
+    if method.needs_tokenizer:
+        if tokenizer is None:
+            raise ValueError(f"method {method.spec!r} needs the tokenizer for its reconstruction pass")
+        scope.enter_context(ctx())
+        try:
+            logits, stats = prefill(model, cache, ids, tokenizer=tokenizer)
+        except BaseException:
+            scope.close()
+            raise
+        return Prefilled(cache, logits.float(), held_nbytes(cache), scope, stats.cost_ratio)
     if method.prefill_only_context:
         with ctx():
             logits = _forward(model, cache, ids, 0)
@@ -99,6 +112,12 @@ def _prefill(model, method: Method, ids: torch.Tensor) -> Prefilled:
             scope.close()
             raise
     return Prefilled(cache, logits, held_nbytes(cache), scope)
+
+
+def _cost(pre: Prefilled) -> dict:
+    """``{"prefill_cost": x}`` for a prefill that ran a scoring pass of its own (else nothing,
+    so the results of other methods keep their fields)."""
+    return {} if pre.prefill_cost == 1.0 else {"prefill_cost": pre.prefill_cost}
 
 
 def _greedy(model, cache, logits: torch.Tensor, pos: int, n: int, eos: set[int]) -> tuple[list[int], float]:
@@ -118,7 +137,8 @@ def _greedy(model, cache, logits: torch.Tensor, pos: int, n: int, eos: set[int])
 
 
 def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None,
-                   reference: torch.Tensor | Callable[[], torch.Tensor] | None = None) -> tuple[dict, torch.Tensor]:
+                   reference: torch.Tensor | Callable[[], torch.Tensor] | None = None,
+                   tokenizer=None) -> tuple[dict, torch.Tensor]:
     """One perplexity window: compressed prefix, teacher-forced continuation.
 
     ``reference`` is the full cache's log-probabilities ``[n, vocab]`` of this window (or a
@@ -128,7 +148,7 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None,
     prefix = torch.tensor([sample.prefix_ids])
     cont = torch.tensor([sample.continuation_ids])
     with torch.no_grad():
-        pre = _prefill(model, method, prefix)
+        pre = _prefill(model, method, prefix, tokenizer)
         try:
             logits = _forward(model, pre.cache, cont[:, :-1], prefix.shape[1])
             all_logits = torch.cat([pre.logits[:, -1:], logits], dim=1)[0]  # predicts every continuation token
@@ -145,7 +165,7 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None,
     agreement = None if full_argmax is None else sum(a == b for a, b in zip(argmax, full_argmax)) / len(argmax)
     return {"index": sample.index, "nll": nll, "ppl": math.exp(nll), "agreement": agreement, "kl": kl,
             "argmax": argmax, "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_kv_bytes(model.config, prefix.shape[1]),
-            "decode_tokens_per_s": tps}, log_probs
+            "decode_tokens_per_s": tps, **_cost(pre)}, log_probs
 
 
 def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, max_new_tokens: int) -> dict:
@@ -158,7 +178,7 @@ def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, 
     eos = {t for t in [tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)]
            if isinstance(t, int)}
     with torch.no_grad():
-        pre = _prefill(model, method, ctx_ids)
+        pre = _prefill(model, method, ctx_ids, tok)
         try:
             logits = _forward(model, pre.cache, q_ids, ctx_ids.shape[1])
             out, tps = _greedy(model, pre.cache, logits, ctx_ids.shape[1] + q_ids.shape[1], n_new, eos)
@@ -168,7 +188,7 @@ def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, 
     return {"index": sample.metadata.get("index", 0), "prediction": prediction, "expected": list(sample.expected),
             "score": score_retrieval(prediction, sample.expected), "depth": sample.depth,
             "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_kv_bytes(model.config, ctx_ids.shape[1]),
-            "context_tokens": int(ctx_ids.shape[1]), "decode_tokens_per_s": tps}
+            "context_tokens": int(ctx_ids.shape[1]), "decode_tokens_per_s": tps, **_cost(pre)}
 
 
 def _option(default: Any, help_text: str) -> Any:
@@ -336,7 +356,7 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
                             ref_store.save(i, log_probs)
                             full_argmax[i] = res["argmax"]
                         else:
-                            res, _ = run_ppl_sample(model, method, sample, full_argmax.get(i),
+                            res, _ = run_ppl_sample(model, method, sample, full_argmax.get(i), tokenizer=tokenizer,
                                                     reference=lambda i=i: reference_log_probs(i))
                         res["index"] = i
                     else:

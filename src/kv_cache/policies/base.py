@@ -11,7 +11,7 @@ gather are done once, in :class:`kv_cache.cache.layer.CompressedLayer`, with
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch
@@ -60,7 +60,11 @@ SCOPES = ("head", "layer", "model")
 top-k (``layer``, Ada-KV), or every head of every layer one top-k (``model``, KVzip)."""
 
 
-@dataclass
+SHARED_FIELDS = {"scope": "head", "head_floor": 0.2}
+"""Fields of shared budgets and their per-head defaults (hidden from ``repr`` when equal)."""
+
+
+@dataclass(repr=False)
 class EvictionPolicy(ABC):
     """Base class. ``budget`` is a token count (int) or a fraction (float in (0, 1]) of the
     prompt length (resolved once, at the first forward call). ``recent_window`` is a token
@@ -106,6 +110,20 @@ class EvictionPolicy(ABC):
                 f"{type(self).__name__}: budget ({self.budget}) must be >= recent_window + sink_tokens "
                 f"({self.window_tokens(self.budget)} + {self.sink_tokens})"
             )
+
+    def __repr__(self) -> str:
+        """The dataclass repr, with :data:`SHARED_FIELDS` only where they differ from the
+        per-head default: a per-head policy prints exactly as before shared budgets existed
+        (``kvcache eval`` resumes by it)."""
+        parts = []
+        for f in fields(self):
+            if not f.repr:
+                continue
+            v = getattr(self, f.name)
+            if f.name in SHARED_FIELDS and v == SHARED_FIELDS[f.name]:
+                continue
+            parts.append(f"{f.name}={v!r}")
+        return f"{type(self).__name__}({', '.join(parts)})"
 
     def floor_tokens(self, budget_tokens: int) -> int:
         """Tokens every head keeps first under a shared budget (``head_floor * budget``)."""

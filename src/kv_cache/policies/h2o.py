@@ -24,7 +24,7 @@ from .base import EvictionPolicy, ScoreInputs
 QUERY_CHUNK = 256
 
 
-@dataclass
+@dataclass(repr=False)
 class H2O(EvictionPolicy):
     """Recent window + heavy hitters, with ``gqa_reduce`` in {"mean", "max"} over query heads.
 

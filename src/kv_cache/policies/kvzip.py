@@ -27,7 +27,7 @@ REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 CONTINUE_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 
 
-@dataclass
+@dataclass(repr=False)
 class KVzip(EvictionPolicy):
     """Reconstruction scores, ``budget`` tokens per head on average.
 

@@ -16,7 +16,7 @@ from ..compression.selection import pool_scores, reduce_gqa, snapkv_scores, wind
 from .base import EvictionPolicy, ScoreInputs
 
 
-@dataclass
+@dataclass(repr=False)
 class SnapKV(EvictionPolicy):
     """Keep ``TopK(pool(mean window attention)) U recent window`` once, after prefill.
 

@@ -9,7 +9,7 @@ import torch
 from .base import EvictionPolicy, ScoreInputs
 
 
-@dataclass
+@dataclass(repr=False)
 class StreamingLLM(EvictionPolicy):
     """Keep the first ``sink_tokens`` and the most recent tokens, ``budget`` in total.
 
