@@ -300,7 +300,7 @@ def reconstruction_scores(
     kn = new_keys.float()
     q5 = q.reshape(B, H, G, L, d).float()
     n_ctx = k_ctx.shape[2]
-    best = torch.zeros(B, H, end - start, device=q.device)
+    best = torch.full((B, H, end - start), float("-inf"), device=q.device)
     pos = torch.arange(L, device=q.device)
     step = max(1, ROW_CHUNK_BYTES // max(1, 4 * (n_ctx + L) * B * H * G))
     for s in range(0, L, step):
@@ -309,7 +309,7 @@ def reconstruction_scores(
         lc = (qc @ k_ctx[:, :, None].transpose(-1, -2)) * scaling  # [B, H, G, c, n_ctx]
         ln = (qc @ kn[:, :, None, :e].transpose(-1, -2)) * scaling  # [B, H, G, c, e]
         ln = ln.masked_fill(pos[None, :e] > pos[s:e, None], float("-inf"))
-        lse = torch.logsumexp(torch.cat([lc, ln], dim=-1), dim=-1, keepdim=True)
-        p = torch.exp(lc[..., sinks:] - lse)
-        best = torch.maximum(best, p.amax(dim=(2, 3)))
-    return best
+        lse = torch.logaddexp(torch.logsumexp(lc, dim=-1), torch.logsumexp(ln, dim=-1)).unsqueeze(-1)
+        # max_i p_i = exp(max_i (s_i - lse_i)): one exp per slot, not per probability
+        best = torch.maximum(best, (lc[..., sinks:] - lse).amax(dim=(2, 3)))
+    return best.exp_()

@@ -103,12 +103,10 @@ def compressed_attention(
     scaling = d**-0.5 if scaling is None else scaling
     q = query.reshape(B, Hkv, G * L, d)
     view = layer.take_attention_view()
+    if layer.reconstructing is not None:
+        return _reconstruction_pass(layer, query, q, key, value, scaling, G), None
     new_valid = _new_token_valid(attention_mask, L)
-    recon = layer.reconstructing  # KVzip's repeat pass: its tokens are attended, never stored
-    if recon is not None:
-        starts = layer._starts
-    else:
-        starts = layer.stored_starts(new_valid, L)  # [B, Hkv] leading padding slots among the stored ones
+    starts = layer.stored_starts(new_valid, L)  # [B, Hkv] leading padding slots among the stored ones
     n_stat = layer.query_window(L) if layer.awaits_observation else 0
     stat_rows = None
     if n_stat:
@@ -129,10 +127,6 @@ def compressed_attention(
         parts.append((out, lse))
         stats.append(p)
     out, lse = merge(parts)
-    if recon is not None:
-        sinks, start, end = recon
-        layer.observe_reconstruction(reconstruction_scores(q, layer.reconstruction_keys(), key, scaling, G,
-                                                           sinks, start, end))
     if layer.awaits_observation:
         attn = None
         if n_stat:
@@ -140,6 +134,23 @@ def compressed_attention(
         layer.observe_attention(attn, n_stat, scaling)
     out = out.reshape(B, Hkv * G, L, -1).transpose(1, 2).to(query.dtype)
     return out, None
+
+
+def _reconstruction_pass(layer, query, q, key, value, scaling: float, G: int) -> torch.Tensor:
+    """KVzip's repeat chunk (batch 1, nothing stored): the output attends to every stored token
+    and causally to the chunk (one fused sdpa call over the full-precision states); the layer
+    receives the chunk's reconstruction scores (:func:`.blocks.reconstruction_scores`)."""
+    B, Hq, L, d = query.shape
+    sinks, start, end = layer.reconstructing
+    keys, values = layer.reconstruction_states()  # [B, Hkv, T, d], dequantized when packed
+    T = keys.shape[2]
+    pos = torch.arange(L, device=query.device)
+    mask = torch.cat([torch.ones(L, T, dtype=torch.bool, device=query.device), pos[None, :] <= pos[:, None]], dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, torch.cat([keys, key.to(keys.dtype)], 2), torch.cat([values, value.to(values.dtype)], 2),
+        attn_mask=mask, scale=scaling, enable_gqa=True)
+    layer.observe_reconstruction(reconstruction_scores(q, keys, key, scaling, G, sinks, start, end))
+    return out.transpose(1, 2).to(query.dtype)
 
 
 def _attention_sums(stats, parts, lse, stat_rows, B, Hkv, G, n, only_new) -> torch.Tensor:

@@ -240,9 +240,10 @@ class CompressedLayer(CacheLayerMixin):
             raise RuntimeError(f"layer {self.layer_idx} has no prefilled context awaiting KVzip scores")
         self._reconstruct = (sinks, start, end)
 
-    def reconstruction_keys(self) -> torch.Tensor:
-        """The stored keys in full precision ``[batch, kv_heads, T, d]`` (dequantized if packed)."""
-        return self.storage.read()[0]
+    def reconstruction_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored keys and values in full precision ``[batch, kv_heads, T, d]`` (dequantized
+        if packed): what KVzip's repeat chunks attend to."""
+        return self.storage.read()
 
     def observe_reconstruction(self, scores: torch.Tensor) -> None:
         """``scores`` ``[batch, kv_heads, end - start]``: this chunk's max probabilities; kept as the max."""
@@ -497,6 +498,8 @@ class CompressedLayer(CacheLayerMixin):
         if self._tail is not None:
             out.update({f"tail.{k}": v for k, v in self._tail.named_tensors().items()})
         out.update({f"state.{k}": v for k, v in self.state.items()})
+        if self._starts is not None:
+            out["starts"] = self._starts
         return out
 
     def nbytes_by_category(self) -> dict[str, int]:
@@ -506,6 +509,8 @@ class CompressedLayer(CacheLayerMixin):
             for k, v in self._tail.nbytes_by_category().items():
                 out[k] = out.get(k, 0) + v
         out["scores"] = sum(t.nbytes for t in self.state.values())
+        if self._starts is not None:  # each head's first valid slot (padding, ragged heads)
+            out["indices"] = out.get("indices", 0) + self._starts.nbytes
         return out
 
 
