@@ -155,3 +155,24 @@ def test_eval_reports_kl_and_bits_and_recomputes_a_missing_reference(tmp_path, c
     assert doc["methods"]["q4"]["tasks"]["ppl"]["kl"] is None and doc["methods"]["q4"]["bits_per_element"] == 6.5
     md = (out / "results.md").read_text()
     assert _row(md, "q4", "KL") == "-" and _row(md, "q2", "KL") == f"{sum(kl_q2) / 2:.4f}"
+
+
+def test_report_shows_prefill_cost_and_accuracy_by_depth():
+    from kv_cache.eval.report import markdown_table
+
+    def sample(score, depth, **extra):
+        return {"score": score, "depth": depth, "kv_bytes": 10, "fp16_bytes": 40, **extra}
+
+    doc = {"config": {"model": "m", "context": 64, "samples": 3}, "methods": {
+        "full": {"spec": "full", "kv_bytes": 40, "ratio": 1.0, "tasks": {"niah_single": {
+            "metric": "accuracy", "score": 1.0, "samples": [sample(1.0, 0.1), sample(1.0, 0.5), sample(1.0, 0.9)]}}},
+        "kvzip@0.25": {"spec": "kvzip@0.25", "kv_bytes": 10, "ratio": 4.0, "prefill_cost": 2.5, "tasks": {
+            "niah_single": {"metric": "accuracy", "score": 2 / 3, "samples": [
+                sample(1.0, 0.1, prefill_cost=2.5), sample(0.0, 0.5, prefill_cost=2.5),
+                sample(1.0, 0.95, prefill_cost=2.5)]}}}}}
+    text = markdown_table(doc)
+    assert "| prefill cost |" in text and "| 2.50x |" in text and "| 1x |" in text
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| `")}
+    depth_rows = [line for line in text.splitlines() if line.startswith("| `kvzip@0.25` | 100% (1)")]
+    assert len(depth_rows) == 1 and "| 0% (1) |" in depth_rows[0]  # the 40-60% bin lost its needle
+    assert "niah_single 40%-60%" in text and rows

@@ -48,6 +48,9 @@ def markdown_table(doc: dict) -> str:
     for t in tasks:
         head += ["ppl", "Δppl", "greedy agree", "KL"] if t == "ppl" else [f"{t} acc"]
     head.append("decode tok/s")
+    with_cost = any(m.get("prefill_cost") is not None for m in methods)
+    if with_cost:
+        head.append("prefill cost")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in methods:
         row = [f"`{m['spec']}`", str(m.get("bits") or "16"), "-" if m.get("budget") is None else str(m["budget"]),
@@ -67,6 +70,9 @@ def markdown_table(doc: dict) -> str:
                 row.append("-" if sc is None else f"{sc:.1%}{partial}")
         tps = m.get("decode_tokens_per_s")
         row.append("-" if tps is None else f"{tps:.1f}")
+        if with_cost:
+            cost = m.get("prefill_cost")
+            row.append("1x" if cost is None else f"{cost:.2f}x")
         if m.get("error"):
             row[0] += f" (failed: {m['error'][:60]})"
         lines.append("| " + " | ".join(row) + " |")
@@ -82,10 +88,53 @@ def markdown_table(doc: dict) -> str:
                  "bits/elem = 8 x KV bytes / (2 x layers x kv_heads x head_dim x tokens) = 16 / ratio, over every "
                  "token of the context prefilled, so for eviction methods it is per element of the full context "
                  "(what a token of context costs), not per element kept.")
+    if with_cost:
+        lines.append("prefill cost = time of the whole prefill (KVzip: context prefill + reconstruction pass) over "
+                     "the plain context prefill of the same run and sample; 1x: a plain prefill.")
+    depth = depth_table(doc)
+    if depth:
+        lines.append("\n" + depth)
     if "ppl" in tasks:
         lines.append("KL = mean over continuation positions and windows of KL(P_full || P_method) of the "
                      "next-token distribution (softmax of the logits, whole vocabulary); `-`: not measured "
                      "(results saved before KL was reported).")
+    return "\n".join(lines)
+
+
+DEPTH_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0001)
+"""Needle-depth bins of :func:`depth_table` (fraction of the context before the needle)."""
+
+
+def depth_table(doc: dict) -> str:
+    """Accuracy per retrieval task and needle depth bin (``""`` when no sample has a depth).
+
+    One row per method, one column per (task, depth bin); each cell is ``accuracy (samples)``.
+    """
+    methods = list(doc["methods"].values())
+    cols = []
+    for m in methods:
+        for t, te in m["tasks"].items():
+            if t == "ppl" or not any(s.get("depth") is not None for s in te.get("samples", [])):
+                continue
+            for i in range(len(DEPTH_BINS) - 1):
+                if (t, i) not in cols:
+                    cols.append((t, i))
+    if not cols:
+        return ""
+
+    def label(i: int) -> str:
+        return f"{DEPTH_BINS[i]:.0%}-{min(DEPTH_BINS[i + 1], 1.0):.0%}"
+
+    head = ["method"] + [f"{t} {label(i)}" for t, i in cols]
+    lines = ["Accuracy by needle depth (share of the context before the needle; cell: accuracy (samples)):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in methods:
+        row = [f"`{m['spec']}`"]
+        for t, i in cols:
+            got = [s["score"] for s in m["tasks"].get(t, {}).get("samples", [])
+                   if s.get("depth") is not None and DEPTH_BINS[i] <= s["depth"] < DEPTH_BINS[i + 1]]
+            row.append(f"{sum(got) / len(got):.0%} ({len(got)})" if got else "-")
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 

@@ -405,6 +405,9 @@ def _summarize(entry: dict, full: dict | None) -> None:
     # Means of equal-count lists, so this is all bytes held / all elements represented.
     entry["bits_per_element"] = bits_per_element(entry["kv_bytes"], entry["fp16_bytes"])
     entry["decode_tokens_per_s"] = _mean([s.get("decode_tokens_per_s") for s in all_samples])
+    costs = [s["prefill_cost"] for s in all_samples if s.get("prefill_cost") is not None]
+    if costs:  # only methods whose prefill runs a scoring pass of its own (KVzip)
+        entry["prefill_cost"] = _mean(costs)
     for name, t in entry["tasks"].items():
         if t["metric"] == "ppl":
             nll = _mean([s["nll"] for s in t["samples"]])
