@@ -348,3 +348,30 @@ def test_prefill_and_session_errors(stories):
         prefill(model, cache, ids)
     with pytest.raises(TypeError, match="CompressedCache"):
         prefill(model, DynamicCache(), ids)
+
+
+@pytest.mark.parametrize("quant", ["none", "q4"])
+def test_left_padded_batch_equals_each_row_alone(stories, quant):
+    """A shared budget on a left-padded batch keeps, per row, what the row alone would keep."""
+    model, tok = stories
+    texts = ["Once upon a time there was a little girl named Lily. She loved to play outside in the park. " * 3,
+             "Tom had a big red ball. He liked to kick it far away. " * 2]
+    q = tok(" She", return_tensors="pt", add_special_tokens=False).input_ids
+    alone = []
+    for t in texts:
+        ids = tok(t, return_tensors="pt").input_ids
+        cache = CompressedCache(model.config, quant=QUANTS[quant],
+                                eviction=SnapKV(budget=40, recent_window=8, scope="layer"))
+        prefill(model, cache, ids)
+        alone.append(_next_logits(model, cache, ids, q))
+    batch = tok(texts, return_tensors="pt", padding=True)
+    cache = CompressedCache(model.config, quant=QUANTS[quant], eviction=SnapKV(budget=40, recent_window=8, scope="layer"))
+    prefill(model, cache, batch.input_ids, attention_mask=batch.attention_mask)
+    T = batch.input_ids.shape[1]
+    mask = torch.cat([batch.attention_mask, torch.ones(2, q.shape[1], dtype=torch.long)], 1)
+    with compress(model, cache), cache.session(), torch.no_grad():
+        out = model(input_ids=q.repeat(2, 1), attention_mask=mask, past_key_values=cache, use_cache=True)
+    # quantization groups of the padded row span its padding, so only the unpadded row is exact there
+    for r in (range(2) if quant == "none" else [0]):
+        torch.testing.assert_close(out.logits[r, -1], alone[r], rtol=2e-3, atol=2e-3)
+    assert int(batch.attention_mask[1].sum()) < T  # row 1 was padded
