@@ -133,3 +133,12 @@ def test_reference_property_and_run_order():
     assert methods[0].is_reference and not any(m.is_reference for m in methods[1:])
     with pytest.raises(ValueError, match="unknown method 'turbo'"):
         parse_methods(["q4", "turbo"])
+
+
+def test_metadata_thrift_letters():
+    """``z``: uint8 zero points, ``f``: float16 residual and sinks; a spec without them is unchanged."""
+    resolved = parse_method("q4zf").resolved
+    assert "zero_dtype=torch.uint8" in resolved and "residual_dtype=torch.float16" in resolved
+    assert "zero_dtype" not in parse_method("q4").resolved
+    with pytest.raises(ValueError, match="zero_dtype"):
+        parse_method("q4lz")  # Lloyd-Max levels have no zero point

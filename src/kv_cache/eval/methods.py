@@ -25,6 +25,8 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
+import torch
+
 from ..cache import CompressedCache, QuantConfig, compress
 from ..compression.packing import SUPPORTED_BITS
 from ..policies import POLICIES, EvictionPolicy
@@ -61,6 +63,8 @@ QUANT_OPTIONS: tuple[QuantOption, ...] = (
                 float),
     QuantOption("xv", "clip_values", "ratio", "value range clipping ratio (uniform levels)", r"0?\.\d+|1(?:\.0+)?",
                 float),
+    QuantOption("z", "zero_dtype", "", "8-bit (uint8) zero points", "", lambda _: torch.uint8),
+    QuantOption("f", "residual_dtype", "", "float16 full-precision residual and sinks", "", lambda _: torch.float16),
 )
 
 KVPRESS_PRESSES = {  # spec name -> kvpress class
