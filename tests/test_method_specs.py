@@ -142,3 +142,12 @@ def test_metadata_thrift_letters():
     assert "zero_dtype" not in parse_method("q4").resolved
     with pytest.raises(ValueError, match="zero_dtype"):
         parse_method("q4lz")  # Lloyd-Max levels have no zero point
+
+
+def test_kvpress_kvzip_and_adakv_specs():
+    """kvpress' KVzipPress and AdaKVPress-wrapped presses parse (run only where kvpress is installed)."""
+    assert parse_method("kvpress-kvzip@0.5", check_packages=False).resolved == "kvpress KVzipPress(compression_ratio=0.5)"
+    wrapped = parse_method("kvpress-adakv-snapkv@0.25", check_packages=False)
+    assert wrapped.resolved == "kvpress AdaKVPress(SnapKVPress(compression_ratio=0.75))" and wrapped.budget == 0.25
+    with pytest.raises(ValueError, match="adakv-<press>"):
+        parse_method("kvpress-foo-snapkv@0.5", check_packages=False)

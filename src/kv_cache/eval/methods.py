@@ -74,7 +74,11 @@ KVPRESS_PRESSES = {  # spec name -> kvpress class
     "expectedattention": "ExpectedAttentionPress",
     "tova": "TOVAPress",
     "observedattention": "ObservedAttentionPress",
+    "kvzip": "KVzipPress",
 }
+KVPRESS_WRAPPERS = {"adakv": "AdaKVPress"}
+"""``kvpress-adakv-<press>@<kept>``: the press wrapped in kvpress' head-wise budget (simulated:
+kvpress masks evicted keys, it does not free them)."""
 
 
 class HFBackend(NamedTuple):
@@ -244,8 +248,13 @@ def _hf_fp8(spec: str, m: re.Match[str]) -> Method:
 
 def _kvpress(spec: str, m: re.Match[str]) -> Method:
     press, kept = m["press"], float(m["kept"])
+    wrapper = None
+    head, _, rest = press.partition("-")
+    if rest and head in KVPRESS_WRAPPERS:
+        wrapper, press = KVPRESS_WRAPPERS[head], rest
     if press not in KVPRESS_PRESSES:
-        raise _unknown(spec, f"kvpress press must be one of {list(KVPRESS_PRESSES)}")
+        raise _unknown(spec, f"kvpress press must be one of {list(KVPRESS_PRESSES)}, optionally wrapped as "
+                             f"{'/'.join(KVPRESS_WRAPPERS)}-<press>")
     if not 0.0 < kept <= 1.0:
         raise _unknown(spec, "kvpress specs take the kept fraction in (0, 1]")
 
@@ -254,10 +263,13 @@ def _kvpress(spec: str, m: re.Match[str]) -> Method:
         from transformers import DynamicCache
 
         press_obj = getattr(kvpress, KVPRESS_PRESSES[press])(compression_ratio=1.0 - kept)
+        if wrapper is not None:
+            press_obj = getattr(kvpress, wrapper)(press_obj)
         return DynamicCache(), lambda: press_obj(model)
 
+    inner = f"{KVPRESS_PRESSES[press]}(compression_ratio={1.0 - kept!r})"
     return Method(spec, "kvpress", None, kept, make, prefill_only_context=True,
-                  resolved=f"kvpress {KVPRESS_PRESSES[press]}(compression_ratio={1.0 - kept!r})",
+                  resolved=f"kvpress {inner if wrapper is None else f'{wrapper}({inner})'}",
                   requires=("kvpress", "kvpress"))
 
 
@@ -311,10 +323,11 @@ METHOD_GRAMMAR: tuple[MethodForm, ...] = (
     MethodForm("hf", "hf-fp8", "transformers' QuantizedCache, fp8 e4m3 backend with a per-tensor scale (on "
                "transformers releases without it, a line-for-line backport)", ("hf-fp8",), re.compile("^hf-fp8$"),
                _hf_fp8),
-    MethodForm("kvpress", f"kvpress-{_choices(KVPRESS_PRESSES)}@<kept>",
-               "a kvpress press at prefill, keeping that fraction of the context (pip install kvpress)",
-               ("kvpress-snapkv@0.5", "kvpress-streamingllm@0.75"),
-               re.compile(r"^kvpress-(?P<press>[a-z]+)@(?P<kept>\d*\.?\d+)$"), _kvpress),
+    MethodForm("kvpress", f"kvpress-[adakv-]{_choices(KVPRESS_PRESSES)}@<kept>",
+               "a kvpress press at prefill, keeping that fraction of the context (pip install kvpress); adakv- wraps "
+               "it in kvpress' AdaKVPress (head-wise budget, simulated by masking)",
+               ("kvpress-snapkv@0.5", "kvpress-streamingllm@0.75", "kvpress-kvzip@0.5", "kvpress-adakv-snapkv@0.5"),
+               re.compile(r"^kvpress-(?P<press>[a-z]+(?:-[a-z]+)?)@(?P<kept>\d*\.?\d+)$"), _kvpress),
 )
 EXAMPLES = tuple(e for form in METHOD_GRAMMAR for e in form.examples)
 _PEER_PREFIXES = tuple(dict.fromkeys(f"{form.family}-" for form in METHOD_GRAMMAR if form.pattern))
