@@ -70,10 +70,12 @@ def test_every_quantization_option_sets_its_field():
              "channel_group": 64, "clip_keys": 0.96, "clip_values": 0.92}  # distinct, valid for every valued field
     text = {o.field: "" if not o.value else str(valid[o.field]) for o in suffixes}
     values = {o.field: o.convert(text[o.field]) for o in suffixes}
-    # All at once: clipping applies to uniform levels only, so with `l` the ratios are 1.
+    # All at once: clipping applies to uniform levels only, so with `l` the ratios are 1, and
+    # Lloyd-Max levels have no zero point, so `z` is left out.
     every = {**text, "clip_keys": "1.0", "clip_values": "1.0"}
-    spec = "q4" + "".join(f"{o.letter}{every[o.field]}" for o in suffixes)
-    combined = {o.field: o.convert(every[o.field]) for o in suffixes}
+    together = [o for o in suffixes if o.field != "zero_dtype"]
+    spec = "q4" + "".join(f"{o.letter}{every[o.field]}" for o in together)
+    combined = {o.field: o.convert(every[o.field]) for o in together}
     assert parse_method(spec).resolved == f"kv_cache quant={QuantConfig(bits=4, **combined)!r} eviction=None"
     for o in suffixes:  # each alone, the others at QuantConfig's defaults (flags that need others get them)
         kw = {o.field: values[o.field]}
