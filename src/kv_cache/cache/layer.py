@@ -11,6 +11,10 @@ The layer knows the order of operations; its :mod:`~kv_cache.cache.storage` know
    with the last :meth:`CompressedLayer.query_window` queries; the layer scores and evicts.
    A policy that needs none (StreamingLLM) evicts right in ``update`` when no observer is
    attached; outside ``compress`` a policy that needs attention raises at once.
+3. A shared budget (``policy.scope`` ``"layer"`` / ``"model"``) selects over the heads of the layer
+   (or, through the cache, of every layer) and turns the storage into ragged rows
+   (:mod:`~kv_cache.cache.ragged`); KVzip's reconstruction pass and sessions live in
+   :mod:`~kv_cache.cache.context_layer`.
 
 Positions: ``get_seq_length`` is the number of tokens *seen*, so ``cache_position`` and RoPE
 stay absolute after eviction; ``get_mask_sizes`` returns ``kv_length = kept + q_len`` and
@@ -34,7 +38,6 @@ from .ragged import RaggedStorage, ragged_state
 from .storage import FullPrecisionStorage, LayerStorage, gather_tokens, make_storage
 
 _FORCE = torch.finfo(torch.float32).max
-
 
 
 class CompressedLayer(ContextMixin, CacheLayerMixin):
