@@ -49,7 +49,8 @@ def _one(method_spec: str, context: int, decode: int) -> dict:
 
     from kv_cache.eval.methods import MethodUnavailable, parse_method
     from kv_cache.cache.report import fp16_kv_bytes
-    from kv_cache.eval.runner import _forward, _prefill, held_nbytes
+    from kv_cache.context import forward_at
+    from kv_cache.eval.runner import _prefill, held_nbytes
     from kv_cache.models import load_model, shared_data_dir
 
     try:
@@ -63,7 +64,7 @@ def _one(method_spec: str, context: int, decode: int) -> dict:
     # Warm-up outside the measurement: kernels load once per process, as in a server.
     with torch.no_grad():
         warm = _prefill(model, method, ids[:, :64])
-        _forward(model, warm.cache, warm.logits[:, -1:].argmax(-1), 64)
+        forward_at(model, warm.cache, warm.logits[:, -1:].argmax(-1), 64)
         warm.scope.close()
         del warm
     _reset_peak()
@@ -79,7 +80,7 @@ def _one(method_spec: str, context: int, decode: int) -> dict:
         try:
             for i in range(decode):
                 t0 = time.perf_counter()
-                logits = _forward(model, pre.cache, nxt, context + i)
+                logits = forward_at(model, pre.cache, nxt, context + i)
                 steps.append(time.perf_counter() - t0)
                 nxt = logits[:, -1:].argmax(-1)
         finally:

@@ -40,6 +40,17 @@ class PrefillStats:
         return (self.prefill_s + self.reconstruction_s) / self.prefill_s if self.prefill_s > 0 else float("nan")
 
 
+def forward_at(model: torch.nn.Module, cache: Any, ids: torch.Tensor, pos: int) -> torch.Tensor:
+    """Forward ``ids`` ``[batch, q]`` at absolute positions ``pos, pos + 1, ...`` over ``cache``
+    (its ``cache_position`` continues from the tokens it has seen); float32 logits ``[batch, q, V]``."""
+    q = ids.shape[1]
+    past = cache.get_seq_length()
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True,
+                position_ids=torch.arange(pos, pos + q).unsqueeze(0),
+                cache_position=torch.arange(past, past + q))
+    return out.logits.float()
+
+
 def _ids(tokenizer: Any, text: str) -> list[int]:
     if hasattr(tokenizer, "encode"):
         try:
@@ -176,23 +187,16 @@ class CompressedContext:
         out: list[int] = []
         with compress(self.model, self.cache), self.cache.session(), torch.no_grad():
             pos = self.context_tokens
-            logits = self._forward(torch.tensor([ids]), pos)
+            logits = forward_at(self.model, self.cache, torch.tensor([ids]), pos)
             pos += len(ids)
             for _ in range(max_new_tokens):
                 nxt = int(logits[0, -1].argmax())
                 if nxt in eos:
                     break
                 out.append(nxt)
-                logits = self._forward(torch.tensor([[nxt]]), pos)
+                logits = forward_at(self.model, self.cache, torch.tensor([[nxt]]), pos)
                 pos += 1
         return self.tokenizer.decode(out, skip_special_tokens=True)
-
-    def _forward(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
-        past = self.cache.get_seq_length()
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True,
-                         position_ids=torch.arange(pos, pos + ids.shape[1]).unsqueeze(0),
-                         cache_position=torch.arange(past, past + ids.shape[1]))
-        return out.logits.float()
 
     def save(self, path) -> int:
         """Write the compressed context to ``path`` (:mod:`kv_cache.cache.serialize`); returns bytes written."""

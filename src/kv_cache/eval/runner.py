@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.report import fp16_kv_bytes
-from ..context import prefill
+from ..context import forward_at, prefill
 from .accounting import held_nbytes, walked_nbytes  # noqa: F401  (re-exported: runner's public API)
 from .metrics import ReferenceLogProbs, bits_per_element, next_token_kl
 from .methods import REFERENCE_SPEC, Method, MethodUnavailable, parse_methods
@@ -62,16 +62,6 @@ def resolve_task(name: str) -> str:
             f"(aliases: {', '.join(f'{a}={t}' for a, t in TASK_ALIASES.items())})"
         )
     return key
-
-
-def _forward(model, cache, ids: torch.Tensor, pos: int) -> torch.Tensor:
-    """Forward ``ids`` ``[1, q]`` at absolute position ``pos``; returns float32 logits ``[1, q, V]``."""
-    q = ids.shape[1]
-    past = cache.get_seq_length()
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True,
-                position_ids=torch.arange(pos, pos + q).unsqueeze(0),
-                cache_position=torch.arange(past, past + q))
-    return out.logits.float()
 
 
 @dataclass
@@ -103,11 +93,11 @@ def _prefill(model, method: Method, ids: torch.Tensor, tokenizer=None) -> Prefil
         return Prefilled(cache, logits.float(), held_nbytes(cache), scope, stats.cost_ratio)
     if method.prefill_only_context:
         with ctx():
-            logits = _forward(model, cache, ids, 0)
+            logits = forward_at(model, cache, ids, 0)
     else:
         scope.enter_context(ctx())
         try:
-            logits = _forward(model, cache, ids, 0)
+            logits = forward_at(model, cache, ids, 0)
         except BaseException:
             scope.close()
             raise
@@ -129,7 +119,7 @@ def _greedy(model, cache, logits: torch.Tensor, pos: int, n: int, eos: set[int])
         out.append(nxt)
         if nxt in eos:
             break
-        logits = _forward(model, cache, torch.tensor([[nxt]]), pos + i)
+        logits = forward_at(model, cache, torch.tensor([[nxt]]), pos + i)
         nxt = int(logits[0, -1].argmax())
     dt = time.perf_counter() - t0
     steps = max(len(out) - 1, 0)
@@ -150,7 +140,7 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None,
     with torch.no_grad():
         pre = _prefill(model, method, prefix, tokenizer)
         try:
-            logits = _forward(model, pre.cache, cont[:, :-1], prefix.shape[1])
+            logits = forward_at(model, pre.cache, cont[:, :-1], prefix.shape[1])
             all_logits = torch.cat([pre.logits[:, -1:], logits], dim=1)[0]  # predicts every continuation token
             nll = F.cross_entropy(all_logits, cont[0], reduction="mean").item()
             argmax = all_logits.argmax(-1).tolist()
@@ -180,7 +170,7 @@ def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, 
     with torch.no_grad():
         pre = _prefill(model, method, ctx_ids, tok)
         try:
-            logits = _forward(model, pre.cache, q_ids, ctx_ids.shape[1])
+            logits = forward_at(model, pre.cache, q_ids, ctx_ids.shape[1])
             out, tps = _greedy(model, pre.cache, logits, ctx_ids.shape[1] + q_ids.shape[1], n_new, eos)
         finally:
             pre.scope.close()
