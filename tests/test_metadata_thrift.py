@@ -156,3 +156,84 @@ def test_storage_keeps_residual_and_sinks_in_residual_dtype(residual_dtype):
     cats = st.nbytes_by_category()
     n_full = 4 + st.keys.shape[2]
     assert cats["residual"] == 2 * 1 * 2 * n_full * 16 * 2  # keys + values, 2 bytes each
+
+
+# -- 8-bit log-coded norms (QuantConfig(scale_dtype=torch.uint8), math dictionary §18.8) --
+
+def test_log_scale_codes_reference_and_bounds():
+    from kv_cache.compression.codebook import (LOG_SCALE_MIN_EXP, LOG_SCALE_STEP, decode_log_scale,
+                                               encode_log_scale, log_scale_range)
+
+    lo, hi = log_scale_range()
+    s = torch.cat([torch.zeros(1), torch.logspace(-3.9, 2.45, 5000), torch.tensor([lo, hi, lo / 10])])
+    c = encode_log_scale(s)
+    ref = torch.round((torch.log2(s.double().clamp_min(lo)) - LOG_SCALE_MIN_EXP) / LOG_SCALE_STEP) + 1
+    ref = torch.where(s > 0, ref.clamp(1, 255), torch.zeros_like(ref)).to(torch.uint8)
+    assert torch.equal(c, ref) and c[0] == 0 and c[-3] == 1 and c[-2] == 255 and c[-1] == 1
+    d = decode_log_scale(c)
+    rel = (d[1:-3] / s[1:-3] - 1).abs()
+    assert float(rel.max()) <= 2 ** (LOG_SCALE_STEP / 2) - 1 + 1e-6  # within half a step: 2.9%
+    assert d[0] == 0 and decode_log_scale(c, torch.float16).dtype == torch.float16
+    assert torch.equal(encode_log_scale(decode_log_scale(c[1:])), c[1:])  # codes are fixed points
+    for bad, match in ((torch.tensor([float("nan")]), "NaN"), (torch.tensor([float("inf")]), "Inf|NaN"),
+                       (torch.tensor([-1.0]), ">= 0"), (torch.tensor([hi * 1.1]), "hold")):
+        with pytest.raises(ValueError, match=match):
+            encode_log_scale(bad)
+    with pytest.raises(TypeError, match="floating"):
+        encode_log_scale(torch.tensor([1, 2]))
+    with pytest.raises(TypeError, match="uint8"):
+        decode_log_scale(torch.tensor([1.0]))
+    assert encode_log_scale(torch.zeros(0)).shape == (0,)
+
+
+def test_packed_kv_with_log_coded_norms_matches_fp32_norms_within_a_step():
+    """Same codes as float32 norms (norm-only codes do not depend on the scale), norms within
+    2.9%, half the fp16 metadata bytes, and the attention kernels read them."""
+    from kv_cache.compression.codebook import decode_log_scale
+
+    base = dict(bits=3, group_size=8, residual_length=8, key_grouping="token", levels="lloyd_max",
+                rotation="hadamard", channel_group=16)
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 3, 24, 16, generator=g) * 4, torch.randn(2, 3, 24, 16, generator=g) * 0.05
+    ref = PackedKV(QuantConfig(**base, scale_dtype=torch.float32), torch.float32, 16, False)
+    log = PackedKV(QuantConfig(**base, scale_dtype=torch.uint8), torch.float32, 16, False)
+    fp16 = PackedKV(QuantConfig(**base), torch.float32, 16, False)
+    for p in (ref, log, fp16):
+        p.append(k, v)
+    assert log.k_scale.dtype == torch.uint8 and log.v_scale.dtype == torch.uint8
+    assert torch.equal(log.k_codes, ref.k_codes) and torch.equal(log.v_codes, ref.v_codes)
+    for a, b in ((log.k_scale, ref.k_scale), (log.v_scale, ref.v_scale)):
+        assert float((decode_log_scale(a) / b - 1).abs().max()) < 0.03
+    assert log.k_scale.nbytes * 2 == fp16.k_scale.nbytes
+    (kd, vd), (kr, vr) = log.dequantize(), ref.dequantize()
+    assert float((kd - kr).norm() / kr.norm()) < 0.03 and float((vd - vr).norm() / vr.norm()) < 0.03
+    kq, vq = log.qblocks()
+    assert kq.scale.dtype == torch.float32 and vq.scale.dtype == torch.float32
+
+
+def test_log_coded_norms_need_norm_only_levels():
+    with pytest.raises(ValueError, match="needs norm-only scales"):
+        QuantConfig(bits=2, scale_dtype=torch.uint8)
+    with pytest.raises(ValueError, match="torch.uint8; got torch.int8"):
+        QuantConfig(bits=2, scale_dtype=torch.int8)
+    q = QuantConfig(bits=2, key_grouping="token", levels="lloyd_max", scale_dtype=torch.uint8)
+    assert "scale_dtype=torch.uint8" in repr(q)
+
+
+def test_log_coded_cache_in_model_generate_and_accounting(stories):
+    from kv_cache import CompressedCache, compress
+    from kv_cache.eval.accounting import walked_nbytes
+    from kv_cache.eval.methods import parse_quant
+
+    model, tok = stories
+    ids = tok("Once upon a time there was a little girl who liked to play in the park.", return_tensors="pt").input_ids
+    out = {}
+    for spec in ("q3g4r4s2htc16l", "q3g4r4s2htc16le"):
+        cache = CompressedCache(model.config, quant=parse_quant(spec))
+        with compress(model, cache):
+            out[spec] = model(ids, past_key_values=cache).logits
+        rep = cache.memory_report()
+        assert rep.total_bytes == walked_nbytes(cache)
+        out[spec + "scales"] = rep.scales_bytes
+    assert out["q3g4r4s2htc16lescales"] * 2 == out["q3g4r4s2htc16lscales"]
+    torch.testing.assert_close(out["q3g4r4s2htc16le"], out["q3g4r4s2htc16l"], rtol=0, atol=5e-2)

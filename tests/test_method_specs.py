@@ -63,11 +63,15 @@ def test_missing_peer_package_is_reported_only_when_checked(monkeypatch):
     assert parse_method("hf-fp8").requires is None  # a backport ships with us
 
 
-def test_every_quantization_option_sets_its_field():
+def test_every_quantization_option_sets_its_field(tmp_path):
+    from kv_cache.compression.bit_allocation import save_bit_profile
+
     head, *suffixes = QUANT_OPTIONS
     assert head.field == "bits"
+    profile = save_bit_profile(tmp_path / "bits.json", {0: (4, 2)}, {})
     valid = {"group_size": 8, "residual_length": 16, "sink_tokens": 4, "key_bits": 3, "value_bits": 2,
-             "channel_group": 64, "clip_keys": 0.96, "clip_values": 0.92}  # distinct, valid for every valued field
+             "channel_group": 64, "clip_keys": 0.96, "clip_values": 0.92,
+             "layer_bits": f"[{profile}]"}  # distinct, valid for every valued field
     text = {o.field: "" if not o.value else str(valid[o.field]) for o in suffixes}
     values = {o.field: o.convert(text[o.field]) for o in suffixes}
     # All at once: clipping applies to uniform levels only, so with `l` the ratios are 1, and
@@ -82,7 +86,10 @@ def test_every_quantization_option_sets_its_field():
         extra = ""
         if o.field == "levels":
             kw["key_grouping"], extra = "token", "t"
-        letters = f"{extra}{o.letter}{text[o.field]}" if o.field == "levels" else f"{o.letter}{text[o.field]}"
+        if o.field == "scale_dtype":  # 8-bit log-coded norms need norm-only (Lloyd-Max) levels
+            kw.update(key_grouping="token", levels="lloyd_max")
+            extra = "tl"
+        letters = f"{extra}{o.letter}{text[o.field]}" if extra else f"{o.letter}{text[o.field]}"
         method = parse_method(f"q2{letters}")
         assert method.resolved == f"kv_cache quant={QuantConfig(bits=2, **kw)!r} eviction=None"
     grammar = "q<bits>" + "".join(f"[{o.letter}<{o.placeholder}>]" if o.placeholder else f"[{o.letter}]"

@@ -8,6 +8,7 @@ demo   the README's main job: a small eval of SmolLM2-135M on wikitext-2 (a few 
        2 CPU cores); prints the table and the path of the plot
 bill   the byte bill of one captured KV cache under several quantization/selection settings
 calibrate  fit calibrated KV rotations of a model on a text (QuantConfig(rotation="calibrated"))
+allocate   choose key/value bits per layer under an average budget (QuantConfig(layer_bits=...))
 compress   compress a document once into a file (kvcache compress doc.txt -o doc.kvc --method kvzip@0.3)
 ask        answer questions from that file (kvcache ask doc.kvc "question" ...)
 """
@@ -181,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_calibrate import add_parser as _add_calibrate
 
     _add_calibrate(sub)
+    from .cli_allocate import add_parser as _add_allocate
+
+    _add_allocate(sub)
     from .cli_context import add_parsers as _add_context
 
     _add_context(sub)
@@ -197,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()  # the CLI owns the terminal; library code never does this
         if args.command == "bill":
             return _run_bill(args)
-        if args.command in ("calibrate", "compress", "ask"):
+        if args.command in ("calibrate", "allocate", "compress", "ask"):
             return args._run(args)
         return _run_eval(args)
     except (ValueError, PermissionError, FileNotFoundError) as exc:

@@ -71,6 +71,7 @@ class CompressedCache(Cache):
                             f"got {type(eviction).__name__}")
         if quant is not None:
             quant.check_head_dim(geometry.head_dim)
+            quant.check_layers(geometry.layers)
             if eviction is not None and isinstance(eviction.budget, int):
                 res = max(quant.residual_length, quant.group_size) - 1
                 window = eviction.window_tokens(eviction.budget)

@@ -23,6 +23,29 @@ _KIVI_FIELDS = ("bits", "group_size", "residual_length", "sink_tokens", "symmetr
 configuration that uses none of them prints exactly as before (``kvcache eval`` resumes by it)."""
 
 
+def _normalize_layer_bits(layer_bits: Any) -> tuple[tuple[int, tuple[int, int]], ...]:
+    """``{layer: bits}`` / ``{layer: (key_bits, value_bits)}`` (or pairs) as sorted
+    ``((layer, (key_bits, value_bits)), ...)``: hashable, and one form for every reader."""
+    if not layer_bits:
+        return ()
+    try:
+        items = dict(layer_bits).items()
+    except (TypeError, ValueError):
+        raise ValueError(f"QuantConfig.layer_bits must be a mapping {{layer: bits}} or {{layer: (key_bits, "
+                         f"value_bits)}}; got {layer_bits!r}") from None
+    out = []
+    for layer, b in items:
+        kv = tuple(b) if isinstance(b, (tuple, list)) else (b, b)
+        ok = len(kv) == 2 and all(not isinstance(x, bool) and x in SUPPORTED_BITS for x in kv)
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0 or not ok:
+            raise ValueError(
+                f"QuantConfig.layer_bits maps layer indices (int >= 0) to bits in {list(SUPPORTED_BITS)} "
+                f"or to (key_bits, value_bits) pairs of them; got {layer!r}: {b!r}"
+            )
+        out.append((layer, (int(kv[0]), int(kv[1]))))
+    return tuple(sorted(out))
+
+
 @dataclass(frozen=True, repr=False)
 class QuantConfig:
     """How cached tokens are stored (KIVI layout by default).
@@ -44,13 +67,18 @@ class QuantConfig:
         The first tokens of every sequence kept in full precision, never quantized (the prompt
         is never quantized in one shot with its sink tokens).
     symmetric : bool, default False
-    scale_dtype : torch.dtype, default torch.float16
-        Storage dtype of scales (zero points: ``zero_dtype``).
+    scale_dtype : {torch.float16, torch.bfloat16, torch.float32, torch.uint8}, default torch.float16
+        Storage dtype of scales (zero points: ``zero_dtype``). ``torch.uint8`` (Lloyd-Max levels
+        only) stores each norm as an 8-bit log code (``2**(-13 + (c - 1) / 12)``, within 2.9%;
+        math dictionary §18.8): half the metadata of fp16 norms, 0.125 bits per element at one
+        norm per 64 channels.
     key_bits, value_bits : {2, 3, 4, 8} or None
         Separate precisions for keys and values (e.g. K3V2); None: ``bits``.
     layer_bits : mapping or tuple of pairs, default ()
-        ``{layer: bits}`` overrides for chosen layers (keys and values), e.g. the first layer
-        at 4 bits in a 2-bit cache.
+        Overrides for chosen layers: ``{layer: bits}`` (keys and values) or
+        ``{layer: (key_bits, value_bits)}``, e.g. the first layer at 4 bits in a 2-bit cache,
+        or a per-layer allocation from :func:`kv_cache.compression.bit_allocation.allocate_bits`
+        (``kvcache allocate``; :func:`load_bit_profile` reads its file).
     rotation : {None, "hadamard", "calibrated"}
         ``"hadamard"``: a randomized Hadamard rotation per layer and KV head (seeded, no
         calibration), applied to keys (post-RoPE) and values before quantization; attention
@@ -122,9 +150,9 @@ class QuantConfig:
             low = 1 if name in ("group_size", "channel_group") else 0
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"QuantConfig.{name} must be an int >= {low}; got {v!r}")
-        if self.scale_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        if self.scale_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.uint8):
             raise ValueError(
-                "QuantConfig.scale_dtype must be one of torch.float16, torch.bfloat16, torch.float32; "
+                "QuantConfig.scale_dtype must be one of torch.float16, torch.bfloat16, torch.float32, torch.uint8; "
                 f"got {self.scale_dtype!r}"
             )
         for name, allowed in (("rotation", ROTATIONS), ("key_grouping", KEY_GROUPINGS), ("levels", LEVELS)):
@@ -138,26 +166,23 @@ class QuantConfig:
                 raise ValueError(f"QuantConfig.{name} applies to uniform levels only; got levels={self.levels!r}")
         self._check_rotation_path()
         self._check_metadata_dtypes()
-        pairs = tuple(sorted(dict(self.layer_bits).items())) if self.layer_bits else ()
-        for layer, b in pairs:
-            if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0 or b not in SUPPORTED_BITS:
-                raise ValueError(
-                    f"QuantConfig.layer_bits maps layer indices (int >= 0) to bits in {list(SUPPORTED_BITS)}; "
-                    f"got {layer!r}: {b!r}"
-                )
-        object.__setattr__(self, "layer_bits", pairs)
+        object.__setattr__(self, "layer_bits", _normalize_layer_bits(self.layer_bits))
         if self.levels == "lloyd_max":
             if self.key_grouping != "token":
                 raise ValueError(
                     "QuantConfig.levels='lloyd_max' stores one norm per group of a vector: it needs "
                     "key_grouping='token'; got key_grouping='channel'"
                 )
-            used = {self.bits, *(b for _, b in self.layer_bits), self.key_bits or self.bits,
-                    self.value_bits or self.bits}
+            used = self._all_bits()
             if not used <= set(LLOYD_MAX_BITS):
                 raise ValueError(
                     f"QuantConfig.levels='lloyd_max' supports bits {list(LLOYD_MAX_BITS)}; got {sorted(used)}"
                 )
+        if self.scale_dtype == torch.uint8 and self.levels != "lloyd_max":
+            raise ValueError(
+                "QuantConfig.scale_dtype=torch.uint8 (8-bit log-coded norms) needs norm-only scales: "
+                f"levels='lloyd_max' and key_grouping='token'; got levels={self.levels!r}"
+            )
         if self.zero_dtype == torch.int8 and 8 in self._all_bits():
             raise ValueError(
                 "QuantConfig.zero_dtype=torch.int8 cannot hold the zero points (0..255) of 8-bit codes; "
@@ -166,7 +191,7 @@ class QuantConfig:
 
     def _all_bits(self) -> set[int]:
         return {self.bits, self.key_bits or self.bits, self.value_bits or self.bits,
-                *(b for _, b in self.layer_bits)}
+                *(b for _, kv in self.layer_bits for b in kv)}
 
     def _check_rotation_path(self) -> None:
         path = self.rotation_path
@@ -214,12 +239,21 @@ class QuantConfig:
         """``(key_bits, value_bits)`` of layer ``layer``."""
         override = dict(self.layer_bits).get(layer)
         if override is not None:
-            return override, override
+            return override
         return self.key_bits or self.bits, self.value_bits or self.bits
 
     def channel_group_for(self, head_dim: int) -> int:
         """Channels per scale of per-token groups for a ``head_dim``-channel head."""
         return min(self.channel_group or self.group_size, head_dim)
+
+    def check_layers(self, num_layers: int) -> None:
+        """Raise if ``layer_bits`` names a layer the model does not have (a profile of another model)."""
+        extra = [layer for layer, _ in self.layer_bits if layer >= num_layers]
+        if extra:
+            raise ValueError(
+                f"QuantConfig.layer_bits names layers {extra} but the model has {num_layers} layers "
+                f"(0..{num_layers - 1}); was the bit profile measured on another model?"
+            )
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise if channel groups, the packing or the rotation cannot tile ``head_dim``."""
@@ -230,8 +264,7 @@ class QuantConfig:
                 f"QuantConfig.{name} ({gc}) must divide head_dim ({head_dim}) "
                 "for per-token groups (or be >= head_dim)"
             )
-        for b in {self.bits, self.key_bits or self.bits, self.value_bits or self.bits,
-                  *(b for _, b in self.layer_bits)}:
+        for b in self._all_bits():
             if (head_dim * b) % 8:
                 raise ValueError(
                     f"head_dim * bits must be a multiple of 8 so each token's codes fill whole bytes; "

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from ..compression.codebook import lloyd_max_gaussian
+from ..compression.codebook import decode_log_scale, encode_log_scale, lloyd_max_gaussian
 from ..compression.packing import pack_bits
 from ..compression.rotation import RandomizedHadamard
 from ..kernels import QBlock, dequantize_block, quantize_block, uniform_lut
@@ -241,6 +241,10 @@ class PackedKV:
         """The levels the codes index: a constant of the layout (like the formula), not held."""
         lut = self._lut(bits, self.k_codes.device) if codebook else None
         return uniform_lut(bits, self.quant.symmetric, self.k_codes.device) if lut is None else lut
+    def _stored_scale(self, scale: torch.Tensor) -> torch.Tensor:
+        """Scales as held: 8-bit log codes with ``scale_dtype=torch.uint8`` (§18.8), else as computed."""
+        return encode_log_scale(scale) if self.quant.scale_dtype == torch.uint8 else scale
+
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Quantize ``[b, h, n, d]`` tokens (``n`` a multiple of ``group_size``) and append them.
 
@@ -259,27 +263,30 @@ class PackedKV:
                 self.rotation = _make_rotation(q, self.layer, h, d, keys.device)
             keys, values = self.rotation.forward(keys), self.rotation.forward(values)
         k3, v3 = keys.reshape(R, n, d), values.reshape(R, n, d)
+        # 8-bit log-coded norms (§18.8): the kernel computes float32 norms, stored as codes below.
+        # The codes stay those of the exact norm: norm-only codes are nearest levels of x / RMS(x).
+        kernel_scale = torch.float32 if q.scale_dtype == torch.uint8 else q.scale_dtype
         if self.per_channel_keys:
             kx = clip_groups(k3, q.clip_keys, 1, g)
             kq = quantize_block(kx, self.key_bits, "channel", g, q.symmetric, q.scale_dtype)
             k_meta_shape = (b, h, n // g, d)
         else:
             kx = clip_groups(k3, q.clip_keys, 2, c)
-            kq = quantize_block(kx, self.key_bits, "token", c, q.symmetric,
-                                q.scale_dtype, lut=self._lut(self.key_bits, keys.device))
+            kq = quantize_block(kx, self.key_bits, "token", c, q.symmetric, kernel_scale,
+                                lut=self._lut(self.key_bits, keys.device))
             k_meta_shape = (b, h, n, d // c)
         vx = clip_groups(v3, q.clip_values, 2, c)
-        vq = quantize_block(vx, self.value_bits, "token", c, q.symmetric,
-                            q.scale_dtype, lut=self._lut(self.value_bits, keys.device))
+        vq = quantize_block(vx, self.value_bits, "token", c, q.symmetric, kernel_scale,
+                            lut=self._lut(self.value_bits, keys.device))
         kq, vq = narrow_zero_points(kq, kx, q.zero_dtype), narrow_zero_points(vq, vx, q.zero_dtype)
         if self.track_groups:
             first = 0 if self.k_scale is None else self.k_scale.shape[2]  # index into the scale table
             gid = torch.arange(first, first + n // g, device=keys.device, dtype=torch.int32)
             self.k_group = _cat(self.k_group, gid.repeat_interleave(g).expand(b, h, n).contiguous())
         self.k_codes = _cat(self.k_codes, kq.codes.view(b, h, n, -1))
-        self.k_scale = _cat(self.k_scale, kq.scale.view(k_meta_shape))
+        self.k_scale = _cat(self.k_scale, self._stored_scale(kq.scale).view(k_meta_shape))
         self.v_codes = _cat(self.v_codes, vq.codes.view(b, h, n, -1))
-        self.v_scale = _cat(self.v_scale, vq.scale.view(b, h, n, -1))  # [b, h, n, d / c]
+        self.v_scale = _cat(self.v_scale, self._stored_scale(vq.scale).view(b, h, n, -1))  # [b, h, n, d / c]
         if kq.zero is not None:  # symmetric and codebook codes have no zero point (None)
             self.k_zero = _cat(self.k_zero, kq.zero.view(k_meta_shape))
         if vq.zero is not None:
@@ -305,6 +312,11 @@ class PackedKV:
         def rows(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
             return None if t is None else t.reshape(R, -1, width)
 
+        def scales(t: torch.Tensor, width: int) -> torch.Tensor:
+            if t.dtype == torch.uint8:  # 8-bit log-coded norms (§18.8): float32 for the kernels, R x n values
+                t = decode_log_scale(t)
+            return rows(t, width)
+
         if self.per_channel_keys:
             keys = QBlock(rows(self.k_codes, self.k_codes.shape[-1]), self.key_bits,
                           self._levels(self.key_bits, False), "channel",
@@ -313,10 +325,10 @@ class PackedKV:
         else:
             keys = QBlock(rows(self.k_codes, self.k_codes.shape[-1]), self.key_bits,
                           self._levels(self.key_bits, True), "token",
-                          rows(self.k_scale, d // c), rows(self.k_zero, d // c), c)
+                          scales(self.k_scale, d // c), rows(self.k_zero, d // c), c)
         values = QBlock(rows(self.v_codes, self.v_codes.shape[-1]), self.value_bits,
                         self._levels(self.value_bits, True), "token",
-                        rows(self.v_scale, d // c), rows(self.v_zero, d // c), c)
+                        scales(self.v_scale, d // c), rows(self.v_zero, d // c), c)
         return keys, values
 
     def gather(self, idx: torch.Tensor) -> None:

@@ -29,6 +29,7 @@ import torch
 
 from ..cache import CompressedCache, QuantConfig, compress
 from ..compression.packing import SUPPORTED_BITS
+from ..compression.bit_allocation import load_bit_profile
 from ..policies import POLICIES, EvictionPolicy
 from ..policies.base import SCOPES
 
@@ -65,6 +66,10 @@ QUANT_OPTIONS: tuple[QuantOption, ...] = (
                 float),
     QuantOption("z", "zero_dtype", "", "8-bit (uint8) zero points", "", lambda _: torch.uint8),
     QuantOption("f", "residual_dtype", "", "float16 full-precision residual and sinks", "", lambda _: torch.float16),
+    QuantOption("e", "scale_dtype", "", "8-bit log-coded norms (Lloyd-Max levels; half the fp16 norm bytes)", "",
+                lambda _: torch.uint8),
+    QuantOption("p", "layer_bits", "[profile]", "key/value bits per layer from a `kvcache allocate` JSON file",
+                r"\[[^\],+\s]+\]", lambda v: load_bit_profile(v[1:-1])),
 )
 
 KVPRESS_PRESSES = {  # spec name -> kvpress class
@@ -170,6 +175,14 @@ _POLICY = re.compile(r"^(?P<name>[a-z0-9_]+)@(?P<budget>\d+(?:\.\d+)?)(?:w(?P<w>
 
 def _quant_config(m: re.Match[str]) -> QuantConfig:
     return QuantConfig(**{o.field: o.convert(m[o.field]) for o in QUANT_OPTIONS if m[o.field] is not None})
+
+
+def parse_quant(spec: str) -> QuantConfig:
+    """The :class:`QuantConfig` of our quantization part alone (``q3htc64l``; no ``+policy``)."""
+    m = _QUANT.match(spec.strip()) if isinstance(spec, str) else None
+    if m is None:
+        raise ValueError(f"not one of our quantization specs ({_QUANT_GRAMMAR}): {spec!r}")
+    return _quant_config(m)
 
 
 def _policy(m: re.Match[str]) -> EvictionPolicy:
