@@ -32,7 +32,7 @@ def test_blocks_merge_to_one_softmax(bits, L):
     blk_k, blk_v = torch.randn(B, H, 40, d), torch.randn(B, H, 40, d)
     res = [torch.randn(B, H, 6, d) for _ in range(2)]
     new = [torch.randn(B, H, L, d) for _ in range(2)]
-    packed = PackedKV(QuantConfig(bits=bits, group_size=g), torch.float32, d, track_groups=False)
+    packed = PackedKV(QuantConfig.kivi(bits=bits, group_size=g), torch.float32, d, track_groups=False)
     packed.append(blk_k, blk_v)
     deq_k, deq_v = packed.dequantize()
     blocks = [FullBlock(*sinks), QuantBlock(*packed.qblocks(), batch=B, kv_heads=H), FullBlock(*res)]
@@ -121,7 +121,7 @@ def test_native_matches_reference(bits, policy, batch, kv):
     mask = torch.ones_like(ids)
     if batch > 1:
         mask[1, :9] = 0
-    quant = None if bits is None else QuantConfig(bits=bits, group_size=8, residual_length=8)
+    quant = None if bits is None else QuantConfig.kivi(bits=bits, group_size=8, residual_length=8)
     runs = {}
     for mode in ("reference", "native"):
         cache = CompressedCache(model.config, quant=quant, eviction=POLICIES[policy]())
@@ -145,7 +145,7 @@ def test_native_masks_padding_kept_as_quantization_sinks(stories):
     assert pad[1, :2].all()  # the second row's two sink slots are padding
 
     def make():
-        return CompressedCache(model.config, quant=QuantConfig(bits=4, group_size=8, residual_length=8,
+        return CompressedCache(model.config, quant=QuantConfig.kivi(bits=4, group_size=8, residual_length=8,
                                                                sink_tokens=2),
                                eviction=H2O(budget=24))
 
@@ -167,7 +167,7 @@ def test_native_refuses_padding_after_tokens():
     ids = torch.randint(3, 97, (2, 20))
     mask = torch.ones_like(ids)
     mask[0, 7] = 0  # a hole, not left padding
-    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, group_size=8, residual_length=8))
+    cache = CompressedCache(model.config, quant=QuantConfig.kivi(bits=4, group_size=8, residual_length=8))
     with pytest.raises(ValueError, match="left padding only"), torch.no_grad(), compress(model, cache):
         model(ids, attention_mask=mask, past_key_values=cache)
 
@@ -205,7 +205,7 @@ def test_architectures_through_the_attention_interface(cfg_cls):
             got = [model(ids, past_key_values=cache).logits[:, -1]]
             got.append(model(ref[0].argmax(-1, keepdim=True), past_key_values=cache).logits[:, -1])
         torch.testing.assert_close(torch.stack(got), torch.stack(ref), rtol=0, atol=1e-5)
-        small = CompressedCache(model.config, quant=QuantConfig(bits=4, group_size=8, residual_length=8),
+        small = CompressedCache(model.config, quant=QuantConfig.kivi(bits=4, group_size=8, residual_length=8),
                                 eviction=H2O(budget=24))
         with compress(model, small):
             model(ids, past_key_values=small)
@@ -229,8 +229,8 @@ def test_native_matches_reference_on_rotated_layouts(layout, policy):
     mask = torch.ones_like(ids)
     mask[1, :9] = 0
     quant = {
-        "rotated": QuantConfig(bits=4, group_size=8, residual_length=8, rotation="hadamard"),
-        "rotated-lloyd-max-k3v2": QuantConfig(bits=2, key_bits=3, group_size=8, residual_length=8,
+        "rotated": QuantConfig.kivi(bits=4, group_size=8, residual_length=8, rotation="hadamard"),
+        "rotated-lloyd-max-k3v2": QuantConfig.kivi(bits=2, key_bits=3, group_size=8, residual_length=8,
                                               rotation="hadamard", key_grouping="token", channel_group=16,
                                               levels="lloyd_max"),
     }[layout]

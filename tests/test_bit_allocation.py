@@ -77,23 +77,23 @@ def test_allocation_errors(costs, choices, avg, match):
 
 
 def test_quant_config_layer_bits_pairs():
-    q = QuantConfig(bits=2, layer_bits={3: (4, 2), 0: 3, 1: [3, 2]})
+    q = QuantConfig.kivi(bits=2, layer_bits={3: (4, 2), 0: 3, 1: [3, 2]})
     assert q.layer_bits == ((0, (3, 3)), (1, (3, 2)), (3, (4, 2)))
     assert q.bits_for(3) == (4, 2) and q.bits_for(0) == (3, 3) and q.bits_for(2) == (2, 2)
-    assert QuantConfig(bits=2, layer_bits=((5, (4, 3)),)).bits_for(5) == (4, 3)
+    assert QuantConfig.kivi(bits=2, layer_bits=((5, (4, 3)),)).bits_for(5) == (4, 3)
     hash(q)  # frozen and hashable: caches are keyed by it
     for bad in ({0: (4,)}, {0: (4, 5)}, {0: (True, 2)}, {"0": 4}, {-1: (2, 2)}, [1, 2]):
         with pytest.raises(ValueError, match="layer_bits"):
-            QuantConfig(bits=2, layer_bits=bad)
+            QuantConfig.kivi(bits=2, layer_bits=bad)
     with pytest.raises(ValueError, match="supports bits"):  # Lloyd-Max has no 8-bit levels, in either half
-        QuantConfig(bits=2, key_grouping="token", levels="lloyd_max", layer_bits={0: (2, 8)})
+        QuantConfig.kivi(bits=2, key_grouping="token", levels="lloyd_max", layer_bits={0: (2, 8)})
 
 
 def test_layer_bits_beyond_the_model_are_refused(stories):
     model, _ = stories
     n = model.config.num_hidden_layers
     with pytest.raises(ValueError, match=f"names layers \\[{n}\\] but the model has {n} layers"):
-        CompressedCache(model.config, quant=QuantConfig(bits=2, group_size=8, residual_length=8,
+        CompressedCache(model.config, quant=QuantConfig.kivi(bits=2, group_size=8, residual_length=8,
                                                         layer_bits={n: (4, 4)}))
 
 
@@ -146,7 +146,7 @@ def test_mixed_layer_bits_cache_holds_each_layers_codes(stories):
     model, tok = stories
     n = model.config.num_hidden_layers
     bits = {i: ((4, 2) if i % 2 else (2, 3)) for i in range(n)}
-    q = QuantConfig(bits=2, group_size=8, residual_length=8, key_grouping="token", rotation="hadamard",
+    q = QuantConfig.kivi(bits=2, group_size=8, residual_length=8, key_grouping="token", rotation="hadamard",
                     levels="lloyd_max", layer_bits=bits)
     cache = CompressedCache(model.config, quant=q)
     ids = tok("Once upon a time there was a little girl who liked to play in the park.", return_tensors="pt").input_ids
@@ -165,7 +165,7 @@ def test_mixed_layer_bits_cache_holds_each_layers_codes(stories):
 def test_round_trip_keeps_sinks_and_tail_exact():
     torch.manual_seed(0)
     k, v = torch.randn(1, 2, 23, 16), torch.randn(1, 2, 23, 16)
-    q = QuantConfig(bits=2, group_size=4, residual_length=4, sink_tokens=3, key_grouping="token",
+    q = QuantConfig.kivi(bits=2, group_size=4, residual_length=4, sink_tokens=3, key_grouping="token",
                     rotation="hadamard", levels="lloyd_max")
     kq, vq = _round_trip(q, 2, 0, k, v)
     assert torch.equal(kq[:, :, :3], k[:, :, :3]) and torch.equal(vq[:, :, 23 - 0:], v[:, :, 23:])

@@ -55,7 +55,7 @@ def test_8bit_greedy_matches_full_cache_for_64_tokens(stories):
     model, tok = stories
     ids = tok("Lily and Ben went to the park. They saw a big tree and", return_tensors="pt").input_ids
     ref = _greedy(model, ids, DynamicCache(), 64)
-    cache = CompressedCache(model.config, quant=QuantConfig(bits=8, group_size=8, residual_length=8))
+    cache = CompressedCache(model.config, quant=QuantConfig.kivi(bits=8, group_size=8, residual_length=8))
     assert torch.equal(ref, _greedy(model, ids, cache, 64))
     assert cache.memory_report().codes_bytes > 0  # really quantized, not just kept in the residual
 
@@ -74,7 +74,7 @@ def test_method_matrix(policy, budget, bits):
     """Kept lengths, kept positions, honest bytes, no growth past the budget over a long decode."""
     model = tiny(LlamaConfig, 4, 2)
     prompt = 96
-    quant = None if bits is None else QuantConfig(bits=bits, group_size=8, residual_length=8)
+    quant = None if bits is None else QuantConfig.kivi(bits=bits, group_size=8, residual_length=8)
     window = 8 if quant is None else 16
     cache = CompressedCache(model.config, quant=quant, eviction=POLICIES[policy](budget, window))
     ids = torch.randint(1, 97, (1, prompt))
@@ -192,15 +192,15 @@ def test_compress_leaves_nothing_behind():
 def test_invalid_configurations():
     model = tiny(LlamaConfig)
     with pytest.raises(ValueError, match=r"bits must be one of \[2, 3, 4, 8\]; got 5"):
-        QuantConfig(bits=5)
+        QuantConfig.kivi(bits=5)
     with pytest.raises(ValueError, match="must divide head_dim"):
-        CompressedCache(model.config, quant=QuantConfig(bits=4, group_size=12))
+        CompressedCache(model.config, quant=QuantConfig.kivi(bits=4, group_size=12))
     with pytest.raises(ValueError, match="budget"):
         H2O(budget=4, recent_window=8)
     with pytest.raises(ValueError, match="budget"):
         StreamingLLM(budget=5, recent_window=2, sink_tokens=4)
     with pytest.raises(ValueError, match=r"budget \(12\) must be >="):
-        CompressedCache(model.config, quant=QuantConfig(bits=4, group_size=8, residual_length=8),
+        CompressedCache(model.config, quant=QuantConfig.kivi(bits=4, group_size=8, residual_length=8),
                         eviction=H2O(budget=12, recent_window=8))
     cfg = model.config.to_dict()
     from transformers import GPT2Config
@@ -216,7 +216,7 @@ def test_memory_is_really_freed_and_accounted():
     model = tiny(LlamaConfig, 4, 2)
     ids = torch.randint(1, 97, (1, 256))
     full = CompressedCache(model.config)
-    comp = CompressedCache(model.config, quant=QuantConfig(bits=2, group_size=16, residual_length=16),
+    comp = CompressedCache(model.config, quant=QuantConfig.kivi(bits=2, group_size=16, residual_length=16),
                            eviction=H2O(budget=0.25, recent_window=32))
     with torch.no_grad():
         model(ids, past_key_values=full)
@@ -235,7 +235,7 @@ def test_smollm2_4bit_h2o_holds_under_a_fifth_of_fp16():
     model, tok = load_model("smollm2")
     text = (shared_data_dir() / "gutenberg" / "pg2701.txt").read_text().replace("\r\n", "\n")
     ids = tok(text[:20000], return_tensors="pt").input_ids[:, :512]
-    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, residual_length=32),
+    cache = CompressedCache(model.config, quant=QuantConfig.kivi(bits=4, residual_length=32),
                             eviction=H2O(budget=0.5, recent_window=32))
     with compress(model, cache), torch.no_grad():
         out = model(ids, past_key_values=cache)
@@ -258,7 +258,7 @@ def test_prefill_attends_to_its_own_full_precision_states():
     ids = torch.randint(1, 97, (1, 40))
     with torch.no_grad():
         ref = model(ids, past_key_values=DynamicCache()).logits
-        cache = CompressedCache(model.config, quant=QuantConfig(bits=2, group_size=8, residual_length=8))
+        cache = CompressedCache(model.config, quant=QuantConfig.kivi(bits=2, group_size=8, residual_length=8))
         got = model(ids, past_key_values=cache).logits
         assert torch.equal(ref, got)
         assert cache.memory_report().codes_bytes > 0
@@ -290,7 +290,7 @@ def test_eviction_works_with_eager_and_sdpa():
         ids = torch.randint(1, 97, (2, 30), generator=torch.Generator().manual_seed(1))
         mask = torch.ones_like(ids)
         mask[1, :6] = 0  # left padding in the second row
-        cache = CompressedCache(model.config, quant=QuantConfig(bits=4, group_size=8, residual_length=8),
+        cache = CompressedCache(model.config, quant=QuantConfig.kivi(bits=4, group_size=8, residual_length=8),
                                 eviction=H2O(budget=24, recent_window=8))
         with compress(model, cache):
             outs[impl] = _greedy(model, ids, cache, 12, mask=mask)

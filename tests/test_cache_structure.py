@@ -36,7 +36,7 @@ def test_full_precision_storage_is_a_dynamic_cache():
 @pytest.mark.parametrize("sinks", [0, 3])
 def test_quantized_storage_layout_and_reads(bits, sinks):
     """sinks | packed blocks of group_size | residual; reads are the quantizer's round trip."""
-    q = QuantConfig(bits=bits, group_size=16, residual_length=16, sink_tokens=sinks)
+    q = QuantConfig.kivi(bits=bits, group_size=16, residual_length=16, sink_tokens=sinks)
     k, v = _kv()
     st = make_storage(q, k[:, :, :0], v[:, :, :0], track_groups=False)
     assert isinstance(st, QuantizedStorage)
@@ -63,7 +63,7 @@ def test_quantized_storage_layout_and_reads(bits, sinks):
 
 
 def test_quantized_storage_gather_keeps_protected_and_frees_groups():
-    q = QuantConfig(bits=4, group_size=8, residual_length=8, sink_tokens=2)
+    q = QuantConfig.kivi(bits=4, group_size=8, residual_length=8, sink_tokens=2)
     k, v = _kv(b=1, h=2, n=42)
     st = make_storage(q, k[:, :, :0], v[:, :, :0], track_groups=True)
     st.append(k, v)
@@ -104,7 +104,7 @@ def _run(model, cache, ids, how):
 
 
 @pytest.mark.parametrize("how", ["generate", "forward"])
-@pytest.mark.parametrize("quant", [None, QuantConfig(bits=4, group_size=4, residual_length=4)])
+@pytest.mark.parametrize("quant", [None, QuantConfig.kivi(bits=4, group_size=4, residual_length=4)])
 @pytest.mark.parametrize("in_context", [True, False])
 @pytest.mark.parametrize("policy", sorted(POLICY_MAKERS))
 def test_every_policy_acts_or_raises(policy, in_context, quant, how):
@@ -180,7 +180,7 @@ def test_fp16_reference_formula():
     assert fp16_kv_bytes(model.config, 100, layers=1) == 2 * 2 * 2 * 16 * 100
 
 
-@pytest.mark.parametrize("quant", [None, QuantConfig(bits=3, group_size=8, residual_length=8, sink_tokens=2)])
+@pytest.mark.parametrize("quant", [None, QuantConfig.kivi(bits=3, group_size=8, residual_length=8, sink_tokens=2)])
 def test_memory_report_equals_the_generic_tensor_walk(quant):
     """Quantized, evicted, batched: the report, the held tensors and the runner's walk agree."""
     model = tiny(LlamaConfig, 4, 2)
@@ -202,13 +202,13 @@ def test_memory_report_equals_the_generic_tensor_walk(quant):
 # --------------------------------------------------------------------------- low-bit layouts (rotation, codebook)
 
 LAYOUTS = {
-    "k3v2": QuantConfig(bits=2, key_bits=3, group_size=8, residual_length=8),
-    "rotated-per-channel": QuantConfig(bits=2, group_size=8, residual_length=8, rotation="hadamard"),
-    "rotated-per-token": QuantConfig(bits=2, group_size=8, residual_length=8, rotation="hadamard",
+    "k3v2": QuantConfig.kivi(bits=2, key_bits=3, group_size=8, residual_length=8),
+    "rotated-per-channel": QuantConfig.kivi(bits=2, group_size=8, residual_length=8, rotation="hadamard"),
+    "rotated-per-token": QuantConfig.kivi(bits=2, group_size=8, residual_length=8, rotation="hadamard",
                                      key_grouping="token", channel_group=16),
-    "rotated-lloyd-max": QuantConfig(bits=2, group_size=8, residual_length=8, rotation="hadamard",
+    "rotated-lloyd-max": QuantConfig.kivi(bits=2, group_size=8, residual_length=8, rotation="hadamard",
                                      key_grouping="token", channel_group=16, levels="lloyd_max"),
-    "layer-bits": QuantConfig(bits=2, group_size=8, residual_length=8, layer_bits={0: 4}),
+    "layer-bits": QuantConfig.kivi(bits=2, group_size=8, residual_length=8, layer_bits={0: 4}),
 }
 
 
@@ -250,22 +250,22 @@ def test_low_bit_layouts_read_back_their_reference(name):
 
 def test_quant_config_options_are_validated():
     with pytest.raises(ValueError, match=r"key_bits must be one of \[2, 3, 4, 8\]; got 5"):
-        QuantConfig(key_bits=5)
+        QuantConfig.kivi(key_bits=5)
     with pytest.raises(ValueError, match=r"rotation must be one of \[None, 'hadamard', 'calibrated'\]; got 'random'"):
-        QuantConfig(rotation="random")
+        QuantConfig.kivi(rotation="random")
     with pytest.raises(ValueError, match="needs key_grouping='token'"):
-        QuantConfig(levels="lloyd_max")
+        QuantConfig.kivi(levels="lloyd_max")
     with pytest.raises(ValueError, match=r"lloyd_max' supports bits \[1, 2, 3, 4\]; got \[2, 8\]"):
-        QuantConfig(bits=2, key_grouping="token", levels="lloyd_max", layer_bits={3: 8})
+        QuantConfig.kivi(bits=2, key_grouping="token", levels="lloyd_max", layer_bits={3: 8})
     with pytest.raises(ValueError, match="layer_bits maps layer indices"):
-        QuantConfig(layer_bits={-1: 4})
+        QuantConfig.kivi(layer_bits={-1: 4})
     with pytest.raises(ValueError, match=r"channel_group \(24\) must divide head_dim \(64\)"):
-        QuantConfig(key_grouping="token", channel_group=24).check_head_dim(64)
+        QuantConfig.kivi(key_grouping="token", channel_group=24).check_head_dim(64)
     # Unused new options print nothing: kvcache eval resumes by this string.
-    assert repr(QuantConfig(bits=4)) == ("QuantConfig(bits=4, group_size=32, residual_length=32, sink_tokens=0, "
+    assert repr(QuantConfig.kivi(bits=4)) == ("QuantConfig(bits=4, group_size=32, residual_length=32, sink_tokens=0, "
                                          "symmetric=False, scale_dtype=torch.float16)")
-    assert QuantConfig(bits=2, key_bits=3, layer_bits={0: 4}).bits_for(0) == (4, 4)
-    assert QuantConfig(bits=2, key_bits=3).bits_for(5) == (3, 2)
+    assert QuantConfig.kivi(bits=2, key_bits=3, layer_bits={0: 4}).bits_for(0) == (4, 4)
+    assert QuantConfig.kivi(bits=2, key_bits=3).bits_for(5) == (3, 2)
 
 
 def test_compact_rows_compiled_and_torch_agree(monkeypatch):
@@ -318,7 +318,7 @@ def test_clipping_shrinks_each_group_range_about_its_midpoint():
     per_channel = clip_groups(x, 0.5, axis=1, group=4)  # channel 0 over 4 tokens: [0, 10] -> [2.5, 7.5]
     assert torch.equal(per_channel[0, :, 0], torch.tensor([2.5, 4.0, 7.5, 6.0]))
     assert torch.equal(clip_groups(x, 1.0, axis=1, group=4), x)
-    q = QuantConfig(bits=2, group_size=8, residual_length=8, key_grouping="token", channel_group=16,
+    q = QuantConfig.kivi(bits=2, group_size=8, residual_length=8, key_grouping="token", channel_group=16,
                     clip_keys=0.9, clip_values=0.8)
     k, v = _kv(b=1, h=2, n=32)
     st = make_storage(q, k[:, :, :0], v[:, :, :0], track_groups=False)
@@ -328,6 +328,6 @@ def test_clipping_shrinks_each_group_range_about_its_midpoint():
                               scale_dtype=torch.float16)).reshape(1, 2, 32, 16)
     torch.testing.assert_close(got_k, ref, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match=r"clip_keys must be a float in \(0, 1\]; got 1.5"):
-        QuantConfig(clip_keys=1.5)
+        QuantConfig.kivi(clip_keys=1.5)
     with pytest.raises(ValueError, match="uniform levels only"):
-        QuantConfig(key_grouping="token", levels="lloyd_max", clip_values=0.9)
+        QuantConfig.kivi(key_grouping="token", levels="lloyd_max", clip_values=0.9)

@@ -279,21 +279,21 @@ def test_corrupted_truncated_and_mismatched_files(calib_file, tmp_path):
 
 def test_quant_config_rotation_path_validation(calib_file, tmp_path):
     path, _, _, _ = calib_file
-    q = QuantConfig(bits=2, rotation="calibrated", rotation_path=path, key_grouping="token")
+    q = QuantConfig.kivi(bits=2, rotation="calibrated", rotation_path=path, key_grouping="token")
     assert q.rotation_path == str(path) and hash(q)
     assert repr(q).endswith(f"rotation='calibrated', key_grouping='token', rotation_path={str(path)!r})")
-    assert "rotation_path" not in repr(QuantConfig(bits=2)) and "zero_dtype" not in repr(QuantConfig(bits=2))
+    assert "rotation_path" not in repr(QuantConfig.kivi(bits=2)) and "zero_dtype" not in repr(QuantConfig.kivi(bits=2))
     with pytest.raises(ValueError, match=r"rotation='calibrated' needs rotation_path .*; got None"):
-        QuantConfig(rotation="calibrated")
+        QuantConfig.kivi(rotation="calibrated")
     with pytest.raises(FileNotFoundError, match="no calibration file at"):
-        QuantConfig(rotation="calibrated", rotation_path=tmp_path / "nope.safetensors")
+        QuantConfig.kivi(rotation="calibrated", rotation_path=tmp_path / "nope.safetensors")
     with pytest.raises(ValueError, match=r"rotation_path is read only with rotation='calibrated'; got "
                                          r"rotation='hadamard'"):
-        QuantConfig(rotation="hadamard", rotation_path=path)
+        QuantConfig.kivi(rotation="hadamard", rotation_path=path)
     with pytest.raises(TypeError, match="rotation_path must be a str or os.PathLike; got int"):
-        QuantConfig(rotation="calibrated", rotation_path=3)
+        QuantConfig.kivi(rotation="calibrated", rotation_path=3)
     with pytest.raises(ValueError, match=r"rotation must be one of \[None, 'hadamard', 'calibrated'\]; got 'oscar'"):
-        QuantConfig(rotation="oscar")
+        QuantConfig.kivi(rotation="oscar")
 
 
 def test_shape_mismatch_is_caught_at_first_use(calib_file):
@@ -303,7 +303,7 @@ def test_shape_mismatch_is_caught_at_first_use(calib_file):
         rotation_matrices(path, 0, 3, 16)
     with pytest.raises(CalibrationError, match=r"holds layers 0..4 .*; this model asks for layer 7"):
         rotation_matrices(path, 7, 4, 8)
-    q = QuantConfig(bits=4, group_size=8, residual_length=8, rotation="calibrated", rotation_path=path)
+    q = QuantConfig.kivi(bits=4, group_size=8, residual_length=8, rotation="calibrated", rotation_path=path)
     k = torch.randn(1, 3, 16, 16)
     st = make_storage(q, k[:, :, :0], k[:, :, :0], track_groups=False, layer=0)
     with pytest.raises(CalibrationError, match="this model's layer 0 has kv_heads=3, head_dim=16"):
@@ -314,7 +314,7 @@ def test_shape_mismatch_is_caught_at_first_use(calib_file):
 def test_storage_reads_back_the_rotated_reference(calib_file, key_grouping):
     """Stored = rotate by R_h -> quantize -> dequantize -> rotate back by R_h^T; R is counted as tables."""
     path, tensors, _, _ = calib_file
-    q = QuantConfig(bits=2, group_size=8, residual_length=8, rotation="calibrated", rotation_path=path,
+    q = QuantConfig.kivi(bits=2, group_size=8, residual_length=8, rotation="calibrated", rotation_path=path,
                     key_grouping=key_grouping, channel_group=8)
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(1, 4, 32, 8, generator=g), torch.randn(1, 4, 32, 8, generator=g)
@@ -347,7 +347,7 @@ def test_attention_over_calibrated_cache_matches_reference(stories, calib_file, 
     path, _, _, _ = calib_file
     ids = tok(["Lily and Tom went to the park to play with a big red ball. They were happy. " * 2],
               return_tensors="pt").input_ids
-    q = QuantConfig(rotation="calibrated", rotation_path=path, **quant_kw)
+    q = QuantConfig.kivi(rotation="calibrated", rotation_path=path, **quant_kw)
     outs = {}
     with torch.no_grad():
         for mode in ("native", "reference"):
@@ -362,7 +362,7 @@ def test_attention_over_calibrated_cache_matches_reference(stories, calib_file, 
             assert rep.total_bytes == walked_nbytes(cache)
         full = model(ids).logits[:, -1]
     torch.testing.assert_close(outs["native"], outs["reference"], rtol=0, atol=2e-3)
-    q8 = QuantConfig(bits=8, group_size=8, residual_length=8, rotation="calibrated", rotation_path=path)
+    q8 = QuantConfig.kivi(bits=8, group_size=8, residual_length=8, rotation="calibrated", rotation_path=path)
     cache = CompressedCache(model.config, quant=q8)
     with torch.no_grad(), compress(model, cache):
         got = model(ids, past_key_values=cache).logits[:, -1]

@@ -135,7 +135,7 @@ def test_method_specs():
 
 def test_held_nbytes_matches_our_report():
     model, tok = load_model("stories260K")
-    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, group_size=8, residual_length=8))
+    cache = CompressedCache(model.config, quant=QuantConfig.kivi(bits=4, group_size=8, residual_length=8))
     with torch.no_grad():
         model(tok("Once upon a time there was a dog", return_tensors="pt").input_ids, past_key_values=cache)
     assert held_nbytes(cache) == cache.memory_report().total_bytes

@@ -78,7 +78,7 @@ def test_packed_kv_stores_8bit_zero_points_and_counts_them():
     v = _with_zeros(_x(R=6, N=32, d=16, seed=2)).view(2, 3, 32, 16)
     out = {}
     for zd in (torch.int16, torch.int8, torch.uint8):
-        q = QuantConfig(bits=2, group_size=8, residual_length=8, zero_dtype=zd)
+        q = QuantConfig.kivi(bits=2, group_size=8, residual_length=8, zero_dtype=zd)
         p = PackedKV(q, torch.float32, 16, track_groups=True, layer=0)
         p.append(k, v)
         cats = dict.fromkeys(("codes", "scales", "zero_points", "residual", "indices", "tables"), 0)
@@ -112,22 +112,22 @@ def test_packed_kv_stores_8bit_zero_points_and_counts_them():
 ])
 def test_bad_values_name_allowed_and_received(kw, match):
     with pytest.raises(ValueError, match=match):
-        QuantConfig(**kw)
+        QuantConfig.kivi(**kw)
 
 
 def test_repr_shows_new_fields_only_when_set():
-    base = QuantConfig(bits=2)
+    base = QuantConfig.kivi(bits=2)
     assert "zero_dtype" not in repr(base) and "residual_dtype" not in repr(base)
     assert repr(base) == ("QuantConfig(bits=2, group_size=32, residual_length=32, sink_tokens=0, symmetric=False, "
                           "scale_dtype=torch.float16)")
-    q = QuantConfig(bits=2, zero_dtype=torch.uint8, residual_dtype=torch.float16)
+    q = QuantConfig.kivi(bits=2, zero_dtype=torch.uint8, residual_dtype=torch.float16)
     assert repr(q).endswith("zero_dtype=torch.uint8, residual_dtype=torch.float16)")
-    assert QuantConfig(bits=8, zero_dtype=torch.uint8).zero_dtype == torch.uint8
+    assert QuantConfig.kivi(bits=8, zero_dtype=torch.uint8).zero_dtype == torch.uint8
 
 
 def test_packed_kv_quantizes_a_narrow_residual_in_the_model_dtype():
     """Tokens handed over in float16 (a float16 residual) are quantized as the float32 model's would be."""
-    q = QuantConfig(bits=4, group_size=8, residual_length=8, rotation="hadamard")
+    q = QuantConfig.kivi(bits=4, group_size=8, residual_length=8, rotation="hadamard")
     k, v = _x(R=2, N=16, d=16, seed=3).view(1, 2, 16, 16), _x(R=2, N=16, d=16, seed=4).view(1, 2, 16, 16)
     kh, vh = k.half(), v.half()
     a = PackedKV(q, torch.float32, 16, track_groups=False)
@@ -141,7 +141,7 @@ def test_packed_kv_quantizes_a_narrow_residual_in_the_model_dtype():
 
 @pytest.mark.parametrize("residual_dtype", [torch.float16, torch.bfloat16])
 def test_storage_keeps_residual_and_sinks_in_residual_dtype(residual_dtype):
-    q = QuantConfig(bits=4, group_size=8, residual_length=8, sink_tokens=4, residual_dtype=residual_dtype)
+    q = QuantConfig.kivi(bits=4, group_size=8, residual_length=8, sink_tokens=4, residual_dtype=residual_dtype)
     k, v = _x(R=2, N=22, d=16, seed=5).view(1, 2, 22, 16), _x(R=2, N=22, d=16, seed=6).view(1, 2, 22, 16)
     st = make_storage(q, k[:, :, :0], v[:, :, :0], track_groups=False)
     st.append(k, v)
@@ -158,7 +158,7 @@ def test_storage_keeps_residual_and_sinks_in_residual_dtype(residual_dtype):
     assert cats["residual"] == 2 * 1 * 2 * n_full * 16 * 2  # keys + values, 2 bytes each
 
 
-# -- 8-bit log-coded norms (QuantConfig(scale_dtype=torch.uint8), math dictionary §18.8) --
+# -- 8-bit log-coded norms (QuantConfig.kivi(scale_dtype=torch.uint8), math dictionary §18.8) --
 
 def test_log_scale_codes_reference_and_bounds():
     from kv_cache.compression.codebook import (LOG_SCALE_MIN_EXP, LOG_SCALE_STEP, decode_log_scale,
@@ -195,9 +195,9 @@ def test_packed_kv_with_log_coded_norms_matches_fp32_norms_within_a_step():
                 rotation="hadamard", channel_group=16)
     g = torch.Generator().manual_seed(1)
     k, v = torch.randn(2, 3, 24, 16, generator=g) * 4, torch.randn(2, 3, 24, 16, generator=g) * 0.05
-    ref = PackedKV(QuantConfig(**base, scale_dtype=torch.float32), torch.float32, 16, False)
-    log = PackedKV(QuantConfig(**base, scale_dtype=torch.uint8), torch.float32, 16, False)
-    fp16 = PackedKV(QuantConfig(**base), torch.float32, 16, False)
+    ref = PackedKV(QuantConfig.kivi(**base, scale_dtype=torch.float32), torch.float32, 16, False)
+    log = PackedKV(QuantConfig.kivi(**base, scale_dtype=torch.uint8), torch.float32, 16, False)
+    fp16 = PackedKV(QuantConfig.kivi(**base), torch.float32, 16, False)
     for p in (ref, log, fp16):
         p.append(k, v)
     assert log.k_scale.dtype == torch.uint8 and log.v_scale.dtype == torch.uint8
@@ -213,10 +213,10 @@ def test_packed_kv_with_log_coded_norms_matches_fp32_norms_within_a_step():
 
 def test_log_coded_norms_need_norm_only_levels():
     with pytest.raises(ValueError, match="needs norm-only scales"):
-        QuantConfig(bits=2, scale_dtype=torch.uint8)
+        QuantConfig.kivi(bits=2, scale_dtype=torch.uint8)
     with pytest.raises(ValueError, match="torch.uint8; got torch.int8"):
-        QuantConfig(bits=2, scale_dtype=torch.int8)
-    q = QuantConfig(bits=2, key_grouping="token", levels="lloyd_max", scale_dtype=torch.uint8)
+        QuantConfig.kivi(bits=2, scale_dtype=torch.int8)
+    q = QuantConfig.kivi(bits=2, key_grouping="token", levels="lloyd_max", scale_dtype=torch.uint8)
     assert "scale_dtype=torch.uint8" in repr(q)
 
 

@@ -81,7 +81,7 @@ def test_every_quantization_option_sets_its_field(tmp_path):
     together = [o for o in suffixes if o.field != "zero_dtype"]
     spec = "q4" + "".join(f"{o.letter}{every[o.field]}" for o in together)
     combined = {o.field: o.convert(every[o.field]) for o in together}
-    assert parse_method(spec).resolved == f"kv_cache quant={QuantConfig(bits=4, **combined)!r} eviction=None"
+    assert parse_method(spec).resolved == f"kv_cache quant={QuantConfig.kivi(bits=4, **combined)!r} eviction=None"
     for o in suffixes:  # each alone, the others at QuantConfig's defaults (flags that need others get them)
         kw = {o.field: values[o.field]}
         extra = ""
@@ -92,8 +92,8 @@ def test_every_quantization_option_sets_its_field(tmp_path):
             extra = "tl"
         letters = f"{extra}{o.letter}{text[o.field]}" if extra else f"{o.letter}{text[o.field]}"
         method = parse_method(f"q2{letters}")
-        assert method.resolved == f"kv_cache quant={QuantConfig(bits=2, **kw)!r} eviction=None"
-    grammar = "q<bits>" + "".join(f"[{o.letter}<{o.placeholder}>]" if o.placeholder else f"[{o.letter}]"
+        assert method.resolved == f"kv_cache quant={QuantConfig.kivi(bits=2, **kw)!r} eviction=None"
+    grammar = "q<bits>[d]" + "".join(f"[{o.letter}<{o.placeholder}>]" if o.placeholder else f"[{o.letter}]"
                                   for o in suffixes)
     assert grammar in grammar_help()
 

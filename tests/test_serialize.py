@@ -24,12 +24,12 @@ Q4 = dict(bits=4, group_size=16, residual_length=16)
 CASES = {
     # name: (quant, eviction, storage class of layer 0)
     "full+kvzip": (None, KVzip(budget=0.3), RaggedStorage),
-    "q4+snapkv-layer": (QuantConfig(**Q4), SnapKV(budget=0.5, scope="layer"), RaggedStorage),
-    "q4-hadamard-token-lloyd": (QuantConfig(**Q4, rotation="hadamard", key_grouping="token", levels="lloyd_max"),
+    "q4+snapkv-layer": (QuantConfig.kivi(**Q4), SnapKV(budget=0.5, scope="layer"), RaggedStorage),
+    "q4-hadamard-token-lloyd": (QuantConfig.kivi(**Q4, rotation="hadamard", key_grouping="token", levels="lloyd_max"),
                                 None, QuantizedStorage),
     "none": (None, None, FullPrecisionStorage),
     "h2o": (None, H2O(budget=48), FullPrecisionStorage),
-    "q4+h2o": (QuantConfig(**Q4), H2O(budget=64), QuantizedStorage),
+    "q4+h2o": (QuantConfig.kivi(**Q4), H2O(budget=64), QuantizedStorage),
 }
 
 _built: dict[str, CompressedContext] = {}
@@ -85,7 +85,7 @@ def test_round_trip_answers_and_bytes_identical(stories, tmp_path, name):
 def test_dense_rotation_round_trips(stories, tmp_path):
     """A rotation held as dense matrices (the calibrated kind) is saved by its tensors and class."""
     model, tok = stories
-    quant = QuantConfig(**Q4, rotation="hadamard", key_grouping="token")
+    quant = QuantConfig.kivi(**Q4, rotation="hadamard", key_grouping="token")
     ctx = CompressedContext.build(model, tok, TEXT, quant=quant)
     for layer in ctx.cache.layers:
         rot = layer.storage.packed.rotation
@@ -142,7 +142,7 @@ def test_save_refused_inside_a_session(stories, tmp_path):
 
 def test_calibrated_quant_without_its_calibration_file():
     """The file holds the rotation matrices: a calibration file deleted since is not needed."""
-    settings = {**serialize._encode_quant(QuantConfig(bits=4)), "rotation": "calibrated",
+    settings = {**serialize._encode_quant(QuantConfig.kivi(bits=4)), "rotation": "calibrated",
                 "rotation_path": "/no/such/calibration.safetensors"}
     quant = serialize._decode_quant(settings)
     assert (quant.rotation, quant.rotation_path) == ("calibrated", "/no/such/calibration.safetensors")

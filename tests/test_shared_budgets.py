@@ -93,7 +93,7 @@ def test_ragged_block_is_one_softmax_per_row(quantized):
         n = 8 + 8 * r
         k, v = torch.randn(1, 1, n, d), torch.randn(1, 1, n, d)
         if quantized:
-            pk = PackedKV(QuantConfig(bits=8, group_size=8), torch.float32, d, track_groups=False)
+            pk = PackedKV(QuantConfig.kivi(bits=8, group_size=8), torch.float32, d, track_groups=False)
             pk.append(k, v)
             k, v = pk.dequantize()
             rows.append([QuantBlock(*pk.qblocks(), batch=1, kv_heads=1)])
@@ -156,8 +156,8 @@ def _next_logits(model, cache, ids, question):
     return out.logits[0, -1]
 
 
-QUANTS = {"none": None, "q4": QuantConfig(bits=4, group_size=16, residual_length=16),
-          "q4htl": QuantConfig(bits=4, group_size=16, residual_length=16, rotation="hadamard", key_grouping="token",
+QUANTS = {"none": None, "q4": QuantConfig.kivi(bits=4, group_size=16, residual_length=16),
+          "q4htl": QuantConfig.kivi(bits=4, group_size=16, residual_length=16, rotation="hadamard", key_grouping="token",
                                levels="lloyd_max", channel_group=64)}
 POLICIES = {
     "snapkv-layer": lambda: SnapKV(budget=0.4, recent_window=8, scope="layer"),

@@ -331,8 +331,8 @@ class CompressedLayer(ContextMixin, CacheLayerMixin):
         if pol.prefill_only:
             self._prefill_done = True
         shared = pol.scope != "head"
-        if T <= budget and pol.scope != "model":
-            return
+        if T < budget + getattr(pol, "evict_every", 1) and pol.scope != "model":
+            return  # within the budget (H2O with evict_every = k: within budget + k - 1)
         if scores is None:
             scores = pol.score(inputs)
         scores = scores.float().clone()

@@ -7,7 +7,7 @@ of known forms in the error for an unknown spec. The tables the rows draw on:
 
 * :data:`QUANT_OPTIONS`: the letters of our quantization part, ``q<bits>[g<group>]...``, each
   setting one :class:`kv_cache.QuantConfig` field (its default is the dataclass's);
-* :data:`kv_cache.policies.POLICIES`: the eviction policies, ``<policy>@<budget>[w<window>]``
+* :data:`kv_cache.policies.POLICIES`: the eviction policies, ``<policy>@<budget>[w<window>][e<steps>]``
   (their defaults are the policy dataclasses');
 * :data:`HF_BACKENDS` and :data:`KVPRESS_PRESSES`: the peers.
 
@@ -28,6 +28,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..cache import CompressedCache, QuantConfig, compress
+from ..cache.config import KIVI_LAYOUT
 from ..compression.packing import SUPPORTED_BITS
 from ..compression.bit_allocation import load_bit_profile
 from ..policies import POLICIES, EvictionPolicy
@@ -165,16 +166,23 @@ def _number(text: str) -> float | int:
 
 
 _HEAD, *_SUFFIXES = QUANT_OPTIONS
-_QUANT = re.compile(f"^{_HEAD.letter}(?P<{_HEAD.field}>{_HEAD.value})"
+DEFAULTS_FLAG = "d"
+"""``q<bits>d...``: start from ``QuantConfig(bits=b)``'s defaults (the best measured layout)
+instead of the KIVI layout that plain ``q<bits>...`` specs start from."""
+
+_QUANT = re.compile(f"^{_HEAD.letter}(?P<{_HEAD.field}>{_HEAD.value})(?P<_defaults>{DEFAULTS_FLAG})?"
                     + "".join(f"(?:{o.letter}(?P<{o.field}>{o.value}))?" for o in _SUFFIXES) + "$")
-_QUANT_GRAMMAR = f"{_HEAD.letter}<{_HEAD.placeholder}>" + "".join(
+_QUANT_GRAMMAR = f"{_HEAD.letter}<{_HEAD.placeholder}>[{DEFAULTS_FLAG}]" + "".join(
     f"[{o.letter}<{o.placeholder}>]" if o.placeholder else f"[{o.letter}]" for o in _SUFFIXES)
 _POLICY = re.compile(r"^(?P<name>[a-z0-9_]+)@(?P<budget>\d+(?:\.\d+)?)(?:w(?P<w>\d+(?:\.\d+)?))?"
-                     r"(?::(?P<scope>[a-z]+))?$")
+                     r"(?:e(?P<e>\d+))?(?::(?P<scope>[a-z]+))?$")
 
 
 def _quant_config(m: re.Match[str]) -> QuantConfig:
-    return QuantConfig(**{o.field: o.convert(m[o.field]) for o in QUANT_OPTIONS if m[o.field] is not None})
+    """``q<bits>...``: the KIVI layout plus the letters; ``q<bits>d...``: ``QuantConfig``'s
+    defaults (the best measured layout for the widths) plus the letters."""
+    kw = {o.field: o.convert(m[o.field]) for o in QUANT_OPTIONS if m[o.field] is not None}
+    return QuantConfig(**kw) if m["_defaults"] else QuantConfig.kivi(**kw)
 
 
 def parse_quant(spec: str) -> QuantConfig:
@@ -191,6 +199,10 @@ def _policy(m: re.Match[str]) -> EvictionPolicy:
     kw: dict[str, Any] = {"budget": budget}
     if m["scope"] is not None:
         kw["scope"] = m["scope"]  # the policy validates it (and says which scopes exist)
+    if m["e"] is not None:
+        if "evict_every" not in {f.name for f in dataclasses.fields(cls)}:
+            raise ValueError(f"e<steps> (evict every k decoding steps) applies to h2o only; got {m.string!r}")
+        kw["evict_every"] = int(m["e"])
     if m["w"] is not None:
         kw["recent_window"] = _number(m["w"])
     else:
@@ -291,9 +303,14 @@ def _choices(names) -> str:
 
 
 def _quant_about() -> str:
-    suffixes = ", ".join(f"{o.letter}<{o.placeholder}>: {o.about} (default {_default(QuantConfig, o.field)})"
+    def base(field: str) -> Any:  # what a plain q<bits> spec starts from: the KIVI layout
+        return KIVI_LAYOUT.get(field, _default(QuantConfig, field))
+
+    suffixes = ", ".join(f"{o.letter}<{o.placeholder}>: {o.about} (default {base(o.field)})"
                          if o.placeholder else f"{o.letter}: {o.about} (flag)" for o in _SUFFIXES)
-    return f"kv_cache quantized storage: {_HEAD.about}, {suffixes}"
+    return (f"kv_cache quantized storage: {_HEAD.about}, from the KIVI layout; {DEFAULTS_FLAG}: from "
+            f"QuantConfig(bits)'s defaults instead (the best measured layout: rotation, per-token keys, "
+            f"Lloyd-Max levels, 8-bit norms, 4 sinks), {suffixes}")
 
 
 def _policy_about() -> str:
@@ -306,7 +323,8 @@ def _policy_about() -> str:
             "always-kept recent tokens, a count (w32) or a fraction of the budget (w0.5); default window: "
             + ", ".join(defaults) + " (see each policy's docstring for why); <scope> "
             + _choices(SCOPES) + ": who shares the budget, each KV head its own, the heads of a layer, or every head "
-            "of every layer (one top-k; heads then hold different numbers of tokens); default scope: " + scopes)
+            "of every layer (one top-k; heads then hold different numbers of tokens); default scope: " + scopes
+            + "; e<steps> (h2o): evict every <steps> decoding steps, holding up to budget + steps - 1 tokens")
 
 
 class MethodForm(NamedTuple):
@@ -325,8 +343,9 @@ class MethodForm(NamedTuple):
 METHOD_GRAMMAR: tuple[MethodForm, ...] = (
     MethodForm("ours", REFERENCE_SPEC, "the uncompressed cache (always run, as the reference)", (REFERENCE_SPEC,)),
     MethodForm("ours", _QUANT_GRAMMAR, _quant_about(), ("q8", "q4", "q2", "q4g64r128", "q2k3", "q2s4htc64l")),
-    MethodForm("ours", f"{_choices(POLICIES)}@<budget>[w<window>][:<scope>]", _policy_about(),
-               ("snapkv@0.5", "h2o@0.25", "h2o@0.5w32", "streaming@512", "kvzip@0.3", "snapkv@0.5:layer")),
+    MethodForm("ours", f"{_choices(POLICIES)}@<budget>[w<window>][e<steps>][:<scope>]", _policy_about(),
+               ("snapkv@0.5", "h2o@0.25", "h2o@0.5w32", "h2o@0.5e32", "streaming@512", "kvzip@0.3",
+                "snapkv@0.5:layer")),
     MethodForm("ours", "<quantization>+<eviction>", "both levers in one cache", ("q4+h2o@0.5",)),
     *(MethodForm("hf", f"hf-{key}-int<{'|'.join(map(str, hf.bits))}>",
                  f"transformers' QuantizedCache, {hf.name} backend (pip install {hf.package})",

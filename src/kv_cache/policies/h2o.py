@@ -29,10 +29,24 @@ class H2O(EvictionPolicy):
     """Recent window + heavy hitters, with ``gqa_reduce`` in {"mean", "max"} over query heads.
 
     ``recent_window`` defaults to 0.5: half of the resolved budget (see the module docstring).
+    ``evict_every`` (default 1: exact H2O, the cache never holds more than the budget): let a
+    head grow to ``budget + evict_every - 1`` tokens while decoding and then evict the lowest
+    ``evict_every`` sums at once. The sums still accumulate every step; what is saved is the
+    per-step compaction, which moves every token after the evicted one (about the recent window,
+    half the budget by default). The extra tokens are held, so they are counted in the bytes.
     """
 
     recent_window: int | float = 0.5
     gqa_reduce: str = "mean"
+    evict_every: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        k = self.evict_every
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"H2O.evict_every must be an int >= 1; got {k!r}")
+        if k > 1 and self.scope != "head":
+            raise ValueError(f"H2O.evict_every > 1 applies to per-head budgets (scope='head'); got scope={self.scope!r}")
 
     needs_attention: ClassVar[bool] = True
     prefill_only: ClassVar[bool] = False

@@ -1,0 +1,95 @@
+"""``QuantConfig(bits=b)``'s defaults: the best measured layout at 2-4 bits, KIVI with 8 bits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kv_cache import CompressedCache, QuantConfig, compress
+from kv_cache.cache.config import AUTO, BEST_LAYOUT, KIVI_LAYOUT
+from kv_cache.eval.accounting import walked_nbytes
+from kv_cache.eval.methods import parse_method, parse_quant
+
+
+def _layout(q: QuantConfig) -> dict:
+    return {name: getattr(q, name) for name in BEST_LAYOUT}
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_low_bit_defaults_are_the_best_layout(bits):
+    q = QuantConfig(bits=bits)
+    assert _layout(q) == BEST_LAYOUT
+    assert q.channel_group_for(64) == 64 and q.channel_group_for(128) == 128  # one norm per vector
+    assert AUTO not in {str(v) for v in dataclasses.asdict(q).values()}  # every field is concrete
+
+
+def test_eight_bits_and_kivi_keep_the_original_layout():
+    assert _layout(QuantConfig(bits=8)) == KIVI_LAYOUT
+    assert _layout(QuantConfig(bits=2, layer_bits={3: 8})) == KIVI_LAYOUT  # no Lloyd-Max levels at 8 bits
+    assert _layout(QuantConfig(bits=8, key_bits=4)) == KIVI_LAYOUT
+    for bits in (2, 3, 4, 8):
+        q = QuantConfig.kivi(bits=bits)
+        assert _layout(q) == KIVI_LAYOUT
+        # exactly the string the committed evidence was resolved with (kvcache eval resumes by it)
+        assert repr(q) == (f"QuantConfig(bits={bits}, group_size=32, residual_length=32, sink_tokens=0, "
+                           "symmetric=False, scale_dtype=torch.float16)")
+    assert QuantConfig.kivi(bits=4, rotation="hadamard").rotation == "hadamard"  # arguments win
+
+
+def test_explicit_fields_win_and_dependent_fields_follow():
+    q = QuantConfig(bits=4, key_grouping="channel")  # per-channel keys: KIVI groups, uniform levels
+    assert (q.group_size, q.residual_length, q.levels, q.scale_dtype, q.channel_group) == (
+        32, 32, "uniform", torch.float16, None)
+    assert q.rotation == "hadamard" and q.sink_tokens == 4
+    q = QuantConfig(bits=2, levels="uniform")  # uniform levels: fp16 scales and zero points, 32-channel groups
+    assert (q.scale_dtype, q.channel_group, q.key_grouping) == (torch.float16, 32, "token")
+    q = QuantConfig(bits=3, rotation=None, sink_tokens=0, residual_dtype=None, scale_dtype=torch.float16)
+    assert (q.rotation, q.sink_tokens, q.residual_dtype, q.scale_dtype, q.levels) == (
+        None, 0, None, torch.float16, "lloyd_max")
+    q = QuantConfig(bits=2, channel_group=16)
+    assert q.channel_group_for(64) == 16
+    with pytest.raises(ValueError, match='channel_group must be an int >= 1, "head" or None; got 0'):
+        QuantConfig(bits=2, channel_group=0)
+    with pytest.raises(ValueError, match="needs norm-only scales"):
+        QuantConfig(bits=2, levels="uniform", scale_dtype=torch.uint8)
+
+
+def test_replace_and_equality_keep_concrete_values():
+    q = QuantConfig(bits=2)
+    assert dataclasses.replace(q, bits=3) == QuantConfig(bits=3)
+    with pytest.raises(ValueError, match="supports bits"):  # replace passes the resolved (Lloyd-Max) fields on
+        dataclasses.replace(q, bits=8)
+    assert QuantConfig(bits=2) == QuantConfig(bits=2) and hash(QuantConfig(bits=2)) == hash(QuantConfig(bits=2))
+
+
+def test_specs_start_from_kivi_or_from_the_defaults():
+    assert parse_quant("q4") == QuantConfig.kivi(bits=4)
+    assert parse_quant("q4d") == QuantConfig(bits=4)
+    assert parse_quant("q2ds0") == QuantConfig(bits=2, sink_tokens=0)
+    assert parse_quant("q3dk4") == QuantConfig(bits=3, key_bits=4)
+    assert parse_method("q2d+h2o@0.5").resolved.startswith(f"kv_cache quant={QuantConfig(bits=2)!r}")
+    with pytest.raises(ValueError, match="unknown method|cannot parse"):
+        parse_method("q4gd")  # d comes right after the bits
+
+
+def test_default_cache_in_generate_counts_every_byte(stories, tmp_path):
+    from kv_cache.cache.serialize import load_cache, save_cache
+
+    model, tok = stories
+    ids = tok("Once upon a time there was a little girl who liked to play in the park with her dog. " * 3,
+              return_tensors="pt").input_ids
+    cache = CompressedCache(model.config, quant=QuantConfig(bits=2))
+    with compress(model, cache):
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 6
+    rep = cache.memory_report()
+    assert rep.total_bytes == walked_nbytes(cache)
+    layer = cache.layers[0].storage
+    assert layer.packed.k_scale.dtype == torch.uint8 and layer.sink_keys.dtype == torch.float16
+    assert layer.packed.rotation is not None and layer.n_sinks == 4
+    path = tmp_path / "c.kvc"
+    save_cache(cache, path, model_config=model.config)
+    loaded, _ = load_cache(path, model_config=model.config)
+    assert loaded.quant == cache.quant  # concrete fields round-trip
