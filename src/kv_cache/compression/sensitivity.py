@@ -89,6 +89,8 @@ def measure_bit_costs(model, windows: Sequence[torch.Tensor], quant: QuantConfig
         raise ValueError(f"prefix_len must be an int >= 1; got {prefix_len!r}")
     for c in choices:
         replace(quant, bits=c, key_bits=None, value_bits=None, layer_bits=())  # validates the width
+    from transformers import DynamicCache
+
     num_layers = model.config.num_hidden_layers
     total = torch.zeros(2 * num_layers, len(choices), dtype=torch.float64)
     with torch.no_grad():
@@ -96,8 +98,6 @@ def measure_bit_costs(model, windows: Sequence[torch.Tensor], quant: QuantConfig
             ids = torch.as_tensor(w).reshape(1, -1)
             if ids.shape[1] <= prefix_len:
                 raise ValueError(f"each window must be longer than prefix_len={prefix_len}; got {ids.shape[1]} tokens")
-            from transformers import DynamicCache
-
             cache = DynamicCache()
             model(input_ids=ids[:, :prefix_len], past_key_values=cache, use_cache=True)
             exact = [(layer.keys, layer.values) for layer in cache.layers]
