@@ -184,7 +184,7 @@ class QuantConfig:
         2-4 bits everywhere (Lloyd-Max levels exist): :data:`BEST_LAYOUT`; any 8-bit width:
         :data:`KIVI_LAYOUT`. An explicit field wins, and the fields that depend on it follow it:
         per-channel keys keep KIVI's 32-token groups and uniform levels; uniform levels keep
-        fp16 scales and ``min(group_size, head_dim)`` channels per scale.
+        fp16 scales and 32-channel groups per token (KIVI's value groups).
         """
         best = self._all_bits() <= set(LLOYD_MAX_BITS) - {1}
 
