@@ -334,9 +334,16 @@ def decode_log_scale(codes: torch.Tensor, dtype: torch.dtype = torch.float32) ->
     """
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
         raise TypeError(f"codes must be a uint8 torch.Tensor; got {getattr(codes, 'dtype', type(codes).__name__)}")
-    c = codes.to(torch.float32)
+    # One lookup in the 256-entry table (attention decodes every stored norm at every call).
+    return torch.take(_log_scale_table(str(codes.device)), codes.long()).to(dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _log_scale_table(device: str) -> torch.Tensor:
+    """``decode_log_scale`` of every code 0..255, float32, on ``device`` (computed once)."""
+    c = torch.arange(256, dtype=torch.float32, device=device)  # the float32 arithmetic of §18.8, code by code
     s = torch.exp2(LOG_SCALE_MIN_EXP + (c - 1.0) * LOG_SCALE_STEP)
-    return torch.where(codes > 0, s, torch.zeros_like(s)).to(dtype)
+    return torch.where(c > 0, s, torch.zeros_like(s))
 
 
 __all__ = [
