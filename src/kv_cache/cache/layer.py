@@ -331,7 +331,7 @@ class CompressedLayer(ContextMixin, CacheLayerMixin):
         if pol.prefill_only:
             self._prefill_done = True
         shared = pol.scope != "head"
-        if T < budget + getattr(pol, "evict_every", 1) and pol.scope != "model":
+        if T <= budget + pol.eviction_slack() and pol.scope != "model":
             return  # within the budget (H2O with evict_every = k: within budget + k - 1)
         if scores is None:
             scores = pol.score(inputs)

@@ -49,7 +49,7 @@ def _continuation_log_probs(model, layers: list[tuple[torch.Tensor, torch.Tensor
 
     cache = DynamicCache()
     for i, (k, v) in enumerate(layers):
-        cache.update(k, v, i)
+        cache.update(k, v, i)  # DynamicCache concatenates into new tensors: ``layers`` is never written
     logits = model(input_ids=cont, past_key_values=cache, use_cache=True).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
 
@@ -102,14 +102,14 @@ def measure_bit_costs(model, windows: Sequence[torch.Tensor], quant: QuantConfig
             model(input_ids=ids[:, :prefix_len], past_key_values=cache, use_cache=True)
             exact = [(layer.keys, layer.values) for layer in cache.layers]
             cont = ids[:, prefix_len:]
-            ref = _continuation_log_probs(model, [(k.clone(), v.clone()) for k, v in exact], cont)
+            ref = _continuation_log_probs(model, exact, cont)
             p_ref = ref.exp()
             for li, (k, v) in enumerate(exact):
                 for ci, bits in enumerate(choices):
                     kq, vq = _round_trip(quant, bits, li, k, v)
                     for half, (kk, vv) in enumerate(((kq, v), (k, vq))):
-                        layers = [(a.clone(), b.clone()) for a, b in exact]
-                        layers[li] = (kk.clone(), vv.clone())
+                        layers = list(exact)
+                        layers[li] = (kk, vv)
                         lp = _continuation_log_probs(model, layers, cont)
                         kl = (p_ref * (ref - lp)).sum(-1).mean()
                         total[2 * li + half, ci] += float(kl)

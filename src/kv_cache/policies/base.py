@@ -125,6 +125,11 @@ class EvictionPolicy(ABC):
             parts.append(f"{f.name}={v!r}")
         return f"{type(self).__name__}({', '.join(parts)})"
 
+    def eviction_slack(self) -> int:
+        """Tokens a head may hold beyond its budget before it is evicted while decoding
+        (0: never over the budget; H2O's ``evict_every - 1``)."""
+        return 0
+
     def floor_tokens(self, budget_tokens: int) -> int:
         """Tokens every head keeps first under a shared budget (``head_floor * budget``)."""
         return int(self.head_floor * budget_tokens)

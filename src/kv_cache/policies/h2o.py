@@ -51,6 +51,9 @@ class H2O(EvictionPolicy):
     needs_attention: ClassVar[bool] = True
     prefill_only: ClassVar[bool] = False
 
+    def eviction_slack(self) -> int:
+        return self.evict_every - 1
+
     def query_window(self, q_len: int, budget_tokens: int) -> int:
         """Every query of the call: each one adds its attention to the running sums."""
         return q_len
