@@ -69,6 +69,13 @@ class CompressedCache(Cache):
         if eviction is not None and not isinstance(eviction, EvictionPolicy):
             raise TypeError(f"eviction must be an EvictionPolicy (SnapKV, H2O, StreamingLLM) or None; "
                             f"got {type(eviction).__name__}")
+        if quant is not None and quant.evicted_bits is not None and (eviction is None or not eviction.prefill_only):
+            got = "no eviction policy" if eviction is None else f"{type(eviction).__name__}, which evicts while decoding"
+            raise ValueError(
+                f"QuantConfig.evicted_bits={quant.evicted_bits} stores the tokens a one-shot eviction policy does not "
+                f"keep at that width; it needs eviction=KVzip(...) or SnapKV(...) (policies with prefill_only); "
+                f"got {got}"
+            )
         if quant is not None:
             quant.check_head_dim(geometry.head_dim)
             quant.check_layers(geometry.layers)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ _KIVI_FIELDS = ("bits", "group_size", "residual_length", "sink_tokens", "symmetr
 (``kvcache eval`` resumes by it)."""
 
 
-def _normalize_layer_bits(layer_bits: Any) -> tuple[tuple[int, tuple[int, int]], ...]:
+def _normalize_layer_bits(layer_bits: Any, name: str = "layer_bits") -> tuple[tuple[int, tuple[int, int]], ...]:
     """``{layer: bits}`` / ``{layer: (key_bits, value_bits)}`` (or pairs) as sorted
     ``((layer, (key_bits, value_bits)), ...)``: hashable, and one form for every reader."""
     if not layer_bits:
@@ -51,7 +51,7 @@ def _normalize_layer_bits(layer_bits: Any) -> tuple[tuple[int, tuple[int, int]],
     try:
         items = dict(layer_bits).items()
     except (TypeError, ValueError):
-        raise ValueError(f"QuantConfig.layer_bits must be a mapping {{layer: bits}} or {{layer: (key_bits, "
+        raise ValueError(f"QuantConfig.{name} must be a mapping {{layer: bits}} or {{layer: (key_bits, "
                          f"value_bits)}}; got {layer_bits!r}") from None
     out = []
     for layer, b in items:
@@ -59,7 +59,7 @@ def _normalize_layer_bits(layer_bits: Any) -> tuple[tuple[int, tuple[int, int]],
         ok = len(kv) == 2 and all(not isinstance(x, bool) and x in SUPPORTED_BITS for x in kv)
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0 or not ok:
             raise ValueError(
-                f"QuantConfig.layer_bits maps layer indices (int >= 0) to bits in {list(SUPPORTED_BITS)} "
+                f"QuantConfig.{name} maps layer indices (int >= 0) to bits in {list(SUPPORTED_BITS)} "
                 f"or to (key_bits, value_bits) pairs of them; got {layer!r}: {b!r}"
             )
         out.append((layer, (int(kv[0]), int(kv[1]))))
@@ -151,6 +151,17 @@ class QuantConfig:
         (torch.float16 at 2-4 bits, None with 8)
         Storage dtype of the full-precision residual and sink tokens; None: the model's dtype.
         Attention reads them in float32 either way.
+    evicted_bits : {2, 3, 4, 8} or None, default None
+        Token-importance precision tiers (math dictionary §21): the tokens a one-shot eviction
+        policy (KVzip, SnapKV) does not keep are stored at this width instead of being dropped,
+        in the same layout without sinks or a residual (:meth:`evicted_config`); the kept ones
+        stay at ``bits`` / ``layer_bits``. Every token is still represented, and attention reads
+        both tiers in one softmax. Needs an eviction policy with ``prefill_only`` and the native
+        attention (:func:`kv_cache.compress`). None: evicted tokens are dropped.
+    evicted_layer_bits : mapping or tuple of pairs, default ()
+        Per-layer widths of the evicted tier, in the form of ``layer_bits`` (e.g. a
+        ``kvcache allocate`` profile at a low mean width): the sensitive layers' evicted keys at
+        3 bits, the rest at ``evicted_bits``. Needs ``evicted_bits``.
     """
 
     bits: int = 4
@@ -172,6 +183,8 @@ class QuantConfig:
     rotation_path: Any = None
     zero_dtype: Any = torch.int16
     residual_dtype: Any = AUTO
+    evicted_bits: int | None = None
+    evicted_layer_bits: Any = ()
 
     @classmethod
     def kivi(cls, **kwargs: Any) -> "QuantConfig":
@@ -206,13 +219,18 @@ class QuantConfig:
         put("residual_dtype", layout["residual_dtype"])
 
     def __post_init__(self) -> None:
-        for name in ("bits", "key_bits", "value_bits"):
+        for name in ("bits", "key_bits", "value_bits", "evicted_bits"):
             b = getattr(self, name)
             if name != "bits" and b is None:
                 continue
             if isinstance(b, bool) or b not in SUPPORTED_BITS:
                 raise ValueError(f"QuantConfig.{name} must be one of {list(SUPPORTED_BITS)}; got {b!r}")
         object.__setattr__(self, "layer_bits", _normalize_layer_bits(self.layer_bits))
+        object.__setattr__(self, "evicted_layer_bits", _normalize_layer_bits(self.evicted_layer_bits,
+                                                                             "evicted_layer_bits"))
+        if self.evicted_layer_bits and self.evicted_bits is None:
+            raise ValueError("QuantConfig.evicted_layer_bits sets widths of the evicted tier, which needs evicted_bits "
+                             "(the width of the layers it does not name); got evicted_bits=None")
         self._resolve_layout()
         for name in ("group_size", "residual_length", "sink_tokens", "rotation_seed", "channel_group"):
             v = getattr(self, name)
@@ -259,6 +277,24 @@ class QuantConfig:
                 "QuantConfig.zero_dtype=torch.int8 cannot hold the zero points (0..255) of 8-bit codes; "
                 f"use torch.uint8 or torch.int16 (bits in use: {sorted(self._all_bits())})"
             )
+        if self.evicted_bits is not None:
+            self.evicted_config()  # the evicted tier's layout must be valid at its width
+
+    def evicted_config(self) -> "QuantConfig":
+        """The layout of the evicted tier (``evicted_bits``): this layout at ``evicted_bits`` for
+        keys and values (``evicted_layer_bits`` for the layers it names), no sinks, no residual (every token is quantized at once;
+        per-token layouts flush one token at a time). Raises if ``evicted_bits`` is None or the
+        layout does not exist at that width (e.g. Lloyd-Max levels at 8 bits)."""
+        b = self.evicted_bits
+        if b is None:
+            raise ValueError("QuantConfig.evicted_bits is None: evicted tokens are dropped, there is no evicted tier")
+        per_token_flush = self.key_grouping == "token" and self.channel_group is not None
+        try:
+            return replace(self, bits=b, key_bits=None, value_bits=None, layer_bits=self.evicted_layer_bits,
+                           sink_tokens=0, residual_length=0, group_size=1 if per_token_flush else self.group_size,
+                           evicted_bits=None, evicted_layer_bits=())
+        except ValueError as err:
+            raise ValueError(f"QuantConfig.evicted_bits={b}: the evicted tier keeps this layout, where {err}") from None
 
     def _all_bits(self) -> set[int]:
         return {self.bits, self.key_bits or self.bits, self.value_bits or self.bits,
@@ -321,15 +357,17 @@ class QuantConfig:
 
     def check_layers(self, num_layers: int) -> None:
         """Raise if ``layer_bits`` names a layer the model does not have (a profile of another model)."""
-        extra = [layer for layer, _ in self.layer_bits if layer >= num_layers]
+        extra = sorted({layer for layer, _ in self.layer_bits + self.evicted_layer_bits if layer >= num_layers})
         if extra:
             raise ValueError(
-                f"QuantConfig.layer_bits names layers {extra} but the model has {num_layers} layers "
+                f"QuantConfig.layer_bits (or evicted_layer_bits) names layers {extra} but the model has {num_layers} layers "
                 f"(0..{num_layers - 1}); was the bit profile measured on another model?"
             )
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise if channel groups, the packing or the rotation cannot tile ``head_dim``."""
+        if self.evicted_bits is not None:
+            self.evicted_config().check_head_dim(head_dim)
         gc = self.channel_group_for(head_dim)
         if head_dim % gc:
             name = "channel_group" if self.channel_group else "group_size"

@@ -21,6 +21,11 @@ RECONSTRUCTION_MISSING = (
     "kv_cache.CompressedContext), then generate or ask"
 )
 
+TIERS_NEED_NATIVE = (
+    "QuantConfig.evicted_bits keeps the evicted tokens in a second, lower-precision storage that only the "
+    "native attention reads: run the model inside kv_cache.compress(model, cache) (attention='native')"
+)
+
 
 class ContextMixin:
     """Sessions and the reconstruction pass; mixed into ``CompressedLayer`` (which owns the
@@ -57,8 +62,11 @@ class ContextMixin:
     def _session_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         self.seen += key_states.shape[2]
         if self.native:
-            self._view = self.storage.blocks() + self._tail.attention_update(key_states, value_states)
+            self._view = (self.storage.blocks() + self._tail.attention_update(key_states, value_states)
+                          + self.demoted_blocks())
             return key_states, value_states
+        if self.demoted is not None:
+            raise RuntimeError(TIERS_NEED_NATIVE)
         k, v = self.storage.read()
         tk, tv = self._tail.update(key_states, value_states)
         return torch.cat([k, tk], dim=2), torch.cat([v, tv], dim=2)

@@ -15,6 +15,9 @@ The layer knows the order of operations; its :mod:`~kv_cache.cache.storage` know
    (or, through the cache, of every layer) and turns the storage into ragged rows
    (:mod:`~kv_cache.cache.ragged`); KVzip's reconstruction pass and sessions live in
    :mod:`~kv_cache.cache.context_layer`.
+4. With ``QuantConfig.evicted_bits`` the tokens a one-shot policy does not keep move to a
+   second, lower-precision storage (:attr:`CompressedLayer.demoted`, math dictionary §21)
+   instead of being dropped; attention reads its blocks after the kept ones.
 
 Positions: ``get_seq_length`` is the number of tokens *seen*, so ``cache_position`` and RoPE
 stay absolute after eviction; ``get_mask_sizes`` returns ``kv_length = kept + q_len`` and
@@ -33,7 +36,7 @@ from ..compression.global_budget import select_global
 from ..compression.selection import forced_mask, select_tokens
 from ..policies.base import EvictionPolicy, ScoreInputs
 from .config import QuantConfig
-from .context_layer import RECONSTRUCTION_MISSING, ContextMixin
+from .context_layer import RECONSTRUCTION_MISSING, TIERS_NEED_NATIVE, ContextMixin
 from .ragged import RaggedStorage, ragged_state
 from .storage import FullPrecisionStorage, LayerStorage, gather_tokens, make_storage
 
@@ -47,6 +50,9 @@ class CompressedLayer(ContextMixin, CacheLayerMixin):
     ----------
     storage : LayerStorage or None
         The tokens held (None until the first ``update``).
+    demoted : LayerStorage or None
+        The evicted tier (``QuantConfig.evicted_bits``): the tokens the policy did not keep, at
+        the lower width, never appended to; None when nothing was demoted.
     state : dict
         The policy's per-token state (e.g. H2O's accumulated attention), ``[batch, kv_heads, kept]``.
     observed : bool
@@ -68,6 +74,7 @@ class CompressedLayer(ContextMixin, CacheLayerMixin):
         self.seen = 0
         self.prompt_len: int | None = None
         self.storage: LayerStorage | None = None
+        self.demoted: LayerStorage | None = None
         self.state: dict[str, torch.Tensor] = {}
         self.observed = False
         self.native = False
@@ -120,9 +127,11 @@ class CompressedLayer(ContextMixin, CacheLayerMixin):
         acts = self.policy is not None and not (self.policy.prefill_only and self._prefill_done)
         if self.native:
             # The attention function reads the stored blocks in place (a decoded token included).
-            self._view = self.storage.attention_update(key_states, value_states)
+            self._view = self.storage.attention_update(key_states, value_states) + self.demoted_blocks()
             self._pending = True if acts else None
             return key_states, value_states
+        if self.demoted is not None:
+            raise RuntimeError(TIERS_NEED_NATIVE)
         keys, values = self.storage.update(key_states, value_states)
         if acts:
             if self.observed:
@@ -171,6 +180,8 @@ class CompressedLayer(ContextMixin, CacheLayerMixin):
     def _map_tensors(self, fn) -> None:
         if self.storage is not None:
             self.storage.map_tensors(fn)
+        if self.demoted is not None:
+            self.demoted.map_tensors(fn)
         self.state = {name: fn(t) for name, t in self.state.items()}
         if self._starts is not None:
             self._starts = fn(self._starts)
@@ -182,14 +193,18 @@ class CompressedLayer(ContextMixin, CacheLayerMixin):
         return n + (0 if self._tail is None else self._tail.length)
 
     def head_lengths(self) -> torch.Tensor:
-        """``[batch, kv_heads]`` int64: tokens each head holds (differs under a shared budget)."""
+        """``[batch, kv_heads]`` int64: tokens each head represents (differs under a shared
+        budget), the evicted tier's included."""
         st = self.storage
         if st is None:
             return torch.zeros(0, 0, dtype=torch.int64)
         tail = 0 if self._tail is None else self._tail.length
-        if isinstance(st, RaggedStorage):
-            return torch.tensor(st.row_lengths, dtype=torch.int64).reshape(st.batch, st.heads) + tail
-        return torch.full((st.batch, st.heads), st.length + tail, dtype=torch.int64)
+        out = _row_lengths(st) + tail
+        return out if self.demoted is None else out + _row_lengths(self.demoted)
+
+    def demoted_blocks(self) -> list:
+        """The evicted tier's blocks (read after the kept ones; [] when there is none)."""
+        return [] if self.demoted is None else self.demoted.blocks()
 
     # ------------------------------------------------------------------ the observer seam
     @property
@@ -293,6 +308,8 @@ class CompressedLayer(ContextMixin, CacheLayerMixin):
                 f"{name}(scope={pol.scope!r}) keeps a different number of tokens per head, which only the native "
                 "attention reads: run the model inside kv_cache.compress(model, cache) (attention='native')"
             )
+        if self.quant is not None and self.quant.evicted_bits is not None and not self.native:
+            raise RuntimeError(TIERS_NEED_NATIVE)
         if pol.needs_reconstruction and self._prefill_done:
             return
         if self._pending is not None:
@@ -355,6 +372,9 @@ class CompressedLayer(ContextMixin, CacheLayerMixin):
         if valid is None:
             valid = torch.ones(inputs.shape[0], 1, T, dtype=torch.bool, device=scores.device)
         keep = select_tokens(scores, budget, recent_window=window, sink_tokens=pol.sink_tokens, valid=valid)
+        if self.quant is not None and self.quant.evicted_bits is not None:
+            masks = torch.zeros(scores.shape, dtype=torch.bool, device=keep.device).scatter_(-1, keep, True)
+            self._demote(masks)
         self.state = {name: gather_tokens(t, keep) for name, t in self.state.items()}
         if self._starts is not None:
             self._starts = (keep < self._starts.unsqueeze(-1)).sum(-1).to(torch.int32)
@@ -391,6 +411,8 @@ class CompressedLayer(ContextMixin, CacheLayerMixin):
         st = self.storage
         B, H, T = masks.shape
         counts = masks.sum(-1)
+        if self.quant is not None and self.quant.evicted_bits is not None:
+            self._demote(masks)
         pad = [T - n for n in st.row_lengths] if isinstance(st, RaggedStorage) else [0] * (B * H)
         self.state = {name: ragged_state(t, masks) for name, t in self.state.items()}
         if not isinstance(st, RaggedStorage) and bool((counts == counts.flatten()[0]).all()):
@@ -410,10 +432,52 @@ class CompressedLayer(ContextMixin, CacheLayerMixin):
             self.storage = RaggedStorage.split(st, keeps, lead)
         self._starts = self.storage.starts()
 
+    def _demote(self, masks: torch.Tensor) -> None:
+        """Move the valid slots not in ``masks`` (bool ``[batch, kv_heads, T]``) to the evicted
+        tier at ``QuantConfig.evicted_bits`` (math dictionary §21), before they are dropped from
+        :attr:`storage`. They are re-quantized from what the storage holds (dequantized codes,
+        sinks and residual), one row per head when heads demote different numbers of tokens."""
+        if self.demoted is not None or isinstance(self.storage, RaggedStorage):
+            raise RuntimeError(
+                f"layer {self.layer_idx} already demoted its evicted tokens: QuantConfig.evicted_bits demotes once, "
+                "after the prefill (a policy with prefill_only)"
+            )
+        B, H, T = masks.shape
+        drop = ~masks
+        if self._starts is not None:  # left padding is dropped, never demoted
+            drop &= torch.arange(T, device=masks.device) >= self._starts.unsqueeze(-1).to(masks.device)
+        counts = drop.sum(-1)
+        if not bool(counts.any()):
+            return
+        keys, values = self.storage.read()  # [B, H, T, d] in the model dtype
+        quant = self.quant.evicted_config()
+
+        def fresh(b: int, h: int) -> LayerStorage:
+            return make_storage(quant, keys.new_empty(b, h, 0, keys.shape[-1]),
+                                values.new_empty(b, h, 0, values.shape[-1]), track_groups=False, layer=self.layer_idx)
+
+        if bool((counts == counts.flatten()[0]).all()):
+            idx = drop.nonzero()[:, 2].reshape(B, H, -1)
+            low = fresh(B, H)
+            low.append(gather_tokens(keys, idx), gather_tokens(values, idx))
+        else:
+            rows = []
+            for b in range(B):
+                for h in range(H):
+                    idx = drop[b, h].nonzero().squeeze(1)
+                    row = fresh(1, 1)
+                    row.append(keys[b:b + 1, h:h + 1, idx], values[b:b + 1, h:h + 1, idx])
+                    rows.append(row)
+            low = RaggedStorage(rows, B, H)
+        self.demoted = low
+
     # ------------------------------------------------------------------ accounting
     def held_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor this layer holds, by slot name (``state.*``: the policy's state)."""
+        """Every tensor this layer holds, by slot name (``state.*``: the policy's state;
+        ``demoted.*``: the evicted tier)."""
         out = {} if self.storage is None else dict(self.storage.named_tensors())
+        if self.demoted is not None:
+            out.update({f"demoted.{k}": v for k, v in self.demoted.named_tensors().items()})
         if self._tail is not None:
             out.update({f"tail.{k}": v for k, v in self._tail.named_tensors().items()})
         out.update({f"state.{k}": v for k, v in self.state.items()})
@@ -424,6 +488,9 @@ class CompressedLayer(ContextMixin, CacheLayerMixin):
     def nbytes_by_category(self) -> dict[str, int]:
         """Bytes held by category: the storage's plus ``scores`` (the policy's state)."""
         out = {} if self.storage is None else self.storage.nbytes_by_category()
+        if self.demoted is not None:
+            for k, v in self.demoted.nbytes_by_category().items():
+                out[k] = out.get(k, 0) + v
         if self._tail is not None:
             for k, v in self._tail.nbytes_by_category().items():
                 out[k] = out.get(k, 0) + v
@@ -431,6 +498,13 @@ class CompressedLayer(ContextMixin, CacheLayerMixin):
         if self._starts is not None:  # each head's first valid slot (padding, ragged heads)
             out["indices"] = out.get("indices", 0) + self._starts.nbytes
         return out
+
+
+def _row_lengths(st: LayerStorage) -> torch.Tensor:
+    """``[batch, heads]`` int64: the tokens each row of ``st`` holds."""
+    if isinstance(st, RaggedStorage):
+        return torch.tensor(st.row_lengths, dtype=torch.int64).reshape(st.batch, st.heads)
+    return torch.full((st.batch, st.heads), st.length, dtype=torch.int64)
 
 
 def _key_valid(mask: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:

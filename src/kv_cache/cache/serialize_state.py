@@ -156,9 +156,11 @@ class _Writer:
         if isinstance(v, torch.dtype):
             return {"dtype": _dtype_name(v)}
         if isinstance(v, QuantConfig):
-            if v != self.quant:
-                raise ValueError(f"cannot save: {name} holds a QuantConfig other than the cache's ({v!r})")
-            return {"quant": True}
+            if v == self.quant:
+                return {"quant": True}
+            if self.quant is not None and self.quant.evicted_bits is not None and v == self.quant.evicted_config():
+                return {"quant": "evicted"}  # the evicted tier's layout, derived from the cache's
+            raise ValueError(f"cannot save: {name} holds a QuantConfig other than the cache's ({v!r})")
         if attr == "rows" and isinstance(v, list):  # RaggedStorage.rows: row r at "row{r}"
             return {"rows": [self.obj(row, _join(prefix, f"row{r}")) for r, row in enumerate(v)]}
         if isinstance(v, (list, tuple)) and all(isinstance(x, (bool, int, float, str)) for x in v):
@@ -212,7 +214,7 @@ class _Reader:
         if set(v) == {"dtype"}:
             return _dtype(v["dtype"])
         if set(v) == {"quant"}:
-            return self.quant
+            return self.quant.evicted_config() if v["quant"] == "evicted" else self.quant
         if set(v) == {"rows"}:
             return [self.obj(r) for r in v["rows"]]
         if set(v) == {"list"}:
@@ -240,6 +242,8 @@ def _encode_layer(layer: CompressedLayer, i: int, w: _Writer) -> dict[str, Any]:
     w.device = torch.device(layer.device)
     out["dtype"] = _dtype_name(layer.dtype)
     out["storage"] = None if layer.storage is None else w.obj(layer.storage, f"layer{i}")
+    if layer.demoted is not None:
+        out["demoted"] = w.obj(layer.demoted, f"layer{i}.demoted")
     out["state"] = {k: w.tensor(f"layer{i}.state.{k}", t)["tensor"] for k, t in sorted(layer.state.items())}
     out["_starts"] = None if layer._starts is None else w.tensor(f"layer{i}._starts", layer._starts)["tensor"]
     return out
@@ -252,6 +256,7 @@ def _decode_layer(layer: CompressedLayer, d: dict[str, Any], r: _Reader) -> None
         return
     layer.dtype, layer.device = _dtype(d["dtype"]), r.device
     layer.storage = None if d["storage"] is None else r.obj(d["storage"])
+    layer.demoted = r.obj(d["demoted"]) if d.get("demoted") is not None else None
     layer.state = {k: r.tensor(name) for k, name in d["state"].items()}
     layer._starts = None if d["_starts"] is None else r.tensor(d["_starts"])
     layer.is_initialized = True

@@ -71,6 +71,10 @@ QUANT_OPTIONS: tuple[QuantOption, ...] = (
                 lambda _: torch.uint8),
     QuantOption("p", "layer_bits", "[profile]", "key/value bits per layer from a `kvcache allocate` JSON file",
                 r"\[[^\],+\s]+\]", lambda v: load_bit_profile(v[1:-1])),
+    QuantOption("o", "evicted_bits", "bits", "tokens a one-shot policy (kvzip, snapkv) does not keep, stored at "
+                "these bits instead of dropped (precision tiers)"),
+    QuantOption("u", "evicted_layer_bits", "[profile]", "bits per layer of those tokens (o<bits>) from a "
+                "`kvcache allocate` JSON file", r"\[[^\],+\s]+\]", lambda v: load_bit_profile(v[1:-1])),
 )
 
 KVPRESS_PRESSES = {  # spec name -> kvpress class
