@@ -73,16 +73,20 @@ def test_every_quantization_option_sets_its_field(tmp_path):
     profile = save_bit_profile(tmp_path / "bits.json", {0: (4, 2)}, {})
     valid = {"group_size": 8, "residual_length": 16, "sink_tokens": 4, "key_bits": 3, "value_bits": 2,
              "channel_group": 64, "clip_keys": 0.96, "clip_values": 0.92,
-             "layer_bits": f"[{profile}]"}  # distinct, valid for every valued field
+             "layer_bits": f"[{profile}]", "evicted_bits": 2,
+             "evicted_layer_bits": f"[{profile}]"}  # distinct, valid for every valued field
     text = {o.field: "" if not o.value else str(valid[o.field]) for o in suffixes}
     values = {o.field: o.convert(text[o.field]) for o in suffixes}
     # All at once: clipping applies to uniform levels only, so with `l` the ratios are 1, and
     # Lloyd-Max levels have no zero point, so `z` is left out.
     every = {**text, "clip_keys": "1.0", "clip_values": "1.0"}
     together = [o for o in suffixes if o.field != "zero_dtype"]
-    spec = "q4" + "".join(f"{o.letter}{every[o.field]}" for o in together)
+    # the evicted tier (o, u) needs a one-shot policy
+    policy = "+snapkv@0.5"
+    evicts = parse_method(policy[1:]).resolved.split(" eviction=")[1]
+    spec = "q4" + "".join(f"{o.letter}{every[o.field]}" for o in together) + policy
     combined = {o.field: o.convert(every[o.field]) for o in together}
-    assert parse_method(spec).resolved == f"kv_cache quant={QuantConfig.kivi(bits=4, **combined)!r} eviction=None"
+    assert parse_method(spec).resolved == f"kv_cache quant={QuantConfig.kivi(bits=4, **combined)!r} eviction={evicts}"
     for o in suffixes:  # each alone, the others at QuantConfig's defaults (flags that need others get them)
         kw = {o.field: values[o.field]}
         extra = ""
@@ -91,9 +95,18 @@ def test_every_quantization_option_sets_its_field(tmp_path):
         if o.field == "scale_dtype":  # 8-bit log-coded norms need norm-only (Lloyd-Max) levels
             kw.update(key_grouping="token", levels="lloyd_max")
             extra = "tl"
+        tail, want = "", "None"
+        if o.field.startswith("evicted"):
+            tail, want = policy, evicts
+            if o.field == "evicted_layer_bits":
+                kw["evicted_bits"], extra = 2, "o2"
         letters = f"{extra}{o.letter}{text[o.field]}" if extra else f"{o.letter}{text[o.field]}"
-        method = parse_method(f"q2{letters}")
-        assert method.resolved == f"kv_cache quant={QuantConfig.kivi(bits=2, **kw)!r} eviction=None"
+        method = parse_method(f"q2{letters}{tail}")
+        assert method.resolved == f"kv_cache quant={QuantConfig.kivi(bits=2, **kw)!r} eviction={want}"
+    with pytest.raises(ValueError, match="needs a one-shot policy"):
+        parse_method("q4do2")
+    with pytest.raises(ValueError, match="needs a one-shot policy"):
+        parse_method("q4do2+h2o@0.5")
     grammar = "q<bits>[d]" + "".join(f"[{o.letter}<{o.placeholder}>]" if o.placeholder else f"[{o.letter}]"
                                   for o in suffixes)
     assert grammar in grammar_help()

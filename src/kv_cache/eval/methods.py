@@ -236,6 +236,9 @@ def _ours(spec: str, parts: list[str]) -> Method:
             continue
         raise _unknown(spec, f"cannot parse {part!r}")
 
+    if quant is not None and quant.evicted_bits is not None and (policy is None or not policy.prefill_only):
+        raise _unknown(spec, "o<bits> (the evicted tier) needs a one-shot policy: add +kvzip@<kept> or +snapkv@<kept>")
+
     def make(model):
         if quant is None and policy is None:  # the reference: transformers' own cache and attention
             from transformers import DynamicCache
