@@ -253,12 +253,16 @@ class QuantizedStorage(LayerStorage):
         self._flush()
 
     def _flush(self) -> None:
+        self._fill_and_pack()
+        self.keys, self.values = _owned(self.keys), _owned(self.values)  # never a view of a prefill
+
+    def _fill_and_pack(self) -> None:
         q = self.quant
         if q.sink_tokens:
             take = min(q.sink_tokens - self.n_sinks, self.keys.shape[2]) if self.packed.length == 0 else 0
             if take > 0:
-                self.sink_keys = _cat(self.sink_keys, self.keys[:, :, :take])
-                self.sink_values = _cat(self.sink_values, self.values[:, :, :take])
+                self.sink_keys = _owned(_cat(self.sink_keys, self.keys[:, :, :take]))
+                self.sink_values = _owned(_cat(self.sink_values, self.values[:, :, :take]))
                 self.keys, self.values = self.keys[:, :, take:], self.values[:, :, take:]
             if self.n_sinks < q.sink_tokens:
                 return  # sinks fill first; nothing is quantized before them
@@ -268,7 +272,7 @@ class QuantizedStorage(LayerStorage):
             return
         n = (self.keys.shape[2] // g) * g
         k_blk, v_blk = self.keys[:, :, :n], self.values[:, :, :n]
-        self.keys, self.values = self.keys[:, :, n:].contiguous(), self.values[:, :, n:].contiguous()
+        self.keys, self.values = self.keys[:, :, n:], self.values[:, :, n:]
         self.packed.append(k_blk, v_blk)
 
     def read(self, new_keys=None, new_values=None):
@@ -343,6 +347,15 @@ class QuantizedStorage(LayerStorage):
             out["residual"] += self.sink_keys.nbytes + self.sink_values.nbytes
         self.packed.add_nbytes(out)
         return out
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in memory of its own: a slice (the sinks, an empty or short residual) of a prefill's
+    ``[b, h, T, d]`` states would otherwise keep all ``T`` tokens alive while its ``nbytes``
+    counts only its own slots (an empty slice is "contiguous" and ``.contiguous()`` keeps it)."""
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def make_storage(
