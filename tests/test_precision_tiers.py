@@ -221,3 +221,30 @@ def test_budget_above_the_prompt_demotes_nothing(stories):
     prefill(model, cache, ids)
     assert all(layer.demoted is None for layer in cache.layers)
     assert cache.memory_report().tokens_kept == ids.shape[1]
+
+
+def test_left_padded_batch_demotes_each_rows_own_tokens(stories):
+    """A left-padded batch: the unpadded row equals the row alone, and every row represents
+    exactly its own valid tokens (padding is dropped, never demoted)."""
+    model, tok = stories
+    texts = ["Once upon a time there was a little girl named Lily. She loved to play outside in the park. " * 3,
+             "Tom had a big red ball. He liked to kick it far away. " * 2]
+    q = tok(" She", return_tensors="pt", add_special_tokens=False).input_ids
+    quant = QuantConfig.kivi(**LAYOUT, evicted_bits=2)
+    ids0 = tok(texts[0], return_tensors="pt").input_ids
+    alone = CompressedCache(model.config, quant=quant, eviction=SnapKV(budget=40, recent_window=8))
+    prefill(model, alone, ids0)
+    want = _session_logits(model, alone, ids0.shape[1], q)
+    batch = tok(texts, return_tensors="pt", padding=True)
+    cache = CompressedCache(model.config, quant=quant, eviction=SnapKV(budget=40, recent_window=8))
+    prefill(model, cache, batch.input_ids, attention_mask=batch.attention_mask)
+    T = batch.input_ids.shape[1]
+    valid = batch.attention_mask.sum(-1)
+    assert int(valid[1]) < T  # row 1 was padded
+    for layer in cache.layers:
+        torch.testing.assert_close(layer.head_lengths(), valid[:, None].expand(2, layer.storage.heads))
+    mask = torch.cat([batch.attention_mask, torch.ones(2, q.shape[1], dtype=torch.long)], 1)
+    with compress(model, cache), cache.session(), torch.no_grad():
+        out = model(input_ids=q.repeat(2, 1), attention_mask=mask, past_key_values=cache, use_cache=True)
+    torch.testing.assert_close(out.logits[0, -1], want, rtol=2e-3, atol=2e-3)
+    assert torch.isfinite(out.logits).all()
