@@ -95,3 +95,23 @@ def test_drop_lowest_path_equals_the_stable_sort():
         pr = torch.where(forced, float("inf"), torch.where(valid.expand_as(s), s, float("-inf")))
         ref = torch.sort(torch.sort(pr, dim=-1, descending=True, stable=True).indices[..., :k], dim=-1).values
         assert torch.equal(got, ref)
+
+
+def test_dropping_one_token_matches_the_stable_sort_with_and_without_valid():
+    """H2O's decoding step (drop one token per row, no padding) takes a shorter path; it keeps
+    exactly what the stable descending sort keeps, ties included (the later token goes)."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        T = int(torch.randint(6, 40, (1,), generator=gen))
+        scores = torch.randint(0, 4, (2, 3, T), generator=gen).float()  # many ties
+        window, sinks = trial % 3, trial % 2
+        budget = T - 1 if trial % 2 == 0 else int(torch.randint(window + sinks + 1, T, (1,), generator=gen))
+        prio = scores.clone()
+        prio[..., :sinks] = float("inf")
+        if window:
+            prio[..., T - window:] = float("inf")
+        want = torch.sort(torch.sort(prio, dim=-1, descending=True, stable=True).indices[..., :budget], dim=-1).values
+        got = select_tokens(scores, budget, recent_window=window, sink_tokens=sinks)
+        got_valid = select_tokens(scores, budget, recent_window=window, sink_tokens=sinks,
+                                  valid=torch.ones(2, 1, T, dtype=torch.bool))
+        assert torch.equal(got, want) and torch.equal(got_valid, want)

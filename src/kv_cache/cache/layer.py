@@ -369,8 +369,6 @@ class CompressedLayer(ContextMixin, CacheLayerMixin):
         scores[..., :lead] = _FORCE
         if trail:
             scores[..., T - trail:] = _FORCE
-        if valid is None:
-            valid = torch.ones(inputs.shape[0], 1, T, dtype=torch.bool, device=scores.device)
         keep = select_tokens(scores, budget, recent_window=window, sink_tokens=pol.sink_tokens, valid=valid)
         if self.quant is not None and self.quant.evicted_bits is not None:
             masks = torch.zeros(scores.shape, dtype=torch.bool, device=keep.device).scatter_(-1, keep, True)

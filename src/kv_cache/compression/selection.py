@@ -136,15 +136,19 @@ def select_tokens(
         )
     T = scores.shape[-1]
     k = min(budget, T)
-    if valid is None:
-        valid = torch.ones(T, dtype=torch.bool, device=scores.device)
-    elif valid.dtype != torch.bool:
+    if valid is not None and valid.dtype != torch.bool:
         raise TypeError(f"valid must be a bool tensor; got {valid.dtype}")
-    valid = valid.expand_as(scores)
-    forced = forced_mask(valid, sink_tokens=sink_tokens, recent_window=recent_window)
-    inf = torch.tensor(float("inf"), dtype=torch.float32, device=scores.device)
-    priority = torch.where(valid, scores.float(), -inf)
-    priority = torch.where(forced, inf, priority)
+    if valid is None:  # no padding: the forced tokens are the first and last slots (H2O's decoding step)
+        priority = scores.to(torch.float32, copy=True)
+        priority[..., :sink_tokens] = float("inf")
+        if recent_window:
+            priority[..., max(0, T - recent_window):] = float("inf")
+    else:
+        valid = valid.expand_as(scores)
+        forced = forced_mask(valid, sink_tokens=sink_tokens, recent_window=recent_window)
+        inf = torch.tensor(float("inf"), dtype=torch.float32, device=scores.device)
+        priority = torch.where(valid, scores.float(), -inf)
+        priority = torch.where(forced, inf, priority)
     if 2 * (T - k) <= T:  # few to drop (H2O drops one per step): O(T), no sort
         return _drop_lowest(priority, T - k)
     order = torch.sort(priority, dim=-1, descending=True, stable=True).indices[..., :k]
@@ -155,6 +159,11 @@ def _drop_lowest(priority: torch.Tensor, m: int) -> torch.Tensor:
     """The ``T - m`` kept indices (sorted) when the ``m`` lowest priorities are dropped, ties
     dropping the later token: exactly what the stable descending sort keeps, in O(T)."""
     T = priority.shape[-1]
+    if m == 1:  # one token per row (H2O's decoding step): the last of each row's lowest
+        lowest = priority == priority.amin(-1, keepdim=True)
+        drop = T - 1 - lowest.flip(-1).to(torch.uint8).argmax(-1, keepdim=True)
+        pos = torch.arange(T - 1, device=priority.device).expand(*priority.shape[:-1], T - 1)
+        return pos + (pos >= drop)
     pos = torch.arange(T, device=priority.device).expand_as(priority)
     if m == 0:
         return pos.contiguous()
