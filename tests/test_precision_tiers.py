@@ -41,6 +41,14 @@ def test_evicted_bits_validation():
         QuantConfig(bits=4, evicted_bits=8)  # Lloyd-Max levels exist at 2-4 bits only
     with pytest.raises(ValueError, match="no evicted tier"):
         QuantConfig(bits=4).evicted_config()
+    with pytest.raises(ValueError, match="evicted_layer_bits .* needs evicted_bits"):
+        QuantConfig(bits=4, evicted_layer_bits={1: (3, 2)})
+    with pytest.raises(ValueError, match=r"QuantConfig.evicted_layer_bits maps layer indices"):
+        QuantConfig(bits=4, evicted_bits=2, evicted_layer_bits={1: (5, 2)})
+    with pytest.raises(ValueError, match=r"names layers \[40\] but the model has 5 layers"):
+        QuantConfig(bits=4, evicted_bits=2, evicted_layer_bits={40: (3, 2)}).check_layers(5)
+    low = QuantConfig(bits=3, evicted_bits=2, evicted_layer_bits={1: (3, 2)}).evicted_config()
+    assert low.bits_for(1) == (3, 2) and low.bits_for(0) == (2, 2)
 
 
 def test_evicted_bits_needs_a_one_shot_policy(stories):
@@ -163,7 +171,9 @@ def test_tiers_are_closer_to_the_uncompressed_selection_than_eviction(stories):
     assert bytes_tiers > bytes_evict  # the evicted tier is held, and counted
 
 
-QUANTS = {"kivi": QuantConfig.kivi(**LAYOUT, evicted_bits=2), "defaults": QuantConfig(bits=3, evicted_bits=2)}
+QUANTS = {"kivi": QuantConfig.kivi(**LAYOUT, evicted_bits=2),
+          "defaults": QuantConfig(bits=3, evicted_bits=2),
+          "per-layer": QuantConfig.kivi(**LAYOUT, evicted_bits=2, evicted_layer_bits={1: (3, 2), 3: (4, 4)})}
 POLICIES = {
     "snapkv-head": lambda: SnapKV(budget=0.4, recent_window=8),
     "snapkv-layer": lambda: SnapKV(budget=0.4, recent_window=8, scope="layer"),
@@ -196,6 +206,7 @@ def test_tier_matrix(stories, quant, policy, tmp_path):
     save_cache(cache, path)
     loaded, _ = load_cache(path, model_config=model.config)
     torch.testing.assert_close(_session_logits(model, loaded, ids.shape[1], q), first)
+    assert loaded.quant == cache.quant
     with compress(model, cache), torch.no_grad():  # decoding appends to the kept tier only
         out = model.generate(torch.cat([ids, q], 1), past_key_values=cache, max_new_tokens=6, do_sample=False)
     assert out.shape[1] == ids.shape[1] + q.shape[1] + 6

@@ -281,10 +281,11 @@ class QuantConfig:
             self.evicted_config()  # the evicted tier's layout must be valid at its width
 
     def evicted_config(self) -> "QuantConfig":
-        """The layout of the evicted tier (``evicted_bits``): this layout at ``evicted_bits`` for
-        keys and values (``evicted_layer_bits`` for the layers it names), no sinks, no residual (every token is quantized at once;
-        per-token layouts flush one token at a time). Raises if ``evicted_bits`` is None or the
-        layout does not exist at that width (e.g. Lloyd-Max levels at 8 bits)."""
+        """The layout of the evicted tier: this layout at ``evicted_bits`` for keys and values
+        (``evicted_layer_bits`` for the layers it names), with no sinks and no residual (every
+        token is quantized at once; per-token layouts flush one token at a time). Raises if
+        ``evicted_bits`` is None or the layout does not exist at that width (e.g. Lloyd-Max
+        levels at 8 bits)."""
         b = self.evicted_bits
         if b is None:
             raise ValueError("QuantConfig.evicted_bits is None: evicted tokens are dropped, there is no evicted tier")
