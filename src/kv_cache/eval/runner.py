@@ -75,10 +75,11 @@ class Prefilled:
     prefill_cost: float = 1.0  # prefill time over a plain prefill's (KVzip's reconstruction pass)
 
 
-def _prefill(model, method: Method, ids: torch.Tensor, tokenizer=None) -> Prefilled:
+def _prefill(model, method: Method, ids: torch.Tensor, tokenizer=None, last_only: bool = False) -> Prefilled:
     """Prefill ``ids`` into a fresh cache of ``method``; ``scope`` stays open for what follows
     (ours: the ``compress`` hooks; kvpress presses only wrap the prefill). A method scored by a
-    reconstruction pass (KVzip) prefills through :func:`kv_cache.prefill`, which runs it."""
+    reconstruction pass (KVzip) prefills through :func:`kv_cache.prefill`, which runs it.
+    ``last_only``: logits of the last position only (:func:`forward_at`), as ``generate`` does."""
     cache, ctx = method.make(model)
     scope = contextlib.ExitStack()
     if method.needs_tokenizer:
@@ -93,11 +94,11 @@ def _prefill(model, method: Method, ids: torch.Tensor, tokenizer=None) -> Prefil
         return Prefilled(cache, logits.float(), held_nbytes(cache), scope, stats.cost_ratio)
     if method.prefill_only_context:
         with ctx():
-            logits = forward_at(model, cache, ids, 0)
+            logits = forward_at(model, cache, ids, 0, last_only=last_only)
     else:
         scope.enter_context(ctx())
         try:
-            logits = forward_at(model, cache, ids, 0)
+            logits = forward_at(model, cache, ids, 0, last_only=last_only)
         except BaseException:
             scope.close()
             raise
