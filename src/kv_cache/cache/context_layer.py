@@ -14,18 +14,13 @@ from __future__ import annotations
 import torch
 
 from .storage import FullPrecisionStorage
+from .tiers import TIERS_NEED_NATIVE
 
 RECONSTRUCTION_MISSING = (
     "KVzip scores the context with a reconstruction pass after the prefill, which did not run: prefill "
     "the context with kv_cache.prefill(model, cache, input_ids, tokenizer=tokenizer) (or "
     "kv_cache.CompressedContext), then generate or ask"
 )
-
-TIERS_NEED_NATIVE = (
-    "QuantConfig.evicted_bits keeps the evicted tokens in a second, lower-precision storage that only the "
-    "native attention reads: run the model inside kv_cache.compress(model, cache) (attention='native')"
-)
-
 
 class ContextMixin:
     """Sessions and the reconstruction pass; mixed into ``CompressedLayer`` (which owns the

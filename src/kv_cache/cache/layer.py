@@ -17,7 +17,8 @@ The layer knows the order of operations; its :mod:`~kv_cache.cache.storage` know
    :mod:`~kv_cache.cache.context_layer`.
 4. With ``QuantConfig.evicted_bits`` the tokens a one-shot policy does not keep move to a
    second, lower-precision storage (:attr:`CompressedLayer.demoted`, math dictionary §21)
-   instead of being dropped; attention reads its blocks after the kept ones.
+   instead of being dropped; attention reads its blocks after the kept ones
+   (:mod:`~kv_cache.cache.tiers`).
 
 Positions: ``get_seq_length`` is the number of tokens *seen*, so ``cache_position`` and RoPE
 stay absolute after eviction; ``get_mask_sizes`` returns ``kv_length = kept + q_len`` and
@@ -36,14 +37,15 @@ from ..compression.global_budget import select_global
 from ..compression.selection import forced_mask, select_tokens
 from ..policies.base import EvictionPolicy, ScoreInputs
 from .config import QuantConfig
-from .context_layer import RECONSTRUCTION_MISSING, TIERS_NEED_NATIVE, ContextMixin
+from .context_layer import RECONSTRUCTION_MISSING, ContextMixin
 from .ragged import RaggedStorage, ragged_state
+from .tiers import TIERS_NEED_NATIVE, TiersMixin, row_lengths
 from .storage import FullPrecisionStorage, LayerStorage, gather_tokens, make_storage
 
 _FORCE = torch.finfo(torch.float32).max
 
 
-class CompressedLayer(ContextMixin, CacheLayerMixin):
+class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
     """Cache layer with quantized storage (``quant``) and eviction (``policy``), both optional.
 
     Attributes
@@ -199,12 +201,8 @@ class CompressedLayer(ContextMixin, CacheLayerMixin):
         if st is None:
             return torch.zeros(0, 0, dtype=torch.int64)
         tail = 0 if self._tail is None else self._tail.length
-        out = _row_lengths(st) + tail
-        return out if self.demoted is None else out + _row_lengths(self.demoted)
-
-    def demoted_blocks(self) -> list:
-        """The evicted tier's blocks (read after the kept ones; [] when there is none)."""
-        return [] if self.demoted is None else self.demoted.blocks()
+        out = row_lengths(st) + tail
+        return out if self.demoted is None else out + row_lengths(self.demoted)
 
     # ------------------------------------------------------------------ the observer seam
     @property
@@ -430,45 +428,6 @@ class CompressedLayer(ContextMixin, CacheLayerMixin):
             self.storage = RaggedStorage.split(st, keeps, lead)
         self._starts = self.storage.starts()
 
-    def _demote(self, masks: torch.Tensor) -> None:
-        """Move the valid slots not in ``masks`` (bool ``[batch, kv_heads, T]``) to the evicted
-        tier at ``QuantConfig.evicted_bits`` (math dictionary §21), before they are dropped from
-        :attr:`storage`. They are re-quantized from what the storage holds (dequantized codes,
-        sinks and residual), one row per head when heads demote different numbers of tokens."""
-        if self.demoted is not None or isinstance(self.storage, RaggedStorage):
-            raise RuntimeError(
-                f"layer {self.layer_idx} already demoted its evicted tokens: QuantConfig.evicted_bits demotes once, "
-                "after the prefill (a policy with prefill_only)"
-            )
-        B, H, T = masks.shape
-        drop = ~masks
-        if self._starts is not None:  # left padding is dropped, never demoted
-            drop &= torch.arange(T, device=masks.device) >= self._starts.unsqueeze(-1).to(masks.device)
-        counts = drop.sum(-1)
-        if not bool(counts.any()):
-            return
-        keys, values = self.storage.read()  # [B, H, T, d] in the model dtype
-        quant = self.quant.evicted_config()
-
-        def fresh(b: int, h: int) -> LayerStorage:
-            return make_storage(quant, keys.new_empty(b, h, 0, keys.shape[-1]),
-                                values.new_empty(b, h, 0, values.shape[-1]), track_groups=False, layer=self.layer_idx)
-
-        if bool((counts == counts.flatten()[0]).all()):
-            idx = drop.nonzero()[:, 2].reshape(B, H, -1)
-            low = fresh(B, H)
-            low.append(gather_tokens(keys, idx), gather_tokens(values, idx))
-        else:
-            rows = []
-            for b in range(B):
-                for h in range(H):
-                    idx = drop[b, h].nonzero().squeeze(1)
-                    row = fresh(1, 1)
-                    row.append(keys[b:b + 1, h:h + 1, idx], values[b:b + 1, h:h + 1, idx])
-                    rows.append(row)
-            low = RaggedStorage(rows, B, H)
-        self.demoted = low
-
     # ------------------------------------------------------------------ accounting
     def held_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor this layer holds, by slot name (``state.*``: the policy's state;
@@ -496,13 +455,6 @@ class CompressedLayer(ContextMixin, CacheLayerMixin):
         if self._starts is not None:  # each head's first valid slot (padding, ragged heads)
             out["indices"] = out.get("indices", 0) + self._starts.nbytes
         return out
-
-
-def _row_lengths(st: LayerStorage) -> torch.Tensor:
-    """``[batch, heads]`` int64: the tokens each row of ``st`` holds."""
-    if isinstance(st, RaggedStorage):
-        return torch.tensor(st.row_lengths, dtype=torch.int64).reshape(st.batch, st.heads)
-    return torch.full((st.batch, st.heads), st.length, dtype=torch.int64)
 
 
 def _key_valid(mask: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
