@@ -306,7 +306,7 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
                 f"{name}(scope={pol.scope!r}) keeps a different number of tokens per head, which only the native "
                 "attention reads: run the model inside kv_cache.compress(model, cache) (attention='native')"
             )
-        if self.quant is not None and self.quant.evicted_bits is not None and not self.native:
+        if self.tiered and not self.native:
             raise RuntimeError(TIERS_NEED_NATIVE)
         if pol.needs_reconstruction and self._prefill_done:
             return
@@ -368,7 +368,7 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         if trail:
             scores[..., T - trail:] = _FORCE
         keep = select_tokens(scores, budget, recent_window=window, sink_tokens=pol.sink_tokens, valid=valid)
-        if self.quant is not None and self.quant.evicted_bits is not None:
+        if self.tiered:
             masks = torch.zeros(scores.shape, dtype=torch.bool, device=keep.device).scatter_(-1, keep, True)
             self._demote(masks)
         self.state = {name: gather_tokens(t, keep) for name, t in self.state.items()}
@@ -407,7 +407,7 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         st = self.storage
         B, H, T = masks.shape
         counts = masks.sum(-1)
-        if self.quant is not None and self.quant.evicted_bits is not None:
+        if self.tiered:
             self._demote(masks)
         pad = [T - n for n in st.row_lengths] if isinstance(st, RaggedStorage) else [0] * (B * H)
         self.state = {name: ragged_state(t, masks) for name, t in self.state.items()}

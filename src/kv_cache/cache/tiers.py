@@ -34,6 +34,11 @@ class TiersMixin:
     """The evicted tier; mixed into ``CompressedLayer`` (which owns ``storage``, ``demoted``,
     ``quant``, ``layer_idx`` and ``_starts``)."""
 
+    @property
+    def tiered(self) -> bool:
+        """True when evicted tokens are demoted, not dropped (``QuantConfig.evicted_bits``)."""
+        return self.quant is not None and self.quant.evicted_bits is not None
+
     def demoted_blocks(self) -> list:
         """The evicted tier's blocks (read after the kept ones; [] when there is none)."""
         return [] if self.demoted is None else self.demoted.blocks()
