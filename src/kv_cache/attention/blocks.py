@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..kernels import QBlock, attend_block
+from ..kernels import QBlock, attend_block, attend_mixed
 
 ROW_CHUNK_BYTES = 64 * 2**20
 """Logits held at once by the full-precision paths (bounded memory for long prefills)."""
@@ -172,6 +172,39 @@ class RaggedBlock:
         lse = torch.cat(lses, dim=0).reshape(B, H, M)
         p_stat = None if stat_rows is None else torch.cat(stats, dim=0).reshape(B, H, -1, L)
         return out, lse, p_stat
+
+
+def fused_decode(view: list, q: torch.Tensor, scaling: float, starts: torch.Tensor | None) -> torch.Tensor | None:
+    """A decoding step's attention over a layer's whole view in one kernel call, or None.
+
+    ``view``: the stored blocks in token order (the new token included); ``q`` ``[B, Hkv, G, d]``
+    (one query position); ``starts`` ``[B, Hkv]`` leading padding slots or None. Applies when
+    the view is full-precision blocks and at most one packed block
+    (:func:`kv_cache.kernels.attend_mixed`: one parallel call, merged inside it, the packed
+    block's rotation undone on its share of the output); ragged views return None and take
+    the per-block path. Returns ``out`` ``[B, Hkv, G, d_v]`` float32.
+    """
+    if not view or any(not isinstance(b, (FullBlock, QuantBlock)) for b in view):
+        return None
+    if sum(isinstance(b, QuantBlock) for b in view) > 1:
+        return None
+    B, H, G, d = q.shape
+    R = B * H
+    qf = q.float()
+    packed, dense, q_packed, inverse, offset = None, [], None, None, 0
+    for blk in view:
+        start = None if starts is None else (starts - offset).clamp(0, blk.length).reshape(R).to(torch.int32)
+        offset += blk.length
+        if isinstance(blk, FullBlock):
+            dense.append((blk.keys, blk.values, start))
+            continue
+        packed = (blk.keys, blk.values, start)
+        if blk.rotation is not None:  # q.k = (qR).(kR); the values' share is rotated back in the kernel
+            q_packed = blk.rotation.forward(qf).reshape(R, G, d)
+            inverse = blk.rotation.inverse_matrices()
+    out, _ = attend_mixed(qf.reshape(R, G, d), scaling, packed=packed, dense=dense, q_packed=q_packed,
+                          value_inverse=inverse)
+    return out.reshape(B, H, G, -1)
 
 
 def attend_new(

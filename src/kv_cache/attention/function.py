@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .blocks import attend_new, merge, reconstruction_scores
+from .blocks import attend_new, fused_decode, merge, reconstruction_scores
 
 ATTENTION_NAME = "kv_cache"
 """The name under which :func:`compressed_attention` is registered in transformers."""
@@ -114,6 +114,12 @@ def compressed_attention(
                      + torch.arange(L - n_stat, L, device=q.device)[None, :]).reshape(-1)
     # A decoded token (L == 1) is already in the view (storage.attention_update); a longer call's
     # tokens are attended causally below.
+    if L == 1 and not n_stat:
+        fused = fused_decode(view, q, scaling, starts)
+        if fused is not None:  # the whole step in one kernel call
+            if layer.awaits_observation:
+                layer.observe_attention(None, 0, scaling)
+            return fused.reshape(B, Hkv * G, L, -1).transpose(1, 2).to(query.dtype), None
     parts, stats, offset = [], [], 0
     for blk in view:
         start = None if starts is None else (starts - offset).clamp(0, blk.length)

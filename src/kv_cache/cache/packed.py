@@ -116,6 +116,14 @@ class Rotation:
             return {"rotation_matrices": self.matrices}
         return {"rotation_signs": self.signs}
 
+    def inverse_matrices(self) -> torch.Tensor:
+        """``R_h^T`` per head, float32 ``[kv_heads, d, d]`` (``inverse(y) = y @ R_h^T``); computed per
+        call, not held (the attention kernel maps a rotated block's output back with it)."""
+        if self.matrices is not None:
+            return self.matrices.float().transpose(-1, -2).contiguous()
+        d = self.signs.shape[-1]
+        return (_hadamard(d, str(self.signs.device)) * self.signs.float()[:, None, :]).contiguous()
+
     def _parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.signs.to(x.dtype)[None, :, None, :], _hadamard(x.shape[-1], str(x.device)).to(x.dtype)
 

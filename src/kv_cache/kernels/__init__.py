@@ -14,13 +14,14 @@ failed build logs one warning and falls back to it too. Formulas:
 """
 
 from ._build import available, build_dir, isa, load
-from .ops import attend_block, compact_rows_, dequantize_block, quantize_block
+from .ops import attend_block, attend_mixed, compact_rows_, dequantize_block, quantize_block
 from .qblock import GROUPINGS, QBlock, uniform_lut
 
 __all__ = [
     "GROUPINGS",
     "QBlock",
     "attend_block",
+    "attend_mixed",
     "compact_rows_",
     "available",
     "build_dir",

@@ -147,3 +147,67 @@ def bad_group_error() -> ValueError:
     return ValueError(
         "a group index in gid is outside [0, scale.shape[1]) (or gid is None and N exceeds "
         "scale.shape[1] * group_size)")
+
+
+DENSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class MixedArgs:
+    q: torch.Tensor                       # [R, G, d] float32: queries of the full-precision blocks
+    packed: AttendArgs | None             # the packed block (its queries: q, or q R when rotated)
+    dense: tuple                          # ((keys [B, H, n, dk], values [B, H, n, dv], start [R] int32 | None), ...)
+    value_inverse: torch.Tensor | None    # [H', dv, dv] float32
+    scaling: float
+
+
+def check_mixed_args(q, scaling, packed, dense, q_packed, value_inverse) -> MixedArgs:
+    """Validate :func:`~kv_cache.kernels.attend_mixed`'s arguments."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor; got {type(q).__name__}")
+    if q.dtype != torch.float32 or q.dim() != 3:
+        raise TypeError(f"q must be a float32 [R, G, d] tensor; got {q.dtype} of shape {tuple(q.shape)}")
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
+        raise TypeError(f"scaling must be a finite float; got {scaling!r}")
+    R, _, d = q.shape
+    dv = None
+    p = None
+    if packed is not None:
+        if not isinstance(packed, tuple) or len(packed) != 3:
+            raise TypeError("packed must be None or a (kblock, vblock, start) tuple")
+        qp = q if q_packed is None else q_packed
+        if isinstance(qp, torch.Tensor) and tuple(qp.shape) != tuple(q.shape):
+            raise ValueError(f"q_packed must have q's shape {tuple(q.shape)}; got {tuple(qp.shape)}")
+        p = check_attend_args(qp, packed[0], packed[1], scaling, packed[2], None)
+        dv = p.v.head_dim
+    elif q_packed is not None or value_inverse is not None:
+        raise ValueError("q_packed and value_inverse apply to the packed block; got them with packed=None")
+    blocks = []
+    for i, blk in enumerate(dense):
+        if not isinstance(blk, tuple) or len(blk) != 3:
+            raise TypeError(f"dense[{i}] must be a (keys, values, start) tuple")
+        k, v, st = blk
+        for name, t in (("keys", k), ("values", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"dense[{i}] {name} must be a rank-4 [B, H, n, d] tensor")
+            if t.dtype not in DENSE_DTYPES:
+                raise TypeError(f"dense[{i}] {name} must be one of {_names(DENSE_DTYPES)}; got {t.dtype}")
+        if k.dtype != v.dtype or k.shape[:3] != v.shape[:3] or k.shape[0] * k.shape[1] != R:
+            raise ValueError(f"dense[{i}]: keys {tuple(k.shape)} {k.dtype} and values {tuple(v.shape)} {v.dtype} "
+                             f"must share dtype and [B, H, n] with B * H = R = {R}")
+        if k.shape[3] != d:
+            raise ValueError(f"dense[{i}] keys have d={k.shape[3]} but q has d={d}")
+        if dv is not None and v.shape[3] != dv:
+            raise ValueError(f"dense[{i}] values have d_v={v.shape[3]}, the other blocks {dv}")
+        dv = v.shape[3]
+        blocks.append((k, v, _row_index(st, f"dense[{i}] start", R)))
+    if p is None and not blocks:
+        raise ValueError("attend_mixed needs a packed block or at least one dense block; got neither")
+    if value_inverse is not None:
+        vi = value_inverse
+        if not isinstance(vi, torch.Tensor) or vi.dtype != torch.float32 or vi.dim() != 3 \
+                or tuple(vi.shape[1:]) != (dv, dv) or R % vi.shape[0]:
+            raise ValueError(f"value_inverse must be float32 [H, d_v, d_v] = [H, {dv}, {dv}] with R = {R} a "
+                             f"multiple of H; got {getattr(vi, 'dtype', type(vi).__name__)} of shape "
+                             f"{tuple(getattr(vi, 'shape', ()))}")
+    return MixedArgs(q, p, tuple(blocks), value_inverse, float(scaling))

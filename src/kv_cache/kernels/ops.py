@@ -17,6 +17,7 @@ from ._checks import (
     bad_group_error,
     check_attend_args,
     check_block,
+    check_mixed_args,
     check_out,
     check_out_dtype,
     check_quantize_args,
@@ -257,13 +258,118 @@ def attend_block(
                    k.scale.contiguous(), _c(k.zero), _c(k.gid), k.group_size,
                    v.codes.contiguous(), v.bits, v.lut.contiguous(), _GROUPING_ID[v.grouping],
                    v.scale.contiguous(), _c(v.zero), _c(v.gid), v.group_size,
-                   a.scaling, _c(a.start), _c(a.length), out, lse, logits, _build.isa_flag())
+                   a.scaling, _c(a.start), _c(a.length), out, lse, logits, _build.isa_flag(),
+                   None, [], [], None, None)
     except ValueError as exc:  # the extension's group-index check
         raise bad_group_error() from exc
     return out, lse, logits
 
 
-__all__ = ["attend_block", "dequantize_block", "quantize_block"]
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[B, H, n, d]`` as is when each token's ``d`` channels are contiguous and tokens are
+    ``d`` apart (any batch/head strides, e.g. a view into a larger buffer), else a contiguous copy."""
+    if t.stride(-1) == 1 and (t.shape[2] <= 1 or t.stride(-2) == t.shape[-1]):
+        return t
+    return t.contiguous()
+
+
+def _empty_block(R: int, d: int, device) -> QBlock:
+    """A packed block of no tokens (8-bit codes, one scale per token): the kernel's stand-in
+    when a mixed call has full-precision blocks only."""
+    return QBlock(torch.empty((R, 0, d), dtype=torch.uint8, device=device), 8, uniform_lut(8, False, device),
+                  "token", torch.empty((R, 0, 1), dtype=torch.float32, device=device), None, d)
+
+
+def attend_mixed(
+    q: torch.Tensor,
+    scaling: float,
+    *,
+    packed: tuple[QBlock, QBlock, torch.Tensor | None] | None = None,
+    dense: tuple | list = (),
+    q_packed: torch.Tensor | None = None,
+    value_inverse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One attention over a layer's blocks in one softmax: a packed block read from its codes
+    (as :func:`attend_block`) and full-precision blocks (sinks, residual, the new token), all
+    split into work items of one parallel call and merged by log-sum-exp inside it (§16).
+
+    This is a decoding step's whole attention for a layer in one kernel call, instead of one
+    call per block plus a merge in torch.
+
+    Parameters
+    ----------
+    q : torch.Tensor, float32, ``[R, G, d]``
+        Queries per KV row ``r = b * H + h`` (``G`` query heads x positions share the row).
+    scaling : float
+        Score scale, usually ``d ** -0.5``.
+    packed : ``(kblock, vblock, start)``, optional
+        The packed tokens (:class:`QBlock` s over rows ``R``) and the first valid token per row
+        (int32 ``[R]`` or None).
+    dense : sequence of ``(keys, values, start)``
+        Full-precision blocks: ``keys`` ``[B, H, n, d]`` and ``values`` ``[B, H, n, d_v]``
+        (float32, float16 or bfloat16, ``B * H = R``, each token's channels contiguous),
+        ``start`` int32 ``[R]`` or None.
+    q_packed : torch.Tensor, float32 ``[R, G, d]``, optional
+        Queries of the packed block when its keys are stored rotated (``q R``: ``q.k = qR.kR``).
+    value_inverse : torch.Tensor, float32 ``[H, d_v, d_v]``, optional
+        The packed block's values are stored rotated: its share of the output is mapped back
+        by ``o @ value_inverse[r % H]`` before the full-precision blocks join.
+
+    Returns
+    -------
+    out : torch.Tensor, float32 ``[R, G, d_v]``
+    lse : torch.Tensor, float32 ``[R, G]`` (``-inf`` and ``out = 0`` for a row with no valid token)
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`attend_block` for the packed block; dense blocks of another rank, dtype or
+        row count; no block at all; ``q_packed``/``value_inverse`` without a packed block.
+
+    Examples
+    --------
+    >>> k = quantize_block(torch.randn(3, 256, 64), 4, "channel", 128)
+    >>> v = quantize_block(torch.randn(3, 256, 64), 4, "token", 64)
+    >>> res = (torch.randn(1, 3, 5, 64), torch.randn(1, 3, 5, 64), None)
+    >>> out, lse = attend_mixed(torch.randn(3, 2, 64), 0.125, packed=(k, v, None), dense=[res])
+    >>> out.shape, lse.shape
+    (torch.Size([3, 2, 64]), torch.Size([3, 2]))
+    """
+    a = check_mixed_args(q, scaling, packed, dense, q_packed, value_inverse)
+    tensors = [a.q] + [t for blk in a.dense for t in blk[:2]]
+    if a.packed is not None:
+        tensors += [a.packed.q, a.packed.k.codes, a.packed.v.codes]
+    ext = _compiled(*tensors)
+    if ext is None:
+        return reference._attend_mixed(a)
+    R, G, d = a.q.shape
+    if a.packed is not None:
+        k, v, qp, start = a.packed.k, a.packed.v, a.packed.q.contiguous(), a.packed.start
+    else:
+        dv = a.dense[0][1].shape[-1]
+        k, v, qp, start = _empty_block(R, d, a.q.device), _empty_block(R, dv, a.q.device), a.q.contiguous(), None
+    dk_list = [_rows(blk[0]) for blk in a.dense]
+    dv_list = [_rows(blk[1]) for blk in a.dense]
+    dense_start = None
+    if any(blk[2] is not None for blk in a.dense):
+        dense_start = torch.stack([torch.zeros(R, dtype=torch.int32) if blk[2] is None else blk[2]
+                                   for blk in a.dense]).contiguous()
+    out = torch.empty((R, G, v.head_dim), dtype=torch.float32)
+    lse = torch.empty((R, G), dtype=torch.float32)
+    try:
+        ext.attend(qp,
+                   k.codes.contiguous(), k.bits, k.lut.contiguous(), _GROUPING_ID[k.grouping],
+                   k.scale.contiguous(), _c(k.zero), _c(k.gid), k.group_size,
+                   v.codes.contiguous(), v.bits, v.lut.contiguous(), _GROUPING_ID[v.grouping],
+                   v.scale.contiguous(), _c(v.zero), _c(v.gid), v.group_size,
+                   a.scaling, _c(start), None, out, lse, None, _build.isa_flag(),
+                   a.q.contiguous(), dk_list, dv_list, dense_start, _c(a.value_inverse))
+    except ValueError as exc:
+        raise bad_group_error() from exc
+    return out, lse
+
+
+__all__ = ["attend_block", "attend_mixed", "dequantize_block", "quantize_block"]
 
 
 def compact_rows_(buf: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

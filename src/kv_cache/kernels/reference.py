@@ -158,4 +158,48 @@ def attend_block(
     return _attend(check_attend_args(q, kblock, vblock, scaling, start, length), bool(return_logits))
 
 
-__all__ = ["attend_block", "dequantize_block", "expand_meta", "quantize_block", "unpack_codes"]
+__all__ = ["attend_block", "attend_mixed", "dequantize_block", "expand_meta", "quantize_block", "unpack_codes"]
+
+
+def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax over blocks from per-block ``(out [..., dv], lse [...])`` (math dictionary §16)."""
+    lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
+    out = None
+    for o, l in parts:
+        w = torch.exp(l - lse).nan_to_num_(0.0).unsqueeze(-1)
+        out = o * w if out is None else out + o * w
+    return out, lse
+
+
+def rows_times(x: torch.Tensor, mats: torch.Tensor) -> torch.Tensor:
+    """``x[r] @ mats[r % H]`` for ``x`` ``[R, G, d]`` and ``mats`` ``[H, d, d]``."""
+    R, G, d = x.shape
+    H = mats.shape[0]
+    return (x.reshape(R // H, H, G, d) @ mats.unsqueeze(0)).reshape(R, G, -1)
+
+
+def _attend_mixed(a) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = []
+    if a.packed is not None:
+        out, lse, _ = _attend(a.packed, False)
+        if a.value_inverse is not None:
+            out = rows_times(out, a.value_inverse)
+        parts.append((out, lse))
+    R, G, d = a.q.shape
+    for k, v, st in a.dense:
+        n = k.shape[2]
+        kx, vx = k.float().reshape(R, n, d), v.float().reshape(R, n, -1)
+        s = torch.bmm(a.q, kx.transpose(1, 2)).mul_(a.scaling)
+        if st is not None:
+            s.masked_fill_((torch.arange(n, device=s.device) < st.long().unsqueeze(1)).unsqueeze(1), float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)
+        parts.append((torch.bmm(p, vx), lse))
+    return merge_parts(parts)
+
+
+def attend_mixed(q, scaling, *, packed=None, dense=(), q_packed=None, value_inverse=None):
+    """Torch reference of :func:`kv_cache.kernels.attend_mixed`."""
+    from ._checks import check_mixed_args
+
+    return _attend_mixed(check_mixed_args(q, scaling, packed, dense, q_packed, value_inverse))

@@ -37,6 +37,7 @@ enum Status : int { kOk = 0, kNonFinite = 1, kScaleUnrepresentable = 2, kBadGrou
 constexpr int kPad = 16;        // decoded rows are padded to a multiple of this many floats
 constexpr int kTile = 32;       // attention: tokens decoded per tile (L1-resident)
 constexpr int kTokChunk = 64;   // (de)quantize: tokens per work item
+constexpr int kPrefetchTiles = 1;  // attention: tiles requested ahead of the one being decoded
 
 static inline int pad_to(int n) { return (n + kPad - 1) / kPad * kPad; }
 
@@ -187,6 +188,18 @@ struct DequantArgs {
 
 struct AttendItem {
   int64_t r, t0, t1;
+  int dense = -1;  // -1: tokens of the packed block; i >= 0: of full-precision block i
+};
+
+// A full-precision block of [B, H, n, d] keys and values (float32/16, bfloat16), element
+// strides per batch (kb, vb) and per head (kh, vh); tokens are d elements apart.
+struct DenseView {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  DT dt = DT_F32;
+  int64_t n = 0, kb = 0, kh = 0, vb = 0, vh = 0;
+  int dk = 0, dv = 0;
+  const int32_t* start = nullptr;  // [R] first valid token per row, or null (0)
 };
 
 struct AttendArgs {
@@ -200,6 +213,10 @@ struct AttendArgs {
   float* pl;       // [items, G] chunk sum of exp(s - max)
   float* pacc;     // [items, G, pad(dv)] chunk sum of exp(s - max) * v
   std::atomic<int>* status;
+  // mixed calls (attend_mixed): full-precision blocks in the same softmax
+  const float* qd = nullptr;  // [R, G, dk] queries of the full-precision blocks
+  const DenseView* dense = nullptr;
+  int H = 1;                  // KV heads: row r is (r / H, r % H)
 };
 
 // q[c] = number of midpoints strictly below x[c] / s (the nearest level; ties go down);
@@ -333,6 +350,17 @@ static BlockView make_block(const at::Tensor& codes, int64_t bits, const at::Ten
   return b;
 }
 
+// x[0..d) = x @ M for a row-major [d, d] matrix (a rotated block's output back to its space)
+static void rotate_back(float* x, const float* M, int d) {
+  std::vector<float> y(d, 0.0f);
+  for (int j = 0; j < d; ++j) {
+    const float xj = x[j];
+    const float* mr = M + static_cast<int64_t>(j) * d;
+    for (int c = 0; c < d; ++c) y[c] += xj * mr[c];
+  }
+  std::copy(y.begin(), y.end(), x);
+}
+
 static void raise_bad_group() {
   throw pybind11::value_error(
       "a group index in gid is outside [0, scale.shape[1]) (or gid is None and N exceeds "
@@ -406,7 +434,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
             const c10::optional<at::Tensor>& v_zero, const c10::optional<at::Tensor>& v_gid,
             int64_t v_group_size, double scaling, const c10::optional<at::Tensor>& start,
             const c10::optional<at::Tensor>& length, at::Tensor& out, at::Tensor& lse,
-            const c10::optional<at::Tensor>& logits, int64_t isa) {
+            const c10::optional<at::Tensor>& logits, int64_t isa, const c10::optional<at::Tensor>& qd,
+            const std::vector<at::Tensor>& dense_k, const std::vector<at::Tensor>& dense_v,
+            const c10::optional<at::Tensor>& dense_start, const c10::optional<at::Tensor>& vinv) {
   std::atomic<int> status{kOk};
   AttendArgs a;
   a.k = make_block(k_codes, k_bits, k_lut, k_grouping, k_scale, k_zero, k_gid, k_group_size);
@@ -422,6 +452,53 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
   const int32_t* st = start.has_value() ? start->data_ptr<int32_t>() : nullptr;
   const int32_t* ln = length.has_value() ? length->data_ptr<int32_t>() : nullptr;
   a.logits = logits.has_value() ? logits->data_ptr<float>() : nullptr;
+  // full-precision blocks [B, H, n, d] (mixed calls), attended in the same softmax
+  const int64_t n_dense = static_cast<int64_t>(dense_k.size());
+  TORCH_CHECK(static_cast<int64_t>(dense_v.size()) == n_dense, "dense_k and dense_v differ in length");
+  std::vector<DenseView> dviews(n_dense);
+  for (int64_t i = 0; i < n_dense; ++i) {
+    const at::Tensor& kt = dense_k[i];
+    const at::Tensor& vt = dense_v[i];
+    TORCH_CHECK(kt.dim() == 4 && vt.dim() == 4 && kt.scalar_type() == vt.scalar_type(), "dense blocks");
+    TORCH_CHECK(kt.size(0) * kt.size(1) == R && vt.size(0) == kt.size(0) && vt.size(1) == kt.size(1) &&
+                    vt.size(2) == kt.size(2), "dense block shapes");
+    TORCH_CHECK(kt.stride(3) == 1 && vt.stride(3) == 1 && (kt.size(2) <= 1 || (kt.stride(2) == kt.size(3) &&
+                                                                               vt.stride(2) == vt.size(3))),
+                "dense blocks: tokens must be contiguous rows");
+    TORCH_CHECK(kt.size(3) == a.k.d && vt.size(3) == a.v.d, "dense block head dims");
+    DenseView& D = dviews[i];
+    D.k = kt.data_ptr();
+    D.v = vt.data_ptr();
+    D.dt = dt_of(kt);
+    TORCH_CHECK(D.dt == DT_F32 || D.dt == DT_F16 || D.dt == DT_BF16, "dense blocks: float32/16 or bfloat16");
+    D.n = kt.size(2);
+    D.kb = kt.stride(0);
+    D.kh = kt.stride(1);
+    D.vb = vt.stride(0);
+    D.vh = vt.stride(1);
+    D.dk = static_cast<int>(kt.size(3));
+    D.dv = static_cast<int>(vt.size(3));
+    if (dense_start.has_value()) D.start = dense_start->data_ptr<int32_t>() + i * R;
+  }
+  if (n_dense) {
+    TORCH_CHECK(!dense_start.has_value() || (dense_start->scalar_type() == at::kInt && dense_start->is_contiguous() &&
+                                             dense_start->numel() == n_dense * R), "dense_start");
+    a.H = static_cast<int>(dense_k[0].size(1));
+  }
+  a.dense = dviews.data();
+  a.qd = a.q;
+  if (qd.has_value()) {
+    TORCH_CHECK(qd->scalar_type() == at::kFloat && qd->is_contiguous() && qd->sizes() == q.sizes(), "qd");
+    a.qd = qd->data_ptr<float>();
+  }
+  const float* vi = nullptr;
+  int64_t vi_heads = 1;
+  if (vinv.has_value()) {
+    TORCH_CHECK(vinv->scalar_type() == at::kFloat && vinv->is_contiguous() && vinv->dim() == 3 &&
+                vinv->size(1) == dv && vinv->size(2) == dv && R % vinv->size(0) == 0, "vinv");
+    vi = vinv->data_ptr<float>();
+    vi_heads = vinv->size(0);
+  }
   // valid tokens of row r: [lo, hi) = [start, length) clipped to [0, N)
   std::vector<int64_t> lo(R), hi(R);
   int64_t total = 0;
@@ -439,7 +516,13 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
   std::vector<int64_t> first(R + 1);
   for (int64_t r = 0; r < R; ++r) {
     first[r] = static_cast<int64_t>(items.size());
-    for (int64_t t = lo[r]; t < hi[r]; t += chunk) items.push_back({r, t, std::min(hi[r], t + chunk)});
+    for (int64_t t = lo[r]; t < hi[r]; t += chunk) items.push_back({r, t, std::min(hi[r], t + chunk), -1});
+    for (int64_t i = 0; i < n_dense; ++i) {
+      const DenseView& D = dviews[i];
+      const int64_t t0 = D.start ? std::min<int64_t>(std::max<int64_t>(D.start[r], 0), D.n) : 0;
+      for (int64_t t = t0; t < D.n; t += chunk) items.push_back({r, t, std::min(D.n, t + chunk), static_cast<int>(i)});
+      total += D.n - t0;
+    }
   }
   first[R] = static_cast<int64_t>(items.size());
   const int64_t n_items = static_cast<int64_t>(items.size());
@@ -460,7 +543,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
   const int isa_level = pick_isa(isa);
   if (n_items > 0) {
     run_items(n_items, total * G * (a.k.d + dv) / 4, [&](int64_t i, Scratch& s) {
-      KVK_DISPATCH(isa_level, attend_item, a, i, s);
+      if (items[i].dense < 0)
+        KVK_DISPATCH(isa_level, attend_item, a, i, s);
+      else
+        KVK_DISPATCH(isa_level, attend_dense_item, a, i, s);
     });
   }
   if (status.load() == kBadGroup) raise_bad_group();
@@ -478,12 +564,19 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
         continue;
       }
       double sum = 0.0;
+      bool packed = false;  // the packed block's share, rotated back (vinv) before the rest joins
       for (int64_t i = first[r]; i < first[r + 1]; ++i) {
+        if (vi && items[i].dense >= 0 && packed) {
+          rotate_back(orow, vi + (r % vi_heads) * dv * dv, dv);
+          packed = false;
+        }
         const float w = std::exp(pm[i * G + g] - M);
         sum += static_cast<double>(w) * pl[i * G + g];
         const float* pa = pacc.data() + (i * G + g) * dvp;
         for (int c = 0; c < dv; ++c) orow[c] += w * pa[c];
+        packed = packed || items[i].dense < 0;
       }
+      if (vi && packed) rotate_back(orow, vi + (r % vi_heads) * dv * dv, dv);
       const float inv = static_cast<float>(1.0 / sum);
       for (int c = 0; c < dv; ++c) orow[c] *= inv;
       L[r * G + g] = M + static_cast<float>(std::log(sum));

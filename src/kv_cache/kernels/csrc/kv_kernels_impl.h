@@ -856,6 +856,17 @@ static inline void decode_token_tile(const BlockView& B, int64_t r, int64_t t0, 
     for (int j = 0; j < J; ++j) zsT[j * kTile + t] = sc[t * J + j] * zs[t * J + j];
 }
 
+// Software prefetch of [p, p + n) bytes, one request per 64-byte line.
+static inline void prefetch_range(const void* p, int64_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < n; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
+static inline void prefetch_meta(const Meta& s, const Meta& z, int64_t off, int64_t n) {
+  if (s.p) prefetch_range(static_cast<const char*>(s.p) + off * dt_size(s.dt), n * dt_size(s.dt));
+  if (z.p) prefetch_range(static_cast<const char*>(z.p) + off * dt_size(z.dt), n * dt_size(z.dt));
+}
+
 // One work item: tokens [t0, t1) of row r; writes the chunk's (max, sum, unnormalized output).
 static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
   const AttendItem& it = a.items[item];
@@ -963,6 +974,17 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
   };
   for (int64_t t0 = it.t0; t0 < it.t1; t0 += T) {
     const int nt = static_cast<int>(std::min<int64_t>(T, it.t1 - t0));
+    // the tiles after this one, requested now: decoding is latency-bound on cold caches
+    for (int64_t ahead = t0 == it.t0 ? t0 + T : t0 + kPrefetchTiles * T;
+         ahead < std::min<int64_t>(it.t1, t0 + (kPrefetchTiles + 1) * T); ahead += T) {
+      const int na = static_cast<int>(std::min<int64_t>(T, it.t1 - ahead));
+      prefetch_range(K.codes + (r * N + ahead) * K.P, static_cast<int64_t>(na) * K.P);
+      prefetch_range(V.codes + (r * N + ahead) * V.P, static_cast<int64_t>(na) * V.P);
+      if (V.grouping == kToken) prefetch_meta(V.scale, V.zero, (r * N + ahead) * Jv, static_cast<int64_t>(na) * Jv);
+      if (K.grouping == kToken) prefetch_meta(K.scale, K.zero, (r * N + ahead) * Jk, static_cast<int64_t>(na) * Jk);
+      if (K.gid) prefetch_range(K.gid + r * N + ahead, sizeof(int32_t) * na);
+      if (V.gid) prefetch_range(V.gid + r * N + ahead, sizeof(int32_t) * na);
+    }
     // ---- keys -> scores S[g][t]
     if (K.grouping == kChannel) {
       decode_tile<kNoScale>(K.codes + (r * N + t0) * K.P, K.P, nt, dk, K.bits, K.lut, nullptr, 0, Kb, dkp);
@@ -1083,6 +1105,94 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
         const float cj = corr[g * Jv + j];
         for (int c = 0; c < V.gs; ++c) A[c] -= cj;
       }
+  }
+  for (int g = 0; g < G; ++g) {
+    a.pm[item * G + g] = m[g];
+    a.pl[item * G + g] = l[g];
+    std::memcpy(a.pacc + (item * G + g) * static_cast<int64_t>(dvp), acc + static_cast<size_t>(g) * dvp,
+                sizeof(float) * dvp);
+  }
+}
+
+// Rows t < nt of a full-precision tile: dst[t][c] = x[off + t * d + c] as float32.
+template <DT XDT>
+static inline void dense_tile_t(const void* x, int64_t off, int nt, int d, float* dst, int ldt) {
+  for (int t = 0; t < nt; ++t) {
+    const int64_t o = off + static_cast<int64_t>(t) * d;
+    float* row = dst + static_cast<int64_t>(t) * ldt;
+    int c = 0;
+    for (; c + W <= d; c += W) vstore(row + c, xload<XDT>(x, o + c));
+    for (; c < d; ++c) row[c] = xload1<XDT>(x, o + c);
+  }
+}
+
+static inline void dense_tile(const void* x, DT dt, int64_t off, int nt, int d, float* dst, int ldt) {
+  if (dt == DT_F16)
+    dense_tile_t<DT_F16>(x, off, nt, d, dst, ldt);
+  else if (dt == DT_BF16)
+    dense_tile_t<DT_BF16>(x, off, nt, d, dst, ldt);
+  else
+    dense_tile_t<DT_F32>(x, off, nt, d, dst, ldt);
+}
+
+// One work item over a full-precision block: tokens [t0, t1) of row r of a.dense[it.dense],
+// the same online softmax as attend_item; writes the chunk's (max, sum, unnormalized output).
+static void attend_dense_item(const AttendArgs& a, int64_t item, Scratch& s) {
+  const AttendItem& it = a.items[item];
+  const DenseView& D = a.dense[it.dense];
+  const int64_t r = it.r, b = r / a.H, h = r % a.H;
+  const int G = a.G, dk = D.dk, dv = D.dv;
+  const int dkp = pad_to(dk), dvp = pad_to(dv);
+  constexpr int T = kTile;
+  const size_t sizes[] = {static_cast<size_t>(G) * dkp, static_cast<size_t>(T) * dkp, static_cast<size_t>(T) * dvp,
+                          static_cast<size_t>(G) * T, static_cast<size_t>(G) * dvp, 2 * static_cast<size_t>(G)};
+  size_t total = 0;
+  for (size_t n : sizes) total += n + kPad;
+  if (s.f0.size() < total) s.f0.resize(total);
+  float* p = s.f0.data();
+  auto take = [&p](size_t n) { float* q = p; p += n + kPad; return q; };
+  float* qs = take(sizes[0]);
+  float* Kb = take(sizes[1]);
+  float* Vb = take(sizes[2]);
+  float* S = take(sizes[3]);
+  float* acc = take(sizes[4]);
+  float* m = take(sizes[5]);
+  float* l = m + G;
+  std::fill(Kb, Kb + sizes[1], 0.0f);
+  std::fill(Vb, Vb + sizes[2], 0.0f);
+  std::fill(acc, acc + sizes[4], 0.0f);
+  for (int g = 0; g < G; ++g) {
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.0f;
+    float* qrow = qs + static_cast<size_t>(g) * dkp;
+    const float* qin = a.qd + (r * G + g) * dk;
+    for (int c = 0; c < dk; ++c) qrow[c] = a.scaling * qin[c];
+    std::fill(qrow + dk, qrow + dkp, 0.0f);
+  }
+  const int64_t koff = b * D.kb + h * D.kh, voff = b * D.vb + h * D.vh;
+  for (int64_t t0 = it.t0; t0 < it.t1; t0 += T) {
+    const int nt = static_cast<int>(std::min<int64_t>(T, it.t1 - t0));
+    dense_tile(D.k, D.dt, koff + t0 * dk, nt, dk, Kb, dkp);
+    dots(qs, dkp, G, Kb, dkp, nt, dkp, S, T);
+    for (int g = 0; g < G; ++g) {
+      float* Sg = S + g * T;
+      float mt = m[g];
+      for (int t = 0; t < nt; ++t) mt = std::max(mt, Sg[t]);
+      if (mt > m[g]) {
+        const float alpha = std::exp(m[g] - mt);  // 0 on the first tile
+        m[g] = mt;
+        l[g] *= alpha;
+        if (alpha != 1.0f) scale_row(acc + static_cast<size_t>(g) * dvp, dvp, alpha);
+      }
+      float ls = 0.0f;
+      for (int t = 0; t < nt; ++t) {
+        Sg[t] = std::exp(Sg[t] - m[g]);
+        ls += Sg[t];
+      }
+      l[g] += ls;
+    }
+    dense_tile(D.v, D.dt, voff + t0 * dv, nt, dv, Vb, dvp);
+    accum(S, T, G, Vb, dvp, nt, dvp, acc, dvp);
   }
   for (int g = 0; g < G; ++g) {
     a.pm[item * G + g] = m[g];

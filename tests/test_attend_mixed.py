@@ -1,0 +1,172 @@
+"""``attend_mixed`` (a layer's decode attention in one kernel call) and ``fused_decode``.
+
+Model-free: the compiled kernel against its torch reference on every code path, against a
+float64 softmax over the concatenated blocks (dtypes, left padding, rotated packed blocks,
+no packed block, no dense block), the decode fast path against the per-block path, and
+argument validation. Tolerances as in ``test_kernels.py`` (float32 sums of O(1) terms).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv_cache import QuantConfig
+from kv_cache.attention.blocks import FullBlock, QuantBlock, fused_decode, merge
+from kv_cache.cache.storage import PackedKV
+from kv_cache.kernels import attend_mixed, ops, quantize_block, reference
+from kv_cache.kernels.reference import dequantize_block as ref_dequantize
+from test_kernels import ATOL, RTOL, compiled  # noqa: F401  (fixture)
+
+B, H, G, D = 2, 3, 4, 64
+R = B * H
+
+
+def _layer(dtype=torch.float32, rotated=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k = quantize_block(torch.randn(R, 256, D, generator=gen), 4, "channel", 128)
+    v = quantize_block(torch.randn(R, 256, D, generator=gen), 2, "token", 32)
+    start = torch.tensor([0, 3, 0, 7, 0, 300], dtype=torch.int32)  # the last row: all padding
+    buf = torch.randn(B, H, 40, D, generator=gen).to(dtype)  # a residual as a view of a larger buffer
+    res = (buf[:, :, :17], torch.randn(B, H, 17, D, generator=gen).to(dtype), None)
+    sinks = (torch.randn(B, H, 4, D, generator=gen).to(dtype), torch.randn(B, H, 4, D, generator=gen).to(dtype),
+             torch.tensor([0, 1, 2, 4, 0, 0], dtype=torch.int32))
+    q = torch.randn(R, G, D, generator=gen)
+    kw = {"packed": (k, v, start), "dense": [sinks, res]}
+    if rotated:
+        kw["q_packed"] = torch.randn(R, G, D, generator=gen)
+        kw["value_inverse"] = torch.linalg.qr(torch.randn(H, D, D, generator=gen))[0].contiguous()
+    return q, kw
+
+
+def _oracle(q, packed=None, dense=(), q_packed=None, value_inverse=None, scaling=0.125):
+    """float64: one softmax over the concatenation; the packed share rotated back first."""
+    qd = q.double()
+    logit_blocks, values = [], []
+    if packed is not None:
+        k, v, st = packed
+        kx, vx = ref_dequantize(k).double(), ref_dequantize(v).double()
+        qp = (q if q_packed is None else q_packed).double()
+        s = (qp @ kx.transpose(1, 2)) * scaling
+        if st is not None:
+            s = s.masked_fill((torch.arange(kx.shape[1]) < st.long()[:, None])[:, None], float("-inf"))
+        if value_inverse is not None:  # p @ (v M) = (p @ v) M
+            vx = (vx.reshape(B, H, -1, D) @ value_inverse.double()[None]).reshape(R, -1, D)
+        logit_blocks.append(s)
+        values.append(vx)
+    for k, v, st in dense:
+        n = k.shape[2]
+        s = (qd @ k.double().reshape(R, n, D).transpose(1, 2)) * scaling
+        if st is not None:
+            s = s.masked_fill((torch.arange(n) < st.long()[:, None])[:, None], float("-inf"))
+        logit_blocks.append(s)
+        values.append(v.double().reshape(R, n, -1))
+    s = torch.cat(logit_blocks, -1)
+    lse = torch.logsumexp(s, -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return p @ torch.cat(values, 1), lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rotated", [False, True])
+def test_mixed_matches_one_softmax(compiled, dtype, rotated):  # noqa: F811
+    q, kw = _layer(dtype, rotated)
+    out, lse = attend_mixed(q, 0.125, **kw)
+    ref, ref_lse = _oracle(q, **kw)
+    valid = torch.isfinite(ref_lse)
+    torch.testing.assert_close(out.double(), ref, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(lse.double()[valid], ref_lse[valid], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("which", ["dense_only", "packed_only", "one_token"])
+def test_mixed_single_kinds(compiled, which):  # noqa: F811
+    q, kw = _layer()
+    if which == "dense_only":
+        kw = {"dense": kw["dense"]}
+    elif which == "packed_only":
+        kw = {"packed": kw["packed"]}
+    else:  # decoding's new token alone, as a [B, H, 1, d] block with arbitrary strides
+        tok = torch.randn(B, H, 5, D)[:, :, 2:3]
+        kw = {"packed": kw["packed"], "dense": [(tok, tok * 2, None)]}
+    out, lse = attend_mixed(q, 0.125, **kw)
+    ref, ref_lse = _oracle(q, **kw)
+    valid = torch.isfinite(ref_lse)
+    torch.testing.assert_close(out.double(), ref, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(lse.double()[valid], ref_lse[valid], rtol=0, atol=ATOL)
+
+
+def test_row_without_tokens_is_zero_with_minus_inf_lse(compiled):  # noqa: F811
+    q, kw = _layer()
+    k, v, _ = kw["packed"]
+    everything_masked = torch.full((R,), 1000, dtype=torch.int32)
+    out, lse = attend_mixed(q, 0.125, packed=(k, v, everything_masked))
+    assert torch.isneginf(lse).all() and (out == 0).all()
+
+
+@pytest.mark.parametrize("rotation", [None, "hadamard"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_fused_decode_matches_the_per_block_path(rotation, padded):
+    """The decode fast path of the attention function against attending block by block."""
+    torch.manual_seed(0)
+    Bm, Hm, Gm, d = 2, 2, 3, 32
+    cfg = QuantConfig.kivi(bits=4, group_size=8) if rotation is None else QuantConfig(bits=4, group_size=8)
+    packed = PackedKV(cfg, torch.float32, d, track_groups=False)
+    packed.append(torch.randn(Bm, Hm, 24, d), torch.randn(Bm, Hm, 24, d))
+    view = [FullBlock(torch.randn(Bm, Hm, 3, d), torch.randn(Bm, Hm, 3, d)),
+            QuantBlock(*packed.qblocks(), batch=Bm, kv_heads=Hm, rotation=packed.rotation),
+            FullBlock(torch.randn(Bm, Hm, 5, d), torch.randn(Bm, Hm, 5, d))]
+    q = torch.randn(Bm, Hm, Gm, d)
+    starts = torch.tensor([[0, 0], [6, 6]]) if padded else None
+    got = fused_decode(view, q, 0.2, starts)
+    parts, off = [], 0
+    for blk in view:
+        st = None if starts is None else (starts - off).clamp(0, blk.length)
+        out, lse, _ = blk.attend(q, 0.2, st, None)
+        parts.append((out, lse))
+        off += blk.length
+    want, _ = merge(parts)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_decode_declines_views_it_cannot_take():
+    q = torch.randn(1, 1, 2, 8)
+    assert fused_decode([], q, 1.0, None) is None
+
+    class Other:
+        length = 1
+    assert fused_decode([Other()], q, 1.0, None) is None
+
+
+def test_mixed_validation():
+    q, kw = _layer()
+    k, v, st = kw["packed"]
+    with pytest.raises(ValueError, match="needs a packed block or at least one dense block"):
+        attend_mixed(q, 0.125)
+    with pytest.raises(TypeError, match="float32"):
+        attend_mixed(q.double(), 0.125, packed=(k, v, st))
+    with pytest.raises(TypeError, match="finite float"):
+        attend_mixed(q, float("nan"), packed=(k, v, st))
+    with pytest.raises(TypeError, match=r"must be one of .*float32.*; got torch.int32"):
+        attend_mixed(q, 0.125, dense=[(torch.zeros(B, H, 2, D, dtype=torch.int32),) * 2 + (None,)])
+    with pytest.raises(ValueError, match="rank-4"):
+        attend_mixed(q, 0.125, dense=[(torch.zeros(R, 2, D), torch.zeros(R, 2, D), None)])
+    with pytest.raises(ValueError, match="B \\* H = R"):
+        attend_mixed(q, 0.125, dense=[(torch.zeros(1, H, 2, D), torch.zeros(1, H, 2, D), None)])
+    with pytest.raises(ValueError, match="q has d=64"):
+        attend_mixed(q, 0.125, dense=[(torch.zeros(B, H, 2, 32), torch.zeros(B, H, 2, 32), None)])
+    with pytest.raises(ValueError, match="apply to the packed block"):
+        attend_mixed(q, 0.125, dense=kw["dense"], value_inverse=torch.zeros(H, D, D))
+    with pytest.raises(ValueError, match="value_inverse must be float32"):
+        attend_mixed(q, 0.125, packed=(k, v, st), value_inverse=torch.zeros(4, D, D))
+    with pytest.raises(ValueError, match="q_packed must have q's shape"):
+        attend_mixed(q, 0.125, packed=(k, v, st), q_packed=torch.zeros(R, 1, D))
+    with pytest.raises(TypeError, match="tuple"):
+        attend_mixed(q, 0.125, packed=[k, v, st])
+
+
+def test_reference_and_ops_share_the_contract():
+    """The torch fallback (no compiled kernels) is the reference itself."""
+    q, kw = _layer(rotated=True)
+    a = reference.attend_mixed(q, 0.125, **kw)
+    b = ops.attend_mixed(q, 0.125, **kw)
+    torch.testing.assert_close(a[0], b[0], rtol=RTOL, atol=ATOL)
