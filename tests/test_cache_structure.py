@@ -8,6 +8,7 @@ from transformers import LlamaConfig
 
 from kv_cache import H2O, CompressedCache, QuantConfig, SnapKV, StreamingLLM, compress
 from kv_cache.cache.report import fp16_kv_bytes, kv_geometry
+from kv_cache.cache.packed import _capacity
 from kv_cache.cache.storage import FullPrecisionStorage, QuantizedStorage, make_storage
 from kv_cache.compression import dequantize, quantize
 from kv_cache.eval.runner import held_nbytes, walked_nbytes
@@ -59,7 +60,10 @@ def test_quantized_storage_layout_and_reads(bits, sinks):
     assert torch.equal(got_v[:, :, sinks:sinks + first], ref_v)
     cats = st.nbytes_by_category()
     assert sum(cats.values()) == sum(t.nbytes for t in st.named_tensors().values())
-    assert cats["codes"] == 2 * 2 * 3 * st.packed.length * 16 * bits // 8
+    # codes held: the tokens plus the room a decoding-size append leaves (GROW_TOKENS, <= 1/8 of the tokens)
+    cap = _capacity(st.packed.k_codes)
+    assert st.packed.length <= cap <= st.packed.length + st.packed.length // 8
+    assert cats["codes"] == 2 * 2 * 3 * cap * 16 * bits // 8
 
 
 def test_quantized_storage_gather_keeps_protected_and_frees_groups():
@@ -331,3 +335,19 @@ def test_clipping_shrinks_each_group_range_about_its_midpoint():
         QuantConfig.kivi(clip_keys=1.5)
     with pytest.raises(ValueError, match="uniform levels only"):
         QuantConfig.kivi(key_grouping="token", levels="lloyd_max", clip_values=0.9)
+
+
+def test_packed_slots_grow_into_room_without_moving_earlier_views():
+    """Decoding-size appends write into a slot's room in place; a view handed out earlier still
+    reads the same tokens; the held tensor is the whole buffer (room counted)."""
+    from kv_cache.cache.packed import _cat, _held
+
+    a = torch.arange(2 * 3 * 4 * 2, dtype=torch.float32).reshape(2, 3, 4, 2)
+    s = _cat(a, torch.zeros(2, 3, 1, 2), slack=3)  # outgrows a: a new buffer with room for 3
+    assert s.shape[2] == 5 and _capacity(s) == 8 and _held(s).shape[2] == 8
+    early = s[:, :, :5]
+    t = _cat(s, torch.ones(2, 3, 2, 2), slack=3)  # fits: written in place
+    assert t.data_ptr() == s.data_ptr() and t.shape[2] == 7 and torch.equal(early, s)
+    assert torch.equal(t[:, :, :4], a) and torch.equal(t[:, :, 5:], torch.ones(2, 3, 2, 2))
+    u = _cat(t, torch.full((2, 3, 2, 2), 2.0))  # no room: an exact new buffer
+    assert _capacity(u) == 9 and torch.equal(u[:, :, :7], t) and _held(u) is u

@@ -47,8 +47,51 @@ def clip_groups(x: torch.Tensor, ratio: float, axis: int, group: int) -> torch.T
     return torch.maximum(torch.minimum(g, mid + half), mid - half).reshape(R, N, d)
 
 
-def _cat(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    return new if old is None else torch.cat([old, new], dim=2)
+GROW_TOKENS = 64
+"""Slack a packed slot gains when a decoding append outgrows it, in tokens (at most 1/8 of the
+tokens held): appends of a few tokens (a short residual flushing every few steps) then copy
+the slot once per this many tokens, not at every flush. The slack is held and counted
+(:meth:`PackedKV.named_tensors`)."""
+
+
+def _capacity(t: torch.Tensor) -> int:
+    """Entries along dim 2 of the buffer ``t`` is the leading part of (``t.shape[2]`` if none)."""
+    base = t._base
+    if base is None or t.storage_offset() != 0 or t.dim() < 3:
+        return t.shape[2]
+    inner = t[0, 0, 0].numel() if t.shape[2] else 0
+    if not inner or t.stride(2) != inner or t.stride(1) % inner:
+        return t.shape[2]
+    cap = t.stride(1) // inner
+    if t.stride(0) != t.shape[1] * cap * inner or base.numel() != t.shape[0] * t.shape[1] * cap * inner:
+        return t.shape[2]
+    return cap
+
+
+def _cat(old: torch.Tensor | None, new: torch.Tensor, slack: int = 0) -> torch.Tensor:
+    """``old`` ``[b, h, n, ...]`` followed by ``new`` along dim 2.
+
+    The result is the leading part of a buffer with room to spare: appends write into the room
+    in place (``old`` and earlier views stay valid: nothing they cover moves); when it runs out,
+    a new buffer of ``n + new + slack`` entries is made (``slack`` 0: exact, as every first
+    append is).
+    """
+    if old is None:
+        return new
+    n, add = old.shape[2], new.shape[2]
+    cap = _capacity(old)
+    if cap >= n + add:
+        buf = old._base.view(*old.shape[:2], cap, *old.shape[3:])
+    else:
+        buf = old.new_empty((*old.shape[:2], n + add + slack, *old.shape[3:]))
+        buf[:, :, :n] = old
+    buf[:, :, n:n + add] = new
+    return buf[:, :, :n + add]
+
+
+def _held(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory ``t`` keeps alive: its buffer when it is the leading part of one."""
+    return t._base if _capacity(t) != t.shape[2] else t
 
 
 def gather_tokens(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -287,18 +330,22 @@ class PackedKV:
         vq = quantize_block(vx, self.value_bits, "token", c, q.symmetric, kernel_scale,
                             lut=self._lut(self.value_bits, keys.device))
         kq, vq = narrow_zero_points(kq, kx, q.zero_dtype), narrow_zero_points(vq, vx, q.zero_dtype)
+        # decoding flushes (fewer tokens than GROW_TOKENS): room for the next ones, at most 1/8 of what is held
+        held = self.length
+        slack = min(GROW_TOKENS, held // 8) if n < GROW_TOKENS else 0
+        k_slack = 0 if self.per_channel_keys else slack  # per-channel scales grow by whole groups
         if self.track_groups:
             first = 0 if self.k_scale is None else self.k_scale.shape[2]  # index into the scale table
             gid = torch.arange(first, first + n // g, device=keys.device, dtype=torch.int32)
-            self.k_group = _cat(self.k_group, gid.repeat_interleave(g).expand(b, h, n).contiguous())
-        self.k_codes = _cat(self.k_codes, kq.codes.view(b, h, n, -1))
-        self.k_scale = _cat(self.k_scale, self._stored_scale(kq.scale).view(k_meta_shape))
-        self.v_codes = _cat(self.v_codes, vq.codes.view(b, h, n, -1))
-        self.v_scale = _cat(self.v_scale, self._stored_scale(vq.scale).view(b, h, n, -1))  # [b, h, n, d / c]
+            self.k_group = _cat(self.k_group, gid.repeat_interleave(g).expand(b, h, n).contiguous(), slack)
+        self.k_codes = _cat(self.k_codes, kq.codes.view(b, h, n, -1), slack)
+        self.k_scale = _cat(self.k_scale, self._stored_scale(kq.scale).view(k_meta_shape), k_slack)
+        self.v_codes = _cat(self.v_codes, vq.codes.view(b, h, n, -1), slack)
+        self.v_scale = _cat(self.v_scale, self._stored_scale(vq.scale).view(b, h, n, -1), slack)  # [b, h, n, d / c]
         if kq.zero is not None:  # symmetric and codebook codes have no zero point (None)
-            self.k_zero = _cat(self.k_zero, kq.zero.view(k_meta_shape))
+            self.k_zero = _cat(self.k_zero, kq.zero.view(k_meta_shape), k_slack)
         if vq.zero is not None:
-            self.v_zero = _cat(self.v_zero, vq.zero.view(b, h, n, -1))
+            self.v_zero = _cat(self.v_zero, vq.zero.view(b, h, n, -1), slack)
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[b, h, n, d]`` in ``dtype`` (math dictionary section 3), one fused
@@ -370,7 +417,9 @@ class PackedKV:
         return out
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        out = {name: t for name in self._SLOTS if (t := getattr(self, name)) is not None}
+        """The held tensors: a slot that is the leading part of a buffer (:data:`GROW_TOKENS`)
+        is reported as the whole buffer, room included."""
+        out = {name: _held(t) for name in self._SLOTS if (t := getattr(self, name)) is not None}
         if self.rotation is not None:
             out.update(self.rotation.named_tensors())
         return out

@@ -12,8 +12,11 @@ from ..cache.storage import LayerStorage
 
 
 def _inner_tensors(obj: Any, seen: set[int]) -> list[torch.Tensor]:
-    """Plain tensors inside ``obj`` (tensor subclasses such as quanto's are flattened)."""
+    """Plain tensors inside ``obj`` (tensor subclasses such as quanto's are flattened; a view
+    stands for the tensor it views)."""
     if isinstance(obj, torch.Tensor):
+        if obj._base is not None:  # a view keeps its whole base alive: count the base, once
+            obj = obj._base
         if id(obj) in seen:
             return []
         seen.add(id(obj))
