@@ -207,8 +207,15 @@ def test_packed_kv_with_log_coded_norms_matches_fp32_norms_within_a_step():
     assert log.k_scale.nbytes * 2 == fp16.k_scale.nbytes
     (kd, vd), (kr, vr) = log.dequantize(), ref.dequantize()
     assert float((kd - kr).norm() / kr.norm()) < 0.03 and float((vd - vr).norm() / vr.norm()) < 0.03
-    kq, vq = log.qblocks()
-    assert kq.scale.dtype == torch.float32 and vq.scale.dtype == torch.float32
+    kq, vq = log.qblocks()  # the kernels read the 8-bit codes through the table: no float copy per call
+    assert kq.scale.dtype == torch.uint8 and vq.scale.dtype == torch.uint8
+    assert torch.equal(kq.scale_values(), decode_log_scale(log.k_scale).reshape(6, 24, -1))
+    from kv_cache.kernels import attend_block, dequantize_block, reference
+
+    torch.testing.assert_close(dequantize_block(vq), reference.dequantize_block(vq), rtol=0, atol=0)
+    q = torch.randn(6, 2, 16, generator=g)
+    got, want = attend_block(q, kq, vq, 0.25), reference.attend_block(q, kq, vq, 0.25)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
 
 
 def test_log_coded_norms_need_norm_only_levels():
@@ -237,3 +244,23 @@ def test_log_coded_cache_in_model_generate_and_accounting(stories):
         out[spec + "scales"] = rep.scales_bytes
     assert out["q3g4r4s2htc16lescales"] * 2 == out["q3g4r4s2htc16lscales"]
     torch.testing.assert_close(out["q3g4r4s2htc16le"], out["q3g4r4s2htc16l"], rtol=0, atol=5e-2)
+
+
+def test_qblock_scale_table_is_validated():
+    """uint8 scales are codes and need their table; a table with float scales is refused."""
+    from kv_cache.compression.codebook import log_scale_table
+    from kv_cache.kernels import QBlock, uniform_lut
+
+    codes, lut = torch.zeros(1, 2, 8, dtype=torch.uint8), uniform_lut(4, False)
+    with pytest.raises(ValueError, match="uint8 scale codes need scale_table"):
+        QBlock(codes, 4, lut, "token", torch.zeros(1, 2, 1, dtype=torch.uint8), None, 16)
+    with pytest.raises(ValueError, match="uint8 scale codes need scale_table"):
+        QBlock(codes, 4, lut, "token", torch.zeros(1, 2, 1, dtype=torch.uint8), None, 16,
+               scale_table=torch.zeros(255))
+    with pytest.raises(ValueError, match="applies to uint8 scale codes only"):
+        QBlock(codes, 4, lut, "token", torch.zeros(1, 2, 1), None, 16, scale_table=log_scale_table())
+    with pytest.raises(TypeError, match="or uint8 codes with scale_table"):
+        QBlock(codes, 4, lut, "token", torch.zeros(1, 2, 1, dtype=torch.int32), None, 16)
+    ok = QBlock(codes, 4, lut, "token", torch.full((1, 2, 1), 7, dtype=torch.uint8), None, 16,
+                scale_table=log_scale_table())
+    assert torch.equal(ok.scale_values(), log_scale_table()[7].expand(1, 2, 1))

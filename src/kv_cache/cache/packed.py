@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from ..compression.codebook import decode_log_scale, encode_log_scale, lloyd_max_gaussian
+from ..compression.codebook import encode_log_scale, lloyd_max_gaussian, log_scale_table
 from ..compression.packing import pack_bits
 from ..compression.rotation import RandomizedHadamard
 from ..kernels import QBlock, dequantize_block, quantize_block, uniform_lut
@@ -367,10 +367,7 @@ class PackedKV:
         def rows(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
             return None if t is None else t.reshape(R, -1, width)
 
-        def scales(t: torch.Tensor, width: int) -> torch.Tensor:
-            if t.dtype == torch.uint8:  # 8-bit log-coded norms (§18.8): float32 for the kernels, R x n values
-                t = decode_log_scale(t)
-            return rows(t, width)
+        table = log_scale_table(self.k_codes.device) if self.quant.scale_dtype == torch.uint8 else None
 
         if self.per_channel_keys:
             keys = QBlock(rows(self.k_codes, self.k_codes.shape[-1]), self.key_bits,
@@ -378,12 +375,15 @@ class PackedKV:
                           rows(self.k_scale, d), rows(self.k_zero, d), self.quant.group_size,
                           None if self.k_group is None else self.k_group.reshape(R, n))
         else:
+            # 8-bit log-coded norms (§18.8) stay codes: the kernels decode them through the table
             keys = QBlock(rows(self.k_codes, self.k_codes.shape[-1]), self.key_bits,
                           self._levels(self.key_bits, True), "token",
-                          scales(self.k_scale, d // c), rows(self.k_zero, d // c), c)
+                          rows(self.k_scale, d // c), rows(self.k_zero, d // c), c,
+                          scale_table=table if self.k_scale.dtype == torch.uint8 else None)
         values = QBlock(rows(self.v_codes, self.v_codes.shape[-1]), self.value_bits,
                         self._levels(self.value_bits, True), "token",
-                        scales(self.v_scale, d // c), rows(self.v_zero, d // c), c)
+                        rows(self.v_scale, d // c), rows(self.v_zero, d // c), c,
+                        scale_table=table if self.v_scale.dtype == torch.uint8 else None)
         return keys, values
 
     def gather(self, idx: torch.Tensor) -> None:

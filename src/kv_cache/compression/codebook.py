@@ -338,6 +338,15 @@ def decode_log_scale(codes: torch.Tensor, dtype: torch.dtype = torch.float32) ->
     return torch.take(_log_scale_table(str(codes.device)), codes.long()).to(dtype)
 
 
+def log_scale_table(device: Any = None) -> torch.Tensor:
+    """The norm of every 8-bit log code, float32 ``[256]``: ``decode_log_scale(arange(256))``.
+
+    A constant of the format (like a codebook's levels), computed once per device; the kernels
+    read uint8 scale codes through it (``QBlock.scale_table``).
+    """
+    return _log_scale_table(str(torch.device("cpu" if device is None else device)))
+
+
 @functools.lru_cache(maxsize=8)
 def _log_scale_table(device: str) -> torch.Tensor:
     """``decode_log_scale`` of every code 0..255, float32, on ``device`` (computed once)."""
@@ -349,6 +358,7 @@ def _log_scale_table(device: str) -> torch.Tensor:
 __all__ = [
     "LLOYD_MAX_BITS",
     "decode_log_scale",
+    "log_scale_table",
     "dequantize_norm_codebook",
     "encode_log_scale",
     "log_scale_range",

@@ -89,7 +89,7 @@ def dequantize_block(block: QBlock, out_dtype: torch.dtype = torch.float32, *,
         out = torch.empty((R, N, block.head_dim), dtype=out_dtype)
     ext.dequantize(block.codes.contiguous(), block.bits, block.lut.contiguous(), _GROUPING_ID[block.grouping],
                    block.scale.contiguous(), _c(block.zero), _c(block.gid), block.group_size, out,
-                   _build.isa_flag())
+                   _build.isa_flag(), _c(block.scale_table))
     return out
 
 
@@ -259,7 +259,7 @@ def attend_block(
                    v.codes.contiguous(), v.bits, v.lut.contiguous(), _GROUPING_ID[v.grouping],
                    v.scale.contiguous(), _c(v.zero), _c(v.gid), v.group_size,
                    a.scaling, _c(a.start), _c(a.length), out, lse, logits, _build.isa_flag(),
-                   None, [], [], None, None)
+                   None, [], [], None, None, _c(k.scale_table), _c(v.scale_table))
     except ValueError as exc:  # the extension's group-index check
         raise bad_group_error() from exc
     return out, lse, logits
@@ -363,7 +363,8 @@ def attend_mixed(
                    v.codes.contiguous(), v.bits, v.lut.contiguous(), _GROUPING_ID[v.grouping],
                    v.scale.contiguous(), _c(v.zero), _c(v.gid), v.group_size,
                    a.scaling, _c(start), None, out, lse, None, _build.isa_flag(),
-                   a.q.contiguous(), dk_list, dv_list, dense_start, _c(a.value_inverse))
+                   a.q.contiguous(), dk_list, dv_list, dense_start, _c(a.value_inverse),
+                   _c(k.scale_table), _c(v.scale_table))
     except ValueError as exc:
         raise bad_group_error() from exc
     return out, lse

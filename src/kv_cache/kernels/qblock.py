@@ -76,6 +76,10 @@ class QBlock:
     group_size : int
         ``"channel"``: tokens per group (used when ``gid`` is None); ``"token"``: channels
         per group, a divisor of ``d``.
+    scale_table : torch.Tensor or None, float32, shape ``[256]``
+        With ``scale`` of dtype uint8 (required then, and only then): ``scale`` holds 8-bit
+        codes and the scale is ``scale_table[code]`` (e.g. log-coded norms, math dictionary
+        §18.8), decoded by the kernels where they read it.
     gid : torch.Tensor or None, int32, shape ``[R, N]``
         ``"channel"`` only: the scale-table row of each token (ragged groups after
         eviction). Values must lie in ``[0, NG)``; that is checked where the block is used.
@@ -96,6 +100,7 @@ class QBlock:
     zero: torch.Tensor | None = None
     group_size: int = 1
     gid: torch.Tensor | None = None
+    scale_table: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         bits = check_bits(self.bits)
@@ -117,8 +122,17 @@ class QBlock:
                 f"lut must be float32 of shape [{1 << bits}] for {bits}-bit codes; got "
                 f"{lut.dtype} of shape {tuple(lut.shape)}")
         scale = _check_tensor(self.scale, "scale")
-        if scale.dtype not in SCALE_DTYPES:
-            raise TypeError(f"scale must be one of {_names(SCALE_DTYPES)}; got {scale.dtype}")
+        if scale.dtype == torch.uint8:
+            table = self.scale_table
+            if not isinstance(table, torch.Tensor) or table.dtype != torch.float32 or tuple(table.shape) != (256,):
+                raise ValueError("uint8 scale codes need scale_table, a float32 [256] tensor (code -> scale); got "
+                                 f"{getattr(table, 'dtype', type(table).__name__)} of shape "
+                                 f"{tuple(getattr(table, 'shape', ()))}")
+        elif scale.dtype not in SCALE_DTYPES:
+            raise TypeError(f"scale must be one of {_names(SCALE_DTYPES)} (or uint8 codes with scale_table); "
+                            f"got {scale.dtype}")
+        elif self.scale_table is not None:
+            raise ValueError(f"scale_table applies to uint8 scale codes only; got scale of dtype {scale.dtype}")
         gs = self.group_size
         if isinstance(gs, bool) or not isinstance(gs, int) or gs < 1:
             raise ValueError(f"group_size must be an int >= 1; got {gs!r}")
@@ -152,7 +166,7 @@ class QBlock:
                 raise TypeError(f"gid must be int32; got {gid.dtype}")
             if tuple(gid.shape) != (R, N):
                 raise ValueError(f"gid must be [R, N] = {[R, N]}; got {list(gid.shape)}")
-        devices = {t.device for t in (codes, lut, scale, self.zero, self.gid) if t is not None}
+        devices = {t.device for t in (codes, lut, scale, self.zero, self.gid, self.scale_table) if t is not None}
         if len(devices) > 1:
             raise ValueError(f"all tensors of a QBlock must be on one device; got {sorted(map(str, devices))}")
 
@@ -166,6 +180,12 @@ class QBlock:
         """``N``: tokens per row."""
         return self.codes.shape[1]
 
+    def scale_values(self) -> torch.Tensor:
+        """``scale`` as float32 (uint8 codes decoded through ``scale_table``)."""
+        if self.scale_table is not None:
+            return self.scale_table[self.scale.long()]
+        return self.scale.float()
+
     @property
     def head_dim(self) -> int:
         """``d``: channels per token (``P * 8 / bits``)."""
@@ -173,7 +193,7 @@ class QBlock:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by codes and metadata (the lut excluded: it is shared and tiny)."""
+        """Bytes held by codes and metadata (the lut and scale table excluded: shared and tiny)."""
         n = self.codes.nbytes + self.scale.nbytes
         for t in (self.zero, self.gid):
             if t is not None:

@@ -64,7 +64,7 @@ def _dequantize(block: QBlock, out_dtype: torch.dtype) -> torch.Tensor:
     zero = expand_meta(block, block.zero)
     if zero is not None:
         v = v.sub_(zero)
-    return v.mul_(expand_meta(block, block.scale)).to(out_dtype)
+    return v.mul_(expand_meta(block, block.scale_values())).to(out_dtype)
 
 
 def dequantize_block(block: QBlock, out_dtype: torch.dtype = torch.float32, *,

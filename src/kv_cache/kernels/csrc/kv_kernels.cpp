@@ -81,6 +81,7 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torc
 struct Meta {
   const void* p = nullptr;
   DT dt = DT_NONE;
+  const float* table = nullptr;  // uint8 codes: the value is table[code] (e.g. log-coded scales)
 };
 
 // A code -> level table: 2**bits entries, zero padded to 256. `offset`: lut[i] == i + beta
@@ -316,7 +317,8 @@ static void run_items(int64_t n, int64_t work, F fn) {
 
 static BlockView make_block(const at::Tensor& codes, int64_t bits, const at::Tensor& lut, int64_t grouping,
                             const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
-                            const c10::optional<at::Tensor>& gid, int64_t group_size) {
+                            const c10::optional<at::Tensor>& gid, int64_t group_size,
+                            const c10::optional<at::Tensor>& scale_table) {
   BlockView b;
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes");
   b.codes = codes.data_ptr<uint8_t>();
@@ -336,6 +338,13 @@ static BlockView make_block(const at::Tensor& codes, int64_t bits, const at::Ten
   TORCH_CHECK(scale.is_contiguous() && scale.dim() == 3, "scale");
   b.scale.p = scale.data_ptr();
   b.scale.dt = dt_of(scale);
+  if (scale_table.has_value()) {
+    TORCH_CHECK(b.scale.dt == DT_U8 && scale_table->scalar_type() == at::kFloat && scale_table->is_contiguous() &&
+                    scale_table->numel() == 256, "scale_table: float32 [256] for uint8 scale codes");
+    b.scale.table = scale_table->data_ptr<float>();
+  } else {
+    TORCH_CHECK(b.scale.dt != DT_U8, "uint8 scale codes need a scale_table");
+  }
   if (zero.has_value()) {
     TORCH_CHECK(zero->is_contiguous() && zero->sizes() == scale.sizes(), "zero");
     b.zero.p = zero->data_ptr();
@@ -409,10 +418,11 @@ int64_t quantize(const at::Tensor& x, int64_t bits, int64_t grouping, int64_t gr
 
 void dequantize(const at::Tensor& codes, int64_t bits, const at::Tensor& lut, int64_t grouping,
                 const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
-                const c10::optional<at::Tensor>& gid, int64_t group_size, at::Tensor& out, int64_t isa) {
+                const c10::optional<at::Tensor>& gid, int64_t group_size, at::Tensor& out, int64_t isa,
+                const c10::optional<at::Tensor>& scale_table) {
   std::atomic<int> status{kOk};
   DequantArgs a;
-  a.blk = make_block(codes, bits, lut, grouping, scale, zero, gid, group_size);
+  a.blk = make_block(codes, bits, lut, grouping, scale, zero, gid, group_size, scale_table);
   TORCH_CHECK(out.is_contiguous() && out.numel() == a.blk.R * a.blk.N * a.blk.d, "out");
   a.out = out.data_ptr();
   a.odt = dt_of(out);
@@ -436,11 +446,12 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
             const c10::optional<at::Tensor>& length, at::Tensor& out, at::Tensor& lse,
             const c10::optional<at::Tensor>& logits, int64_t isa, const c10::optional<at::Tensor>& qd,
             const std::vector<at::Tensor>& dense_k, const std::vector<at::Tensor>& dense_v,
-            const c10::optional<at::Tensor>& dense_start, const c10::optional<at::Tensor>& vinv) {
+            const c10::optional<at::Tensor>& dense_start, const c10::optional<at::Tensor>& vinv,
+            const c10::optional<at::Tensor>& k_table, const c10::optional<at::Tensor>& v_table) {
   std::atomic<int> status{kOk};
   AttendArgs a;
-  a.k = make_block(k_codes, k_bits, k_lut, k_grouping, k_scale, k_zero, k_gid, k_group_size);
-  a.v = make_block(v_codes, v_bits, v_lut, v_grouping, v_scale, v_zero, v_gid, v_group_size);
+  a.k = make_block(k_codes, k_bits, k_lut, k_grouping, k_scale, k_zero, k_gid, k_group_size, k_table);
+  a.v = make_block(v_codes, v_bits, v_lut, v_grouping, v_scale, v_zero, v_gid, v_group_size, v_table);
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q");
   const int64_t R = a.k.R, N = a.k.N;
   const int G = static_cast<int>(q.size(1));

@@ -245,7 +245,11 @@ static inline void meta_load(const Meta& m, int64_t off, int64_t n, float* dst) 
     }
     case DT_U8: {
       const uint8_t* s = static_cast<const uint8_t*>(m.p) + off;
-      for (; i < n; ++i) dst[i] = s[i];
+      if (m.table) {
+        for (; i < n; ++i) dst[i] = m.table[s[i]];
+      } else {
+        for (; i < n; ++i) dst[i] = s[i];
+      }
       return;
     }
     default: std::fill(dst, dst + n, 0.0f);
