@@ -170,3 +170,36 @@ def test_reference_and_ops_share_the_contract():
     a = reference.attend_mixed(q, 0.125, **kw)
     b = ops.attend_mixed(q, 0.125, **kw)
     torch.testing.assert_close(a[0], b[0], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("grouping,gs", [("channel", 8), ("token", 16)])
+@pytest.mark.parametrize("with_gid", [False, True])
+def test_leading_part_of_a_buffer_is_read_in_place(compiled, grouping, gs, with_gid):  # noqa: F811
+    """A block whose tensors are the first N of `cap` slots per row (a packed slot with room,
+    math dictionary §12) is attended without a copy and equals the reference."""
+    from kv_cache.kernels import QBlock, attend_block
+    from kv_cache.kernels.ops import _p
+
+    if with_gid and grouping == "token":
+        pytest.skip("gid belongs to channel-grouped blocks")
+    gen = torch.Generator().manual_seed(3)
+    rows, n, cap, d = 3, 40, 64, 32
+    kb = quantize_block(torch.randn(rows, cap, d, generator=gen), 4, grouping, gs)
+    vb = quantize_block(torch.randn(rows, cap, d, generator=gen), 2, "token", 16)
+
+    def lead(b, gid=None):
+        m = n // b.group_size if b.grouping == "channel" else n
+        return QBlock(b.codes[:, :n], b.bits, b.lut, b.grouping, b.scale[:, :m],
+                      None if b.zero is None else b.zero[:, :m], b.group_size, gid)
+
+    gid = None
+    if with_gid:
+        gid = (torch.arange(cap, dtype=torch.int32) // gs).expand(rows, cap).contiguous()[:, :n]
+    k, v = lead(kb, gid), lead(vb)
+    assert not k.codes.is_contiguous() and _p(k.codes) is k.codes and _p(v.scale) is v.scale
+    if gid is not None:
+        assert _p(gid) is gid
+    q = torch.randn(rows, 2, d, generator=gen)
+    got, want = attend_block(q, k, v, 0.2), reference.attend_block(q, k, v, 0.2)
+    torch.testing.assert_close(got[0], want[0], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=ATOL)

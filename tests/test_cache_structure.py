@@ -351,3 +351,22 @@ def test_packed_slots_grow_into_room_without_moving_earlier_views():
     assert torch.equal(t[:, :, :4], a) and torch.equal(t[:, :, 5:], torch.ones(2, 3, 2, 2))
     u = _cat(t, torch.full((2, 3, 2, 2), 2.0))  # no room: an exact new buffer
     assert _capacity(u) == 9 and torch.equal(u[:, :, :7], t) and _held(u) is u
+
+
+def test_qblocks_are_views_kept_until_a_slot_changes():
+    """The kernel blocks view the held slots (room included: no copy) and are reused by later
+    decoding steps until an append, gather or map reassigns a slot."""
+    from kv_cache.cache.storage import PackedKV
+
+    p = PackedKV(QuantConfig(bits=4, group_size=4), torch.float32, 64, track_groups=False)
+    p.append(torch.randn(1, 3, 64, 64), torch.randn(1, 3, 64, 64))
+    p.append(torch.randn(1, 3, 4, 64), torch.randn(1, 3, 4, 64))  # a decoding flush: room made
+    assert _capacity(p.k_codes) > p.length
+    kq, vq = p.qblocks()
+    assert kq.codes.untyped_storage().data_ptr() == p.k_codes.untyped_storage().data_ptr()
+    assert vq.scale.untyped_storage().data_ptr() == p.v_scale.untyped_storage().data_ptr()
+    assert p.qblocks()[0] is kq
+    p.append(torch.randn(1, 3, 4, 64), torch.randn(1, 3, 4, 64))  # into the room, in place
+    kq2, _ = p.qblocks()
+    assert kq2 is not kq and kq2.codes.shape[1] == 72
+    assert kq2.codes.untyped_storage().data_ptr() == kq.codes.untyped_storage().data_ptr()

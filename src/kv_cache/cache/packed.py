@@ -358,9 +358,28 @@ class PackedKV:
             k, v = self.rotation.inverse(k), self.rotation.inverse(v)
         return k, v
 
+    def __setattr__(self, name: str, value) -> None:
+        if name in self._SLOTS or name == "rotation":  # the blocks are views of these: rebuild them
+            self.__dict__.pop(self._BLOCKS, None)
+        object.__setattr__(self, name, value)
+
+    _BLOCKS = "_qblocks_view"
+    TRANSIENT = (_BLOCKS,)
+    """Attributes that are not state (views rebuilt on demand): not saved by ``cache.save``."""
+
     def qblocks(self) -> tuple[QBlock, QBlock]:
         """Keys and values as kernel blocks over rows ``R = batch * kv_heads`` (views, no copy);
-        rotated layouts are in the rotated space."""
+        rotated layouts are in the rotated space.
+
+        Kept between calls (views of the held tensors, no extra bytes) until a slot or the
+        rotation is reassigned: decoding steps between two flushes reuse them."""
+        blocks = self.__dict__.get(self._BLOCKS)
+        if blocks is None:
+            blocks = self._make_qblocks()
+            object.__setattr__(self, self._BLOCKS, blocks)
+        return blocks
+
+    def _make_qblocks(self) -> tuple[QBlock, QBlock]:
         b, h, n, _ = self.k_codes.shape
         R, d, c = b * h, self.head_dim, self.channel_group
 

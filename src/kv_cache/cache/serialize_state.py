@@ -143,7 +143,8 @@ class _Writer:
                 f"cannot save a {cls.__module__}.{cls.__qualname__} at {prefix or 'storage'}: only "
                 f"{sorted(STORAGE_CLASSES) + sorted(_rotation_classes())} are known to kv_cache.cache.serialize"
             )
-        attrs = {k: self.value(v, prefix, k) for k, v in sorted(vars(o).items())}
+        skip = getattr(cls, "TRANSIENT", ())
+        attrs = {k: self.value(v, prefix, k) for k, v in sorted(vars(o).items()) if k not in skip}
         return {"class": cls.__name__, "attrs": attrs}
 
     def value(self, v: Any, prefix: str, attr: str) -> Any:

@@ -41,6 +41,21 @@ def _c(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 
+def _p(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` (``[R, n, w]`` or ``[R, n]``) as the attention kernel reads it: as is when each row's
+    entries are contiguous, rows possibly a pitch apart (the leading part of a buffer with room,
+    no copy); else a contiguous copy."""
+    if t is None:
+        return None
+    if t.dim() == 2:
+        ok = t.shape[1] <= 1 or t.stride(1) == 1
+        return t if ok and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1]) else t.contiguous()
+    R, n, w = t.shape
+    ok = (w <= 1 or t.stride(2) == 1) and (n <= 1 or t.stride(1) == w)
+    ok = ok and (R <= 1 or (w > 0 and t.stride(0) % w == 0 and t.stride(0) // w >= n))
+    return t if ok else t.contiguous()
+
+
 def dequantize_block(block: QBlock, out_dtype: torch.dtype = torch.float32, *,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Fused unpack + dequantize: ``x_hat = scale * (lut[code] - zero)`` in one pass (§15.1).
@@ -254,10 +269,10 @@ def attend_block(
     logits = torch.empty((R, G, N), dtype=torch.float32) if return_logits else None
     try:
         ext.attend(a.q.contiguous(),
-                   k.codes.contiguous(), k.bits, k.lut.contiguous(), _GROUPING_ID[k.grouping],
-                   k.scale.contiguous(), _c(k.zero), _c(k.gid), k.group_size,
-                   v.codes.contiguous(), v.bits, v.lut.contiguous(), _GROUPING_ID[v.grouping],
-                   v.scale.contiguous(), _c(v.zero), _c(v.gid), v.group_size,
+                   _p(k.codes), k.bits, k.lut.contiguous(), _GROUPING_ID[k.grouping],
+                   _p(k.scale), _p(k.zero), _p(k.gid), k.group_size,
+                   _p(v.codes), v.bits, v.lut.contiguous(), _GROUPING_ID[v.grouping],
+                   _p(v.scale), _p(v.zero), _p(v.gid), v.group_size,
                    a.scaling, _c(a.start), _c(a.length), out, lse, logits, _build.isa_flag(),
                    None, [], [], None, None, _c(k.scale_table), _c(v.scale_table))
     except ValueError as exc:  # the extension's group-index check
@@ -358,10 +373,10 @@ def attend_mixed(
     lse = torch.empty((R, G), dtype=torch.float32)
     try:
         ext.attend(qp,
-                   k.codes.contiguous(), k.bits, k.lut.contiguous(), _GROUPING_ID[k.grouping],
-                   k.scale.contiguous(), _c(k.zero), _c(k.gid), k.group_size,
-                   v.codes.contiguous(), v.bits, v.lut.contiguous(), _GROUPING_ID[v.grouping],
-                   v.scale.contiguous(), _c(v.zero), _c(v.gid), v.group_size,
+                   _p(k.codes), k.bits, k.lut.contiguous(), _GROUPING_ID[k.grouping],
+                   _p(k.scale), _p(k.zero), _p(k.gid), k.group_size,
+                   _p(v.codes), v.bits, v.lut.contiguous(), _GROUPING_ID[v.grouping],
+                   _p(v.scale), _p(v.zero), _p(v.gid), v.group_size,
                    a.scaling, _c(start), None, out, lse, None, _build.isa_flag(),
                    a.q.contiguous(), dk_list, dv_list, dense_start, _c(a.value_inverse),
                    _c(k.scale_table), _c(v.scale_table))

@@ -82,6 +82,7 @@ struct Meta {
   const void* p = nullptr;
   DT dt = DT_NONE;
   const float* table = nullptr;  // uint8 codes: the value is table[code] (e.g. log-coded scales)
+  int64_t pitch = 0;             // entries (tokens or groups) from one row to the next
 };
 
 // A code -> level table: 2**bits entries, zero padded to 256. `offset`: lut[i] == i + beta
@@ -160,7 +161,21 @@ struct BlockView {
   const int32_t* gid = nullptr;
   int64_t NG = 0;  // channel: groups in the scale table
   int gs = 1;      // channel: tokens per group (gid is None); token: channels per group
+  // Row pitches (tokens from row r to row r + 1): N for contiguous tensors, more for the
+  // leading part of a buffer with room (attention reads such views in place).
+  int64_t cpitch = 0, gpitch = 0;
 };
+
+// Row pitch of a [R, n, w] tensor whose rows hold n entries of w contiguous elements each,
+// possibly the leading part of rows of a longer buffer; -1 if the layout is not that.
+static int64_t row_pitch(const at::Tensor& t) {
+  const int64_t R = t.size(0), n = t.size(1), w = t.size(2);
+  if (w > 1 && t.stride(2) != 1) return -1;
+  if (n > 1 && t.stride(1) != w) return -1;
+  if (R <= 1) return n;
+  if (w == 0 || t.stride(0) % w || t.stride(0) / w < n) return -1;
+  return t.stride(0) / w;
+}
 
 struct QuantArgs {
   const void* x;
@@ -320,10 +335,12 @@ static BlockView make_block(const at::Tensor& codes, int64_t bits, const at::Ten
                             const c10::optional<at::Tensor>& gid, int64_t group_size,
                             const c10::optional<at::Tensor>& scale_table) {
   BlockView b;
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes");
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte, "codes");
   b.codes = codes.data_ptr<uint8_t>();
   b.R = codes.size(0);
   b.N = codes.size(1);
+  b.cpitch = row_pitch(codes);
+  TORCH_CHECK(b.cpitch >= 0, "codes: rows of tokens of contiguous bytes");
   b.P = static_cast<int>(codes.size(2));
   b.bits = static_cast<int>(bits);
   b.d = b.P * 8 / b.bits;
@@ -335,9 +352,11 @@ static BlockView make_block(const at::Tensor& codes, int64_t bits, const at::Ten
   for (int i = 0; i < (1 << bits); ++i)
     b.lut.offset = b.lut.offset && (static_cast<float>(i) + b.lut.beta == b.lut.v[i]);
   b.grouping = static_cast<int>(grouping);
-  TORCH_CHECK(scale.is_contiguous() && scale.dim() == 3, "scale");
+  TORCH_CHECK(scale.dim() == 3, "scale");
   b.scale.p = scale.data_ptr();
   b.scale.dt = dt_of(scale);
+  b.scale.pitch = row_pitch(scale);
+  TORCH_CHECK(b.scale.pitch >= 0, "scale: rows of contiguous entries");
   if (scale_table.has_value()) {
     TORCH_CHECK(b.scale.dt == DT_U8 && scale_table->scalar_type() == at::kFloat && scale_table->is_contiguous() &&
                     scale_table->numel() == 256, "scale_table: float32 [256] for uint8 scale codes");
@@ -346,13 +365,18 @@ static BlockView make_block(const at::Tensor& codes, int64_t bits, const at::Ten
     TORCH_CHECK(b.scale.dt != DT_U8, "uint8 scale codes need a scale_table");
   }
   if (zero.has_value()) {
-    TORCH_CHECK(zero->is_contiguous() && zero->sizes() == scale.sizes(), "zero");
+    TORCH_CHECK(zero->sizes() == scale.sizes(), "zero");
     b.zero.p = zero->data_ptr();
     b.zero.dt = dt_of(*zero);
+    b.zero.pitch = row_pitch(*zero);
+    TORCH_CHECK(b.zero.pitch >= 0, "zero: rows of contiguous entries");
   }
   if (gid.has_value()) {
-    TORCH_CHECK(gid->scalar_type() == at::kInt && gid->is_contiguous() && gid->numel() == b.R * b.N, "gid");
+    TORCH_CHECK(gid->scalar_type() == at::kInt && gid->dim() == 2 && gid->size(0) == b.R && gid->size(1) == b.N &&
+                    (b.N <= 1 || gid->stride(1) == 1), "gid");
     b.gid = gid->data_ptr<int32_t>();
+    b.gpitch = b.R > 1 ? gid->stride(0) : b.N;
+    TORCH_CHECK(b.gpitch >= b.N, "gid: rows of contiguous entries");
   }
   b.gs = static_cast<int>(group_size);
   b.NG = grouping == kChannel ? scale.size(1) : 0;
@@ -422,6 +446,8 @@ void dequantize(const at::Tensor& codes, int64_t bits, const at::Tensor& lut, in
                 const c10::optional<at::Tensor>& scale_table) {
   std::atomic<int> status{kOk};
   DequantArgs a;
+  TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous() && (!zero.has_value() || zero->is_contiguous()) &&
+                  (!gid.has_value() || gid->is_contiguous()), "dequantize: contiguous tensors");
   a.blk = make_block(codes, bits, lut, grouping, scale, zero, gid, group_size, scale_table);
   TORCH_CHECK(out.is_contiguous() && out.numel() == a.blk.R * a.blk.N * a.blk.d, "out");
   a.out = out.data_ptr();
