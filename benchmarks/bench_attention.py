@@ -7,7 +7,16 @@ For each context length ``N`` and bit width, one decode step of ``G`` query rows
   per-channel in groups of 128 tokens, values per-token, asymmetric, float16 scales: KIVI);
 * ``reference``: the same call on the pure-torch reference (dequantize, matmul, softmax);
 * ``sdpa-fp32`` / ``sdpa-fp16``: ``torch.nn.functional.scaled_dot_product_attention`` with
-  ``q [1, R, G, d]`` over a full cache ``k, v [1, R, N, d]`` of that dtype.
+  ``q [1, R, G, d]`` over a full cache ``k, v [1, R, N, d]`` of that dtype;
+* ``layer-blocks`` / ``layer-one-call``: a whole layer's decoding step as the cache holds it
+  (4 float32 sinks | the ``N`` packed tokens | a 64-token float32 residual): block by block
+  with a log-sum-exp merge in torch (``FullBlock``/``QuantBlock.attend`` + ``merge``), or in one
+  kernel call (:func:`kv_cache.attention.blocks.fused_decode` -> ``attend_mixed``), what
+  ``compressed_attention`` runs when decoding.
+
+``--cold`` writes a 64 MiB buffer before every timed call (outside the timing), so the KV is
+read from memory as in a model, where a layer's weights pass through the caches between two
+attention calls; without it the KV stays in the caches from call to call.
 
 Each figure is the median of ``--repeats`` timed calls after ``--warmup`` untimed ones (µs per
 call, wall clock); ``x sdpa-fp32`` is the ratio to SDPA on the float32 cache measured in the
@@ -31,9 +40,13 @@ import torch
 import torch.nn.functional as F
 
 from kv_cache import kernels
+from kv_cache.attention.blocks import FullBlock, QuantBlock, fused_decode, merge
 from kv_cache.kernels import reference
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+_FLUSH: list = []
 
 
 def _median_us(fn, warmup: int, repeats: int) -> float:
@@ -41,6 +54,8 @@ def _median_us(fn, warmup: int, repeats: int) -> float:
         fn()
     times = []
     for _ in range(repeats):
+        for buf in _FLUSH:  # --cold: evict the caches, untimed
+            buf.add_(1.0)
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -59,7 +74,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--ref-repeats", type=int, default=10, help="repeats of the (slow) torch reference")
+    ap.add_argument("--cold", action="store_true", help="evict the caches before every timed call")
     args = ap.parse_args()
+    if args.cold:
+        _FLUSH.append(torch.zeros(16 * 2**20))
     if args.threads:
         torch.set_num_threads(args.threads)
     R, G, d = args.rows, args.queries, args.head_dim
@@ -92,6 +110,17 @@ def main() -> None:
             t_k = _median_us(lambda: kernels.attend_block(q, kb, vb, scaling), args.warmup, args.repeats)
             t_r = _median_us(lambda: reference.attend_block(q, kb, vb, scaling), 2, args.ref_repeats)
             measured += [("kernels", bits, t_k, nbytes), ("reference", bits, t_r, nbytes)]
+            sinks = [torch.randn(1, R, 4, d, generator=gen) for _ in range(2)]
+            resid = [torch.randn(1, R, 64, d, generator=gen) for _ in range(2)]
+            view = [FullBlock(*sinks), QuantBlock(kb, vb, batch=1, kv_heads=R), FullBlock(*resid)]
+            layer_bytes = nbytes + sum(t.nbytes for t in sinks + resid)
+
+            def per_block():
+                return merge([blk.attend(q4, scaling, None, None)[:2] for blk in view])
+
+            t_b = _median_us(per_block, args.warmup, args.repeats)
+            t_o = _median_us(lambda: fused_decode(view, q4, scaling, None), args.warmup, args.repeats)
+            measured += [("layer-blocks", bits, t_b, layer_bytes), ("layer-one-call", bits, t_o, layer_bytes)]
         for variant, bits, us, nbytes in measured:
             name = variant if bits is None else f"{variant}-{bits}b"
             row = {"N": N, "variant": variant, "bits": bits, "us_per_call": us, "vs_sdpa_fp32": us / t_fp32,
@@ -99,10 +128,10 @@ def main() -> None:
             rows.append(row)
             print(f"{N:5d} {name:12s} {us:9.1f} {us / t_fp32:11.2f} {nbytes / 2**20:7.2f}")
     config = (f"R{R}_G{G}_d{d}_N{'-'.join(map(str, tokens))}_b{'-'.join(map(str, bit_widths))}"
-              f"_g{args.group_size}_{isa}_t{threads}")
+              f"_g{args.group_size}_{isa}_t{threads}" + ("_cold" if args.cold else ""))
     result = {"rows_R": R, "queries_G": G, "head_dim": d, "group_size": args.group_size, "threads": threads,
               "kernels_isa": isa, "cpu": platform.processor() or platform.machine(),
-              "warmup": args.warmup, "repeats": args.repeats, "results": rows}
+              "warmup": args.warmup, "repeats": args.repeats, "cold": bool(args.cold), "results": rows}
     RESULTS.mkdir(exist_ok=True)
     stem = RESULTS / f"bench_attention_{config}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
@@ -118,7 +147,11 @@ def _markdown(result: dict) -> str:
         f"{result['kernels_isa']}; median of {result['repeats']} calls after {result['warmup']} warm-up "
         "calls (the torch reference: fewer). Keys per-channel (group "
         f"{result['group_size']} tokens), values per-token, float16 scales. `x sdpa-fp32` is the "
-        "ratio to SDPA over the float32 cache in the same run (lower is faster).",
+        "ratio to SDPA over the float32 cache in the same run (lower is faster). `layer-*`: the "
+        "packed block plus 4 float32 sinks and a 64-token float32 residual, block by block with a "
+        "torch merge or in one kernel call. "
+        + ("Caches evicted before every timed call (`--cold`)." if result.get("cold") else
+           "KV warm in the caches from call to call."),
         "",
         "| N | variant | bits | µs / call | x sdpa-fp32 | KV MiB read |",
         "|---:|---|---:|---:|---:|---:|",

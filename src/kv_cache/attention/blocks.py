@@ -27,6 +27,11 @@ from ..kernels import QBlock, attend_block, attend_mixed
 ROW_CHUNK_BYTES = 64 * 2**20
 """Logits held at once by the full-precision paths (bounded memory for long prefills)."""
 
+STAT_CHUNK_BYTES = 16 * 2**20
+"""Probabilities held at once by a first prefill's statistics pass (:func:`_causal_column_sums`):
+smaller than :data:`ROW_CHUNK_BYTES` because it runs on top of the prefill's own activations, so
+an evicting cache's prefill does not peak above the full cache's (``bench_generate``)."""
+
 
 def _row_chunks(rows: int, cols: int, heads: int) -> int:  # rows per chunk of ROW_CHUNK_BYTES logits
     return max(1, ROW_CHUNK_BYTES // max(1, 4 * cols * heads))
@@ -280,7 +285,7 @@ def _causal_column_sums(q, keys, scaling, G, valid, n_stat) -> torch.Tensor:
     k = keys.float()
     pos = torch.arange(L, device=q.device)
     colsum = torch.zeros(B, H, G, L, device=q.device)
-    step = max(1, ROW_CHUNK_BYTES // max(1, 4 * L * B * H * G))
+    step = max(1, STAT_CHUNK_BYTES // max(1, 4 * L * B * H * G))
     for s in range(0, n_stat, step):
         e = min(n_stat, s + step)
         end = L - n_stat + e  # causal: these queries see keys [0, end)
@@ -288,9 +293,12 @@ def _causal_column_sums(q, keys, scaling, G, valid, n_stat) -> torch.Tensor:
         allowed = pos[None, :end] <= qpos[:, None]
         if valid is not None:
             allowed = (allowed & valid[:, None, None, None, :end]) | (pos[None, :end] == qpos[:, None])
-        logits = ((q5[:, :, :, s:e] @ k[:, :, None, :end].transpose(-1, -2)) * scaling).masked_fill(~allowed,
-                                                                                                    float("-inf"))
-        colsum[..., :end] += torch.softmax(logits, dim=-1).sum(3)
+        # one [B, H, G, c, end] buffer per chunk, softmax in place (a prefill's peak memory)
+        logits = (q5[:, :, :, s:e] @ k[:, :, None, :end].transpose(-1, -2)).mul_(scaling)
+        logits.masked_fill_(~allowed, float("-inf"))
+        logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+        logits.div_(logits.sum(-1, keepdim=True))
+        colsum[..., :end] += logits.sum(3)
     return colsum
 
 
