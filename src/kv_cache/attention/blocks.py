@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..kernels import QBlock, attend_block, attend_mixed
+from ..kernels.reference import merge_parts
 
 ROW_CHUNK_BYTES = 64 * 2**20
 """Logits held at once by the full-precision paths (bounded memory for long prefills)."""
@@ -303,15 +304,9 @@ def _causal_column_sums(q, keys, scaling, G, valid, n_stat) -> torch.Tensor:
 
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One softmax over all blocks from per-block ``(out, lse)``: ``(out, lse)`` of the union."""
-    if len(parts) == 1:
-        return parts[0]
-    lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
-    out = None
-    for o, l in parts:
-        w = torch.exp(l - lse).nan_to_num_(0.0).unsqueeze(-1)
-        out = o * w if out is None else out.addcmul_(o, w)
-    return out, lse
+    """One softmax over all blocks from per-block ``(out, lse)``: ``(out, lse)`` of the union
+    (:func:`kv_cache.kernels.reference.merge_parts`, the torch form of the kernel's merge)."""
+    return merge_parts(parts)
 
 
 def reconstruction_scores(

@@ -162,12 +162,16 @@ __all__ = ["attend_block", "attend_mixed", "dequantize_block", "expand_meta", "q
 
 
 def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One softmax over blocks from per-block ``(out [..., dv], lse [...])`` (math dictionary §16)."""
+    """One softmax over blocks from per-block ``(out [..., dv], lse [...])`` (math dictionary §16):
+    ``lse = logsumexp_B lse_B``, ``out = sum_B exp(lse_B - lse) out_B``; a block without valid
+    tokens (``lse_B = -inf``) weighs 0."""
+    if len(parts) == 1:
+        return parts[0]
     lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
     out = None
     for o, l in parts:
         w = torch.exp(l - lse).nan_to_num_(0.0).unsqueeze(-1)
-        out = o * w if out is None else out + o * w
+        out = o * w if out is None else out.addcmul_(o, w)
     return out, lse
 
 

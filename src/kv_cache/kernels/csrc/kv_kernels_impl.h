@@ -860,6 +860,20 @@ static inline void decode_token_tile(const BlockView& B, int64_t r, int64_t t0, 
     for (int j = 0; j < J; ++j) zsT[j * kTile + t] = sc[t * J + j] * zs[t * J + j];
 }
 
+// Consecutive float buffers of sizes[i] floats (each followed by kPad floats of slack) carved
+// out of a thread's scratch vector, grown as needed: out[i] is buffer i.
+template <size_t K>
+static inline void carve(std::vector<float>& scratch, const size_t (&sizes)[K], float* (&out)[K]) {
+  size_t total = 0;
+  for (size_t n : sizes) total += n + kPad;
+  if (scratch.size() < total) scratch.resize(total);
+  float* p = scratch.data();
+  for (size_t i = 0; i < K; ++i) {
+    out[i] = p;
+    p += sizes[i] + kPad;
+  }
+}
+
 // Software prefetch of [p, p + n) bytes, one request per 64-byte line.
 static inline void prefetch_range(const void* p, int64_t n) {
   const char* c = static_cast<const char*>(p);
@@ -900,32 +914,22 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
       static_cast<size_t>(T) * (std::max(dkp, dvp) / W + 1),  // chunk scales of a tile
       4 * static_cast<size_t>(G) + kPad,           // m l psum bK
   };
-  size_t total = 0;
-  for (size_t n : sizes) total += n + kPad;
-  if (s.f0.size() < total) s.f0.resize(total);
-  float* p = s.f0.data();
-  auto take = [&p](size_t n) { float* q = p; p += n + kPad; return q; };
-  float* qs = take(sizes[0]);
-  float* qt = take(sizes[1]);
-  float* qsum = take(sizes[2]);
-  float* Kb = take(sizes[3]);
-  float* Vb = take(sizes[4]);
-  float* S = take(sizes[5]);
-  float* acc = take(sizes[6]);
-  float* accG = take(sizes[7]);
-  float* corr = take(sizes[8]);
-  float* ksc = take(sizes[9]);
+  float* buf[14];
+  carve(s.f0, sizes, buf);
+  float *qs = buf[0], *qt = buf[1], *qsum = buf[2], *Kb = buf[3], *Vb = buf[4], *S = buf[5], *acc = buf[6];
+  float *accG = buf[7], *corr = buf[8];
+  float* ksc = buf[9];
   float* kzs = ksc + T * Jk;
   float* kzsT = kzs + T * Jk;
-  float* vsc = take(sizes[10]);
+  float* vsc = buf[10];
   float* vzs = vsc + T * Jv;
   float* vzsT = vzs + T * Jv;
-  float* sK = take(sizes[11]);
+  float* sK = buf[11];
   float* zK = sK + dkp;
   float* sV = zK + dkp;
   float* zV = sV + dvp;
-  float* cs = take(sizes[12]);
-  float* m = take(sizes[13]);
+  float* cs = buf[12];
+  float* m = buf[13];
   float* l = m + G;
   float* psum = l + G;
   float* bK = psum + G;
@@ -1151,17 +1155,9 @@ static void attend_dense_item(const AttendArgs& a, int64_t item, Scratch& s) {
   constexpr int T = kTile;
   const size_t sizes[] = {static_cast<size_t>(G) * dkp, static_cast<size_t>(T) * dkp, static_cast<size_t>(T) * dvp,
                           static_cast<size_t>(G) * T, static_cast<size_t>(G) * dvp, 2 * static_cast<size_t>(G)};
-  size_t total = 0;
-  for (size_t n : sizes) total += n + kPad;
-  if (s.f0.size() < total) s.f0.resize(total);
-  float* p = s.f0.data();
-  auto take = [&p](size_t n) { float* q = p; p += n + kPad; return q; };
-  float* qs = take(sizes[0]);
-  float* Kb = take(sizes[1]);
-  float* Vb = take(sizes[2]);
-  float* S = take(sizes[3]);
-  float* acc = take(sizes[4]);
-  float* m = take(sizes[5]);
+  float* buf[6];
+  carve(s.f0, sizes, buf);
+  float *qs = buf[0], *Kb = buf[1], *Vb = buf[2], *S = buf[3], *acc = buf[4], *m = buf[5];
   float* l = m + G;
   std::fill(Kb, Kb + sizes[1], 0.0f);
   std::fill(Vb, Vb + sizes[2], 0.0f);
