@@ -45,14 +45,16 @@ def _p(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` (``[R, n, w]`` or ``[R, n]``) as the attention kernel reads it: as is when each row's
     entries are contiguous, rows possibly a pitch apart (the leading part of a buffer with room,
     no copy); else a contiguous copy."""
-    if t is None:
-        return None
+    if t is None or t.is_contiguous():
+        return t
+    st = t.stride()
     if t.dim() == 2:
-        ok = t.shape[1] <= 1 or t.stride(1) == 1
-        return t if ok and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1]) else t.contiguous()
+        R, n = t.shape
+        ok = (n <= 1 or st[1] == 1) and (R <= 1 or st[0] >= n)
+        return t if ok else t.contiguous()
     R, n, w = t.shape
-    ok = (w <= 1 or t.stride(2) == 1) and (n <= 1 or t.stride(1) == w)
-    ok = ok and (R <= 1 or (w > 0 and t.stride(0) % w == 0 and t.stride(0) // w >= n))
+    ok = (w <= 1 or st[2] == 1) and (n <= 1 or st[1] == w)
+    ok = ok and (R <= 1 or (w > 0 and st[0] % w == 0 and st[0] // w >= n))
     return t if ok else t.contiguous()
 
 
