@@ -57,7 +57,7 @@ the slot once per this many tokens, not at every flush. The slack is held and co
 def _capacity(t: torch.Tensor) -> int:
     """Entries along dim 2 of the buffer ``t`` is the leading part of (``t.shape[2]`` if none)."""
     base = t._base
-    if base is None or t.storage_offset() != 0 or t.dim() < 3:
+    if base is None or t.storage_offset() != 0 or t.dim() < 3 or t.numel() == 0:
         return t.shape[2]
     inner = t[0, 0, 0].numel() if t.shape[2] else 0
     if not inner or t.stride(2) != inner or t.stride(1) % inner:
