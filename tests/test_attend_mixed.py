@@ -200,3 +200,28 @@ def test_leading_part_of_a_buffer_is_read_in_place(compiled, grouping, gs, with_
     got, want = attend_block(q, k, v, 0.2), reference.attend_block(q, k, v, 0.2)
     torch.testing.assert_close(got[0], want[0], rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("quant", ["kivi", "default"])
+def test_decoding_takes_the_one_call_path(stories, monkeypatch, quant):
+    """Every decoding step of every layer goes through one kernel call (no silent fallback to
+    the per-block path), for the KIVI layout and the default (rotated, log-coded norms)."""
+    from kv_cache import CompressedCache, compress
+    from kv_cache.attention import function
+
+    model, tok = stories
+    calls = {"fused": 0, "none": 0}
+    real = function.fused_decode
+
+    def counting(*args):
+        out = real(*args)
+        calls["fused" if out is not None else "none"] += 1
+        return out
+
+    monkeypatch.setattr(function, "fused_decode", counting)
+    q = QuantConfig.kivi(bits=4, group_size=8, residual_length=8) if quant == "kivi" else QuantConfig(bits=4)
+    cache = CompressedCache(model.config, quant=q)
+    ids = tok("Once upon a time there was a little girl named Lily. " * 6, return_tensors="pt").input_ids
+    with compress(model, cache), torch.no_grad():
+        model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
+    assert calls["none"] == 0 and calls["fused"] == 4 * model.config.num_hidden_layers
