@@ -225,3 +225,44 @@ def test_decoding_takes_the_one_call_path(stories, monkeypatch, quant):
     with compress(model, cache), torch.no_grad():
         model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
     assert calls["none"] == 0 and calls["fused"] == 4 * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("case", ["kvzip-model-q4", "kvzip-head-fp", "tiers-kvzip-model"])
+def test_ragged_decoding_in_one_call_per_row_matches_the_per_block_path(stories, monkeypatch, case):
+    """Heads of different lengths (a model-wide KVzip budget) and precision tiers (two packed
+    blocks per row) decode through one call per row, with the logits of the per-block path."""
+    from kv_cache import CompressedCache, KVzip, compress, prefill
+    from kv_cache.attention import function
+    from kv_cache.cache.ragged import RaggedStorage
+
+    model, tok = stories
+    quant = {"kvzip-model-q4": QuantConfig(bits=4, group_size=4), "kvzip-head-fp": None,
+             "tiers-kvzip-model": QuantConfig(bits=4, group_size=4, evicted_bits=2)}[case]
+    scope = "head" if case == "kvzip-head-fp" else "model"
+    ids = tok("Once upon a time there was a little girl named Lily. She loved to play outside. " * 5,
+              return_tensors="pt").input_ids
+    real = function.fused_decode
+    runs = {}
+    for mode in ("one-call", "per-block"):
+        calls = {"fused": 0}
+
+        def counting(*args, mode=mode, calls=calls):
+            out = real(*args) if mode == "one-call" else None
+            calls["fused"] += out is not None
+            return out
+
+        monkeypatch.setattr(function, "fused_decode", counting)
+        cache = CompressedCache(model.config, quant=quant, eviction=KVzip(budget=0.3, scope=scope, chunk_size=64))
+        with torch.no_grad():
+            logits, _ = prefill(model, cache, ids, tokenizer=tok)
+            assert any(isinstance(layer.storage, RaggedStorage) for layer in cache.layers) or scope == "head"
+            nxt, steps = logits[:, -1:].argmax(-1), []
+            with compress(model, cache):
+                for i in range(4):
+                    out = model(input_ids=nxt, past_key_values=cache, use_cache=True,
+                                position_ids=torch.tensor([[ids.shape[1] + i]]))
+                    steps.append(out.logits[:, -1])
+                    nxt = out.logits[:, -1:].argmax(-1)
+        runs[mode] = (torch.stack(steps), calls["fused"])
+    assert runs["one-call"][1] == 4 * model.config.num_hidden_layers and runs["per-block"][1] == 0
+    torch.testing.assert_close(runs["one-call"][0], runs["per-block"][0], rtol=0, atol=1e-4)

@@ -180,37 +180,107 @@ class RaggedBlock:
         return out, lse, p_stat
 
 
+def _same_rotation(a: Any, b: Any) -> bool:
+    """Whether two packed blocks are stored in the same space (one query, one inverse for both)."""
+    if a is b or a is None or b is None:
+        return a is b
+    if a.matrices is not None or b.matrices is not None:
+        return a.matrices is not None and b.matrices is not None and torch.equal(a.matrices, b.matrices)
+    return torch.equal(a.signs, b.signs)
+
+
+def _one_call(blocks: list, q: torch.Tensor, scaling: float, starts: list) -> torch.Tensor:
+    """``blocks`` (full-precision and packed, ``batch * kv_heads = R`` rows) with per-block starts
+    (int32 ``[R]`` or None) by :func:`~kv_cache.kernels.attend_mixed`; ``q`` ``[B, H, G, d]``.
+
+    One call takes the full-precision blocks and every packed block stored in the first packed
+    block's space; packed blocks stored in another space (another rotation, e.g. a precision
+    tier's demoted tokens quantized by their own storage) take one call per space, merged by
+    log-sum-exp (§16). Returns ``out`` ``[B, H, G, d_v]`` float32."""
+    B, H, G, d = q.shape
+    R = B * H
+    groups: list[list] = []  # [rotation, packed blocks]; the first group also takes the dense blocks
+    dense = []
+    for blk, start in zip(blocks, starts):
+        if isinstance(blk, FullBlock):
+            dense.append((blk.keys, blk.values, start))
+            continue
+        group = next((g for g in groups if _same_rotation(g[0], blk.rotation)), None)
+        if group is None:
+            groups.append([blk.rotation, []])
+            group = groups[-1]
+        group[1].append((blk.keys, blk.values, start))
+    parts = []
+    for i, (rotation, packed) in enumerate(groups or [[None, []]]):
+        q_packed = inverse = None
+        if rotation is not None:  # q.k = (qR).(kR); the values' share is rotated back in the kernel
+            q_packed = rotation.forward(q).reshape(R, G, d)
+            inverse = rotation.inverse_matrices()
+        parts.append(attend_mixed(q.reshape(R, G, d), scaling, packed=packed or None, dense=dense if i == 0 else (),
+                                  q_packed=q_packed, value_inverse=inverse))
+    out, _ = merge_parts(parts)
+    return out.reshape(B, H, G, -1)
+
+
 def fused_decode(view: list, q: torch.Tensor, scaling: float, starts: torch.Tensor | None) -> torch.Tensor | None:
     """A decoding step's attention over a layer's whole view in one kernel call, or None.
 
     ``view``: the stored blocks in token order (the new token included); ``q`` ``[B, Hkv, G, d]``
-    (one query position); ``starts`` ``[B, Hkv]`` leading padding slots or None. Applies when
-    the view is full-precision blocks and at most one packed block
-    (:func:`kv_cache.kernels.attend_mixed`: one parallel call, merged inside it, the packed
-    block's rotation undone on its share of the output); ragged views return None and take
-    the per-block path. Returns ``out`` ``[B, Hkv, G, d_v]`` float32.
+    (one query position); ``starts`` ``[B, Hkv]`` leading padding slots or None. Full-precision
+    and packed blocks (several packed blocks when they are stored in the same space, e.g. a
+    precision tier's demoted tokens) go to one :func:`kv_cache.kernels.attend_mixed` call: one
+    parallel call, merged inside it, the packed blocks' rotation undone on their share of the
+    output (packed blocks stored in another space take a call of their own, merged by
+    log-sum-exp). A view with ragged blocks (heads of different lengths) and otherwise only
+    full-precision blocks takes one such call per ``(b, h)`` row. Anything else returns None and
+    takes the per-block path. Returns ``out`` ``[B, Hkv, G, d_v]`` float32.
     """
-    if not view or any(not isinstance(b, (FullBlock, QuantBlock)) for b in view):
+    if not view:
         return None
-    if sum(isinstance(b, QuantBlock) for b in view) > 1:
-        return None
-    B, H, G, d = q.shape
-    R = B * H
     qf = q.float()
-    packed, dense, q_packed, inverse, offset = None, [], None, None, 0
+    if any(isinstance(b, RaggedBlock) for b in view):
+        return _fused_rows(view, qf, scaling, starts)
+    if any(not isinstance(b, (FullBlock, QuantBlock)) for b in view):
+        return None
+    B, H = q.shape[:2]
+    rows, offset = [], 0
     for blk in view:
-        start = None if starts is None else (starts - offset).clamp(0, blk.length).reshape(R).to(torch.int32)
+        rows.append(None if starts is None else (starts - offset).clamp(0, blk.length).reshape(B * H).to(torch.int32))
         offset += blk.length
-        if isinstance(blk, FullBlock):
-            dense.append((blk.keys, blk.values, start))
-            continue
-        packed = (blk.keys, blk.values, start)
-        if blk.rotation is not None:  # q.k = (qR).(kR); the values' share is rotated back in the kernel
-            q_packed = blk.rotation.forward(qf).reshape(R, G, d)
-            inverse = blk.rotation.inverse_matrices()
-    out, _ = attend_mixed(qf.reshape(R, G, d), scaling, packed=packed, dense=dense, q_packed=q_packed,
-                          value_inverse=inverse)
-    return out.reshape(B, H, G, -1)
+    return _one_call(view, qf, scaling, rows)
+
+
+def _fused_rows(view: list, q: torch.Tensor, scaling: float, starts: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`fused_decode` of a view with ragged blocks: one call per ``(b, h)`` row over that
+    row's own blocks (right-aligned in the ragged block's slots, as :class:`RaggedBlock` reads
+    them) and its slice of the full-precision blocks."""
+    if any(not isinstance(b, (FullBlock, RaggedBlock)) for b in view):
+        return None
+    B, H = q.shape[:2]
+    outs = []
+    for r in range(B * H):
+        b, h = divmod(r, H)
+        blocks, row_starts, offset = [], [], 0
+        for blk in view:
+            start = 0 if starts is None else int(starts[b, h]) - offset
+            offset += blk.length
+            if isinstance(blk, FullBlock):
+                blocks.append(FullBlock(blk.keys[b:b + 1, h:h + 1], blk.values[b:b + 1, h:h + 1]))
+                row_starts.append(torch.tensor([min(max(start, 0), blk.length)], dtype=torch.int32)
+                                  if start > 0 else None)
+                continue
+            local, inner = start - (blk.length - blk.lengths[r]), 0  # virtual padding first
+            for sub in blk.rows[r]:
+                if not isinstance(sub, (FullBlock, QuantBlock)):
+                    return None
+                blocks.append(sub)
+                row_starts.append(torch.tensor([min(local - inner, sub.length)], dtype=torch.int32)
+                                  if local > inner else None)
+                inner += sub.length
+        if not blocks:
+            return None
+        outs.append(_one_call(blocks, q[b:b + 1, h:h + 1], scaling, row_starts))
+    return torch.cat(outs, dim=0).reshape(B, H, *outs[0].shape[2:])
 
 
 def attend_new(

@@ -155,7 +155,7 @@ DENSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class MixedArgs:
     q: torch.Tensor                       # [R, G, d] float32: queries of the full-precision blocks
-    packed: AttendArgs | None             # the packed block (its queries: q, or q R when rotated)
+    packed: tuple                         # AttendArgs of each packed block (queries: q, or q R when rotated)
     dense: tuple                          # ((keys [B, H, n, dk], values [B, H, n, dv], start [R] int32 | None), ...)
     value_inverse: torch.Tensor | None    # [H', dv, dv] float32
     scaling: float
@@ -171,16 +171,20 @@ def check_mixed_args(q, scaling, packed, dense, q_packed, value_inverse) -> Mixe
         raise TypeError(f"scaling must be a finite float; got {scaling!r}")
     R, _, d = q.shape
     dv = None
-    p = None
+    ps = []
     if packed is not None:
-        if not isinstance(packed, tuple) or len(packed) != 3:
-            raise TypeError("packed must be None or a (kblock, vblock, start) tuple")
-        qp = q if q_packed is None else q_packed
-        if isinstance(qp, torch.Tensor) and tuple(qp.shape) != tuple(q.shape):
-            raise ValueError(f"q_packed must have q's shape {tuple(q.shape)}; got {tuple(qp.shape)}")
-        p = check_attend_args(qp, packed[0], packed[1], scaling, packed[2], None)
-        dv = p.v.head_dim
-    elif q_packed is not None or value_inverse is not None:
+        many = isinstance(packed, list)
+        for blk in packed if many else [packed]:
+            if not isinstance(blk, tuple) or len(blk) != 3:
+                raise TypeError("packed must be None, a (kblock, vblock, start) tuple or a list of them")
+            qp = q if q_packed is None else q_packed
+            if isinstance(qp, torch.Tensor) and tuple(qp.shape) != tuple(q.shape):
+                raise ValueError(f"q_packed must have q's shape {tuple(q.shape)}; got {tuple(qp.shape)}")
+            ps.append(check_attend_args(qp, blk[0], blk[1], scaling, blk[2], None))
+            if dv is not None and ps[-1].v.head_dim != dv:
+                raise ValueError(f"packed blocks hold values of d_v={ps[-1].v.head_dim} and {dv}")
+            dv = ps[-1].v.head_dim
+    if not ps and (q_packed is not None or value_inverse is not None):
         raise ValueError("q_packed and value_inverse apply to the packed block; got them with packed=None")
     blocks = []
     for i, blk in enumerate(dense):
@@ -201,7 +205,7 @@ def check_mixed_args(q, scaling, packed, dense, q_packed, value_inverse) -> Mixe
             raise ValueError(f"dense[{i}] values have d_v={v.shape[3]}, the other blocks {dv}")
         dv = v.shape[3]
         blocks.append((k, v, _row_index(st, f"dense[{i}] start", R)))
-    if p is None and not blocks:
+    if not ps and not blocks:
         raise ValueError("attend_mixed needs a packed block or at least one dense block; got neither")
     if value_inverse is not None:
         vi = value_inverse
@@ -210,4 +214,4 @@ def check_mixed_args(q, scaling, packed, dense, q_packed, value_inverse) -> Mixe
             raise ValueError(f"value_inverse must be float32 [H, d_v, d_v] = [H, {dv}, {dv}] with R = {R} a "
                              f"multiple of H; got {getattr(vi, 'dtype', type(vi).__name__)} of shape "
                              f"{tuple(getattr(vi, 'shape', ()))}")
-    return MixedArgs(q, p, tuple(blocks), value_inverse, float(scaling))
+    return MixedArgs(q, tuple(ps), tuple(blocks), value_inverse, float(scaling))

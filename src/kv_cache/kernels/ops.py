@@ -276,7 +276,7 @@ def attend_block(
                    _p(v.codes), v.bits, v.lut.contiguous(), _GROUPING_ID[v.grouping],
                    _p(v.scale), _p(v.zero), _p(v.gid), v.group_size,
                    a.scaling, _c(a.start), _c(a.length), out, lse, logits, _build.isa_flag(),
-                   None, [], [], None, None, _c(k.scale_table), _c(v.scale_table))
+                   None, [], [], None, None, _c(k.scale_table), _c(v.scale_table), [], [])
     except ValueError as exc:  # the extension's group-index check
         raise bad_group_error() from exc
     return out, lse, logits
@@ -319,9 +319,10 @@ def attend_mixed(
         Queries per KV row ``r = b * H + h`` (``G`` query heads x positions share the row).
     scaling : float
         Score scale, usually ``d ** -0.5``.
-    packed : ``(kblock, vblock, start)``, optional
+    packed : ``(kblock, vblock, start)`` or a list of them, optional
         The packed tokens (:class:`QBlock` s over rows ``R``) and the first valid token per row
-        (int32 ``[R]`` or None).
+        (int32 ``[R]`` or None). Several packed blocks (e.g. a precision tier's demoted tokens)
+        share ``q_packed`` and ``value_inverse``: they must be stored in the same space.
     dense : sequence of ``(keys, values, start)``
         Full-precision blocks: ``keys`` ``[B, H, n, d]`` and ``values`` ``[B, H, n, d_v]``
         (float32, float16 or bfloat16, ``B * H = R``, each token's channels contiguous),
@@ -354,14 +355,14 @@ def attend_mixed(
     """
     a = check_mixed_args(q, scaling, packed, dense, q_packed, value_inverse)
     tensors = [a.q] + [t for blk in a.dense for t in blk[:2]]
-    if a.packed is not None:
-        tensors += [a.packed.q, a.packed.k.codes, a.packed.v.codes]
+    for p in a.packed:
+        tensors += [p.q, p.k.codes, p.v.codes]
     ext = _compiled(*tensors)
     if ext is None:
         return reference._attend_mixed(a)
     R, G, d = a.q.shape
-    if a.packed is not None:
-        k, v, qp, start = a.packed.k, a.packed.v, a.packed.q.contiguous(), a.packed.start
+    if a.packed:
+        k, v, qp, start = a.packed[0].k, a.packed[0].v, a.packed[0].q.contiguous(), a.packed[0].start
     else:
         dv = a.dense[0][1].shape[-1]
         k, v, qp, start = _empty_block(R, d, a.q.device), _empty_block(R, dv, a.q.device), a.q.contiguous(), None
@@ -381,7 +382,12 @@ def attend_mixed(
                    _p(v.scale), _p(v.zero), _p(v.gid), v.group_size,
                    a.scaling, _c(start), None, out, lse, None, _build.isa_flag(),
                    a.q.contiguous(), dk_list, dv_list, dense_start, _c(a.value_inverse),
-                   _c(k.scale_table), _c(v.scale_table))
+                   _c(k.scale_table), _c(v.scale_table),
+                   [[_p(x.k.codes), x.k.lut.contiguous(), _p(x.k.scale), _p(x.k.zero), _p(x.k.gid), _c(x.k.scale_table),
+                     _p(x.v.codes), x.v.lut.contiguous(), _p(x.v.scale), _p(x.v.zero), _p(x.v.gid), _c(x.v.scale_table),
+                     _c(x.start)] for x in a.packed[1:]],
+                   [[x.k.bits, _GROUPING_ID[x.k.grouping], x.k.group_size, x.v.bits, _GROUPING_ID[x.v.grouping],
+                     x.v.group_size] for x in a.packed[1:]])
     except ValueError as exc:
         raise bad_group_error() from exc
     return out, lse

@@ -184,8 +184,8 @@ def rows_times(x: torch.Tensor, mats: torch.Tensor) -> torch.Tensor:
 
 def _attend_mixed(a) -> tuple[torch.Tensor, torch.Tensor]:
     parts = []
-    if a.packed is not None:
-        out, lse, _ = _attend(a.packed, False)
+    for p in a.packed:
+        out, lse, _ = _attend(p, False)
         if a.value_inverse is not None:
             out = rows_times(out, a.value_inverse)
         parts.append((out, lse))

@@ -204,7 +204,8 @@ struct DequantArgs {
 
 struct AttendItem {
   int64_t r, t0, t1;
-  int dense = -1;  // -1: tokens of the packed block; i >= 0: of full-precision block i
+  int dense = -1;  // -1: tokens of a packed block; i >= 0: of full-precision block i
+  int packed = 0;  // packed items: 0 = the call's block, i >= 1 = extra packed block i - 1
 };
 
 // A full-precision block of [B, H, n, d] keys and values (float32/16, bfloat16), element
@@ -233,6 +234,8 @@ struct AttendArgs {
   const float* qd = nullptr;  // [R, G, dk] queries of the full-precision blocks
   const DenseView* dense = nullptr;
   int H = 1;                  // KV heads: row r is (r / H, r % H)
+  const BlockView* xk = nullptr;  // extra packed blocks (same queries, same rotation)
+  const BlockView* xv = nullptr;
 };
 
 // q[c] = number of midpoints strictly below x[c] / s (the nearest level; ties go down);
@@ -473,12 +476,36 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
             const c10::optional<at::Tensor>& logits, int64_t isa, const c10::optional<at::Tensor>& qd,
             const std::vector<at::Tensor>& dense_k, const std::vector<at::Tensor>& dense_v,
             const c10::optional<at::Tensor>& dense_start, const c10::optional<at::Tensor>& vinv,
-            const c10::optional<at::Tensor>& k_table, const c10::optional<at::Tensor>& v_table) {
+            const c10::optional<at::Tensor>& k_table, const c10::optional<at::Tensor>& v_table,
+            const std::vector<std::vector<c10::optional<at::Tensor>>>& x_tensors,
+            const std::vector<std::vector<int64_t>>& x_ints) {
   std::atomic<int> status{kOk};
   AttendArgs a;
   a.k = make_block(k_codes, k_bits, k_lut, k_grouping, k_scale, k_zero, k_gid, k_group_size, k_table);
   a.v = make_block(v_codes, v_bits, v_lut, v_grouping, v_scale, v_zero, v_gid, v_group_size, v_table);
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q");
+  // extra packed blocks: tensors [k_codes, k_lut, k_scale, k_zero, k_gid, k_table, v_codes, v_lut,
+  // v_scale, v_zero, v_gid, v_table, start], ints [k_bits, k_grouping, k_gs, v_bits, v_grouping, v_gs]
+  const int64_t n_extra = static_cast<int64_t>(x_tensors.size());
+  TORCH_CHECK(static_cast<int64_t>(x_ints.size()) == n_extra, "x_tensors and x_ints differ in length");
+  std::vector<BlockView> xk(n_extra), xv(n_extra);
+  std::vector<const int32_t*> xstart(n_extra, nullptr);
+  for (int64_t i = 0; i < n_extra; ++i) {
+    const auto& T = x_tensors[i];
+    const auto& I = x_ints[i];
+    TORCH_CHECK(T.size() == 13 && I.size() == 6 && T[0].has_value() && T[1].has_value() && T[2].has_value() &&
+                    T[6].has_value() && T[7].has_value() && T[8].has_value(), "extra packed block ", i);
+    xk[i] = make_block(*T[0], I[0], *T[1], I[1], *T[2], T[3], T[4], I[2], T[5]);
+    xv[i] = make_block(*T[6], I[3], *T[7], I[4], *T[8], T[9], T[10], I[5], T[11]);
+    TORCH_CHECK(xk[i].R == a.k.R && xv[i].R == a.k.R && xk[i].N == xv[i].N && xk[i].d == a.k.d && xv[i].d == a.v.d,
+                "extra packed block shapes");
+    if (T[12].has_value()) {
+      TORCH_CHECK(T[12]->scalar_type() == at::kInt && T[12]->is_contiguous() && T[12]->numel() == a.k.R, "start");
+      xstart[i] = T[12]->data_ptr<int32_t>();
+    }
+  }
+  a.xk = xk.data();
+  a.xv = xv.data();
   const int64_t R = a.k.R, N = a.k.N;
   const int G = static_cast<int>(q.size(1));
   const int dv = a.v.d, dvp = pad_to(dv);
@@ -553,11 +580,18 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
   std::vector<int64_t> first(R + 1);
   for (int64_t r = 0; r < R; ++r) {
     first[r] = static_cast<int64_t>(items.size());
-    for (int64_t t = lo[r]; t < hi[r]; t += chunk) items.push_back({r, t, std::min(hi[r], t + chunk), -1});
+    for (int64_t t = lo[r]; t < hi[r]; t += chunk) items.push_back({r, t, std::min(hi[r], t + chunk), -1, 0});
+    for (int64_t i = 0; i < n_extra; ++i) {
+      const int64_t n = xk[i].N;
+      const int64_t t0 = xstart[i] ? std::min<int64_t>(std::max<int64_t>(xstart[i][r], 0), n) : 0;
+      for (int64_t t = t0; t < n; t += chunk)
+        items.push_back({r, t, std::min(n, t + chunk), -1, static_cast<int>(i + 1)});
+      total += n - t0;
+    }
     for (int64_t i = 0; i < n_dense; ++i) {
       const DenseView& D = dviews[i];
       const int64_t t0 = D.start ? std::min<int64_t>(std::max<int64_t>(D.start[r], 0), D.n) : 0;
-      for (int64_t t = t0; t < D.n; t += chunk) items.push_back({r, t, std::min(D.n, t + chunk), static_cast<int>(i)});
+      for (int64_t t = t0; t < D.n; t += chunk) items.push_back({r, t, std::min(D.n, t + chunk), static_cast<int>(i), 0});
       total += D.n - t0;
     }
   }

@@ -889,8 +889,8 @@ static inline void prefetch_meta(const Meta& s, const Meta& z, int64_t r, int64_
 // One work item: tokens [t0, t1) of row r; writes the chunk's (max, sum, unnormalized output).
 static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
   const AttendItem& it = a.items[item];
-  const BlockView& K = a.k;
-  const BlockView& V = a.v;
+  const BlockView& K = it.packed ? a.xk[it.packed - 1] : a.k;  // the call's packed block, or an extra one
+  const BlockView& V = it.packed ? a.xv[it.packed - 1] : a.v;
   const int64_t r = it.r, N = K.N;
   const int G = a.G, dk = K.d, dv = V.d;
   const int dkp = pad_to(dk), dvp = pad_to(dv);
@@ -1036,7 +1036,7 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
           for (int t = 0; t < nt; ++t) Sg[t] -= qj * z[t];
         }
     }
-    if (a.logits)
+    if (a.logits && it.packed == 0)
       for (int g = 0; g < G; ++g) std::memcpy(a.logits + (r * G + g) * N + t0, S + g * T, sizeof(float) * nt);
     // ---- online softmax: S becomes exp(s - m)
     for (int g = 0; g < G; ++g) {
