@@ -266,3 +266,26 @@ def test_ragged_decoding_in_one_call_per_row_matches_the_per_block_path(stories,
         runs[mode] = (torch.stack(steps), calls["fused"])
     assert runs["one-call"][1] == 4 * model.config.num_hidden_layers and runs["per-block"][1] == 0
     torch.testing.assert_close(runs["one-call"][0], runs["per-block"][0], rtol=0, atol=1e-4)
+
+
+def test_packed_blocks_in_their_own_spaces_merge_into_one_softmax(compiled):  # noqa: F811
+    """Two packed blocks stored in different rotated spaces (each with its own rotated query and
+    inverse) plus full-precision blocks, in one call: the merge of the blocks attended alone."""
+    from kv_cache.kernels.reference import merge_parts
+
+    q, kw = _layer(rotated=True, seed=5)
+    gen = torch.Generator().manual_seed(9)
+    k2 = quantize_block(torch.randn(R, 64, D, generator=gen), 2, "token", 64)
+    v2 = quantize_block(torch.randn(R, 64, D, generator=gen), 2, "token", 64)
+    q2 = torch.randn(R, G, D, generator=gen)
+    inv2 = torch.linalg.qr(torch.randn(H, D, D, generator=gen))[0].contiguous()
+    k, v, st = kw["packed"]
+    first = (k, v, st, kw["q_packed"], kw["value_inverse"])
+    second = (k2, v2, torch.tensor([0, 0, 9, 0, 0, 64], dtype=torch.int32), q2, inv2)
+    out, lse = attend_mixed(q, 0.125, packed=[first, second], dense=kw["dense"])
+    parts = [attend_mixed(q, 0.125, packed=(k, v, st), q_packed=kw["q_packed"], value_inverse=kw["value_inverse"]),
+             attend_mixed(q, 0.125, packed=(k2, v2, second[2]), q_packed=q2, value_inverse=inv2),
+             attend_mixed(q, 0.125, dense=kw["dense"])]
+    want, want_lse = merge_parts(parts)
+    torch.testing.assert_close(out, want, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=ATOL)

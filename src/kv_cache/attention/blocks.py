@@ -191,34 +191,25 @@ def _same_rotation(a: Any, b: Any) -> bool:
 
 def _one_call(blocks: list, q: torch.Tensor, scaling: float, starts: list) -> torch.Tensor:
     """``blocks`` (full-precision and packed, ``batch * kv_heads = R`` rows) with per-block starts
-    (int32 ``[R]`` or None) by :func:`~kv_cache.kernels.attend_mixed`; ``q`` ``[B, H, G, d]``.
-
-    One call takes the full-precision blocks and every packed block stored in the first packed
-    block's space; packed blocks stored in another space (another rotation, e.g. a precision
-    tier's demoted tokens quantized by their own storage) take one call per space, merged by
-    log-sum-exp (§16). Returns ``out`` ``[B, H, G, d_v]`` float32."""
+    (int32 ``[R]`` or None) in one :func:`~kv_cache.kernels.attend_mixed` call; ``q``
+    ``[B, H, G, d]``. Each packed block is scored in its own space (``q R`` for a rotated block,
+    its share rotated back in the kernel); blocks stored in the same space share one rotated
+    query. Returns ``out`` ``[B, H, G, d_v]`` float32."""
     B, H, G, d = q.shape
     R = B * H
-    groups: list[list] = []  # [rotation, packed blocks]; the first group also takes the dense blocks
-    dense = []
+    spaces: list = []  # (rotation, q R, R^T) per distinct space
+    packed, dense = [], []
     for blk, start in zip(blocks, starts):
         if isinstance(blk, FullBlock):
             dense.append((blk.keys, blk.values, start))
             continue
-        group = next((g for g in groups if _same_rotation(g[0], blk.rotation)), None)
-        if group is None:
-            groups.append([blk.rotation, []])
-            group = groups[-1]
-        group[1].append((blk.keys, blk.values, start))
-    parts = []
-    for i, (rotation, packed) in enumerate(groups or [[None, []]]):
-        q_packed = inverse = None
-        if rotation is not None:  # q.k = (qR).(kR); the values' share is rotated back in the kernel
-            q_packed = rotation.forward(q).reshape(R, G, d)
-            inverse = rotation.inverse_matrices()
-        parts.append(attend_mixed(q.reshape(R, G, d), scaling, packed=packed or None, dense=dense if i == 0 else (),
-                                  q_packed=q_packed, value_inverse=inverse))
-    out, _ = merge_parts(parts)
+        space = next((sp for sp in spaces if _same_rotation(sp[0], blk.rotation)), None)
+        if space is None:
+            rot = blk.rotation
+            space = (rot, None, None) if rot is None else (rot, rot.forward(q).reshape(R, G, d), rot.inverse_matrices())
+            spaces.append(space)
+        packed.append((blk.keys, blk.values, start, q.reshape(R, G, d) if space[1] is None else space[1], space[2]))
+    out, _ = attend_mixed(q.reshape(R, G, d), scaling, packed=packed or None, dense=dense)
     return out.reshape(B, H, G, -1)
 
 
@@ -227,11 +218,10 @@ def fused_decode(view: list, q: torch.Tensor, scaling: float, starts: torch.Tens
 
     ``view``: the stored blocks in token order (the new token included); ``q`` ``[B, Hkv, G, d]``
     (one query position); ``starts`` ``[B, Hkv]`` leading padding slots or None. Full-precision
-    and packed blocks (several packed blocks when they are stored in the same space, e.g. a
-    precision tier's demoted tokens) go to one :func:`kv_cache.kernels.attend_mixed` call: one
-    parallel call, merged inside it, the packed blocks' rotation undone on their share of the
-    output (packed blocks stored in another space take a call of their own, merged by
-    log-sum-exp). A view with ragged blocks (heads of different lengths) and otherwise only
+    and packed blocks (any number, e.g. a precision tier's demoted tokens next to the kept ones)
+    go to one :func:`kv_cache.kernels.attend_mixed` call: one
+    parallel call, merged inside it, each packed block's rotation undone on its share of the
+    output. A view with ragged blocks (heads of different lengths) and otherwise only
     full-precision blocks takes one such call per ``(b, h)`` row. Anything else returns None and
     takes the per-block path. Returns ``out`` ``[B, Hkv, G, d_v]`` float32.
     """

@@ -157,7 +157,7 @@ class MixedArgs:
     q: torch.Tensor                       # [R, G, d] float32: queries of the full-precision blocks
     packed: tuple                         # AttendArgs of each packed block (queries: q, or q R when rotated)
     dense: tuple                          # ((keys [B, H, n, dk], values [B, H, n, dv], start [R] int32 | None), ...)
-    value_inverse: torch.Tensor | None    # [H', dv, dv] float32
+    inverses: tuple                       # per packed block: [H', dv, dv] float32 or None
     scaling: float
 
 
@@ -171,19 +171,22 @@ def check_mixed_args(q, scaling, packed, dense, q_packed, value_inverse) -> Mixe
         raise TypeError(f"scaling must be a finite float; got {scaling!r}")
     R, _, d = q.shape
     dv = None
-    ps = []
+    ps, inverses = [], []
     if packed is not None:
         many = isinstance(packed, list)
         for blk in packed if many else [packed]:
-            if not isinstance(blk, tuple) or len(blk) != 3:
-                raise TypeError("packed must be None, a (kblock, vblock, start) tuple or a list of them")
-            qp = q if q_packed is None else q_packed
-            if isinstance(qp, torch.Tensor) and tuple(qp.shape) != tuple(q.shape):
-                raise ValueError(f"q_packed must have q's shape {tuple(q.shape)}; got {tuple(qp.shape)}")
+            if not isinstance(blk, tuple) or len(blk) not in ((3, 5) if many else (3,)):
+                raise TypeError("packed must be None, a (kblock, vblock, start) tuple or a list of them (entries "
+                                "may add their own q_packed and value_inverse)")
+            qp, vi = (q if q_packed is None else q_packed, value_inverse) if len(blk) == 3 else (blk[3], blk[4])
+            if not isinstance(qp, torch.Tensor) or tuple(qp.shape) != tuple(q.shape):
+                raise ValueError(f"q_packed must have q's shape {tuple(q.shape)}; got "
+                                 f"{tuple(getattr(qp, 'shape', ()))}")
             ps.append(check_attend_args(qp, blk[0], blk[1], scaling, blk[2], None))
             if dv is not None and ps[-1].v.head_dim != dv:
                 raise ValueError(f"packed blocks hold values of d_v={ps[-1].v.head_dim} and {dv}")
             dv = ps[-1].v.head_dim
+            inverses.append(_check_inverse(vi, dv, R))
     if not ps and (q_packed is not None or value_inverse is not None):
         raise ValueError("q_packed and value_inverse apply to the packed block; got them with packed=None")
     blocks = []
@@ -207,11 +210,13 @@ def check_mixed_args(q, scaling, packed, dense, q_packed, value_inverse) -> Mixe
         blocks.append((k, v, _row_index(st, f"dense[{i}] start", R)))
     if not ps and not blocks:
         raise ValueError("attend_mixed needs a packed block or at least one dense block; got neither")
-    if value_inverse is not None:
-        vi = value_inverse
-        if not isinstance(vi, torch.Tensor) or vi.dtype != torch.float32 or vi.dim() != 3 \
-                or tuple(vi.shape[1:]) != (dv, dv) or R % vi.shape[0]:
-            raise ValueError(f"value_inverse must be float32 [H, d_v, d_v] = [H, {dv}, {dv}] with R = {R} a "
-                             f"multiple of H; got {getattr(vi, 'dtype', type(vi).__name__)} of shape "
-                             f"{tuple(getattr(vi, 'shape', ()))}")
-    return MixedArgs(q, tuple(ps), tuple(blocks), value_inverse, float(scaling))
+    return MixedArgs(q, tuple(ps), tuple(blocks), tuple(inverses), float(scaling))
+
+
+def _check_inverse(vi, dv: int, R: int) -> torch.Tensor | None:
+    if vi is not None and (not isinstance(vi, torch.Tensor) or vi.dtype != torch.float32 or vi.dim() != 3
+                           or tuple(vi.shape[1:]) != (dv, dv) or R % vi.shape[0]):
+        raise ValueError(f"value_inverse must be float32 [H, d_v, d_v] = [H, {dv}, {dv}] with R = {R} a "
+                         f"multiple of H; got {getattr(vi, 'dtype', type(vi).__name__)} of shape "
+                         f"{tuple(getattr(vi, 'shape', ()))}")
+    return vi

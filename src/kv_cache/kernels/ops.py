@@ -321,8 +321,9 @@ def attend_mixed(
         Score scale, usually ``d ** -0.5``.
     packed : ``(kblock, vblock, start)`` or a list of them, optional
         The packed tokens (:class:`QBlock` s over rows ``R``) and the first valid token per row
-        (int32 ``[R]`` or None). Several packed blocks (e.g. a precision tier's demoted tokens)
-        share ``q_packed`` and ``value_inverse``: they must be stored in the same space.
+        (int32 ``[R]`` or None). A list entry may also be ``(kblock, vblock, start, q_packed,
+        value_inverse)``: a block stored in a space of its own (e.g. a precision tier's demoted
+        tokens, rotated by their own storage); the others use the arguments below.
     dense : sequence of ``(keys, values, start)``
         Full-precision blocks: ``keys`` ``[B, H, n, d]`` and ``values`` ``[B, H, n, d_v]``
         (float32, float16 or bfloat16, ``B * H = R``, each token's channels contiguous),
@@ -381,11 +382,11 @@ def attend_mixed(
                    _p(v.codes), v.bits, v.lut.contiguous(), _GROUPING_ID[v.grouping],
                    _p(v.scale), _p(v.zero), _p(v.gid), v.group_size,
                    a.scaling, _c(start), None, out, lse, None, _build.isa_flag(),
-                   a.q.contiguous(), dk_list, dv_list, dense_start, _c(a.value_inverse),
+                   a.q.contiguous(), dk_list, dv_list, dense_start, _c(a.inverses[0] if a.packed else None),
                    _c(k.scale_table), _c(v.scale_table),
                    [[_p(x.k.codes), x.k.lut.contiguous(), _p(x.k.scale), _p(x.k.zero), _p(x.k.gid), _c(x.k.scale_table),
                      _p(x.v.codes), x.v.lut.contiguous(), _p(x.v.scale), _p(x.v.zero), _p(x.v.gid), _c(x.v.scale_table),
-                     _c(x.start)] for x in a.packed[1:]],
+                     _c(x.start), x.q.contiguous(), _c(vi)] for x, vi in zip(a.packed[1:], a.inverses[1:])],
                    [[x.k.bits, _GROUPING_ID[x.k.grouping], x.k.group_size, x.v.bits, _GROUPING_ID[x.v.grouping],
                      x.v.group_size] for x in a.packed[1:]])
     except ValueError as exc:

@@ -184,10 +184,10 @@ def rows_times(x: torch.Tensor, mats: torch.Tensor) -> torch.Tensor:
 
 def _attend_mixed(a) -> tuple[torch.Tensor, torch.Tensor]:
     parts = []
-    for p in a.packed:
+    for p, inverse in zip(a.packed, a.inverses):
         out, lse, _ = _attend(p, False)
-        if a.value_inverse is not None:
-            out = rows_times(out, a.value_inverse)
+        if inverse is not None:
+            out = rows_times(out, inverse)
         parts.append((out, lse))
     R, G, d = a.q.shape
     for k, v, st in a.dense:

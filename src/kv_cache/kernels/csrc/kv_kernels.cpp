@@ -234,8 +234,9 @@ struct AttendArgs {
   const float* qd = nullptr;  // [R, G, dk] queries of the full-precision blocks
   const DenseView* dense = nullptr;
   int H = 1;                  // KV heads: row r is (r / H, r % H)
-  const BlockView* xk = nullptr;  // extra packed blocks (same queries, same rotation)
+  const BlockView* xk = nullptr;  // extra packed blocks, each with its own queries
   const BlockView* xv = nullptr;
+  const float* const* xq = nullptr;
 };
 
 // q[c] = number of midpoints strictly below x[c] / s (the nearest level; ties go down);
@@ -485,16 +486,30 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
   a.v = make_block(v_codes, v_bits, v_lut, v_grouping, v_scale, v_zero, v_gid, v_group_size, v_table);
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q");
   // extra packed blocks: tensors [k_codes, k_lut, k_scale, k_zero, k_gid, k_table, v_codes, v_lut,
-  // v_scale, v_zero, v_gid, v_table, start], ints [k_bits, k_grouping, k_gs, v_bits, v_grouping, v_gs]
+  // v_scale, v_zero, v_gid, v_table, start, q, vinv], ints [k_bits, k_grouping, k_gs, v_bits,
+  // v_grouping, v_gs]; q [R, G, dk] float32 (the block's own space), vinv [H', dv, dv] or None
   const int64_t n_extra = static_cast<int64_t>(x_tensors.size());
   TORCH_CHECK(static_cast<int64_t>(x_ints.size()) == n_extra, "x_tensors and x_ints differ in length");
   std::vector<BlockView> xk(n_extra), xv(n_extra);
   std::vector<const int32_t*> xstart(n_extra, nullptr);
+  std::vector<const float*> xq(n_extra, nullptr), xvi(n_extra, nullptr);
+  std::vector<int64_t> xvi_heads(n_extra, 1);
   for (int64_t i = 0; i < n_extra; ++i) {
     const auto& T = x_tensors[i];
     const auto& I = x_ints[i];
-    TORCH_CHECK(T.size() == 13 && I.size() == 6 && T[0].has_value() && T[1].has_value() && T[2].has_value() &&
-                    T[6].has_value() && T[7].has_value() && T[8].has_value(), "extra packed block ", i);
+    TORCH_CHECK(T.size() == 15 && I.size() == 6 && T[0].has_value() && T[1].has_value() && T[2].has_value() &&
+                    T[6].has_value() && T[7].has_value() && T[8].has_value() && T[13].has_value(),
+                "extra packed block ", i);
+    TORCH_CHECK(T[13]->scalar_type() == at::kFloat && T[13]->is_contiguous() && T[13]->sizes() == q.sizes(),
+                "extra packed block q");
+    xq[i] = T[13]->data_ptr<float>();
+    if (T[14].has_value()) {
+      const at::Tensor& m = *T[14];
+      TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.dim() == 3 && m.size(1) == m.size(2) &&
+                      q.size(0) % m.size(0) == 0, "extra packed block vinv");
+      xvi[i] = m.data_ptr<float>();
+      xvi_heads[i] = m.size(0);
+    }
     xk[i] = make_block(*T[0], I[0], *T[1], I[1], *T[2], T[3], T[4], I[2], T[5]);
     xv[i] = make_block(*T[6], I[3], *T[7], I[4], *T[8], T[9], T[10], I[5], T[11]);
     TORCH_CHECK(xk[i].R == a.k.R && xv[i].R == a.k.R && xk[i].N == xv[i].N && xk[i].d == a.k.d && xv[i].d == a.v.d,
@@ -506,6 +521,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
   }
   a.xk = xk.data();
   a.xv = xv.data();
+  a.xq = xq.data();
   const int64_t R = a.k.R, N = a.k.N;
   const int G = static_cast<int>(q.size(1));
   const int dv = a.v.d, dvp = pad_to(dv);
@@ -621,6 +637,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
     });
   }
   if (status.load() == kBadGroup) raise_bad_group();
+  std::vector<float> share((n_extra + 1) * dv);
   // merge the chunks of each row by log-sum-exp
   float* o = out.data_ptr<float>();
   float* L = lse.data_ptr<float>();
@@ -635,19 +652,21 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
         continue;
       }
       double sum = 0.0;
-      bool packed = false;  // the packed block's share, rotated back (vinv) before the rest joins
+      // each packed block's share apart, rotated back (its vinv) before the shares are added
+      std::fill(share.begin(), share.end(), 0.0f);
       for (int64_t i = first[r]; i < first[r + 1]; ++i) {
-        if (vi && items[i].dense >= 0 && packed) {
-          rotate_back(orow, vi + (r % vi_heads) * dv * dv, dv);
-          packed = false;
-        }
         const float w = std::exp(pm[i * G + g] - M);
         sum += static_cast<double>(w) * pl[i * G + g];
         const float* pa = pacc.data() + (i * G + g) * dvp;
-        for (int c = 0; c < dv; ++c) orow[c] += w * pa[c];
-        packed = packed || items[i].dense < 0;
+        float* dst = items[i].dense >= 0 ? orow : share.data() + static_cast<int64_t>(items[i].packed) * dv;
+        for (int c = 0; c < dv; ++c) dst[c] += w * pa[c];
       }
-      if (vi && packed) rotate_back(orow, vi + (r % vi_heads) * dv * dv, dv);
+      for (int64_t p = 0; p <= n_extra; ++p) {
+        float* sp = share.data() + p * dv;
+        const float* m = p == 0 ? vi : xvi[p - 1];
+        if (m) rotate_back(sp, m + (r % (p == 0 ? vi_heads : xvi_heads[p - 1])) * dv * dv, dv);
+        for (int c = 0; c < dv; ++c) orow[c] += sp[c];
+      }
       const float inv = static_cast<float>(1.0 / sum);
       for (int c = 0; c < dv; ++c) orow[c] *= inv;
       L[r * G + g] = M + static_cast<float>(std::log(sum));

@@ -946,7 +946,7 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
     l[g] = 0.0f;
     psum[g] = 0.0f;
     float* qrow = qs + static_cast<size_t>(g) * dkp;
-    const float* qin = a.q + (r * G + g) * dk;
+    const float* qin = (it.packed ? a.xq[it.packed - 1] : a.q) + (r * G + g) * dk;
     for (int c = 0; c < dk; ++c) qrow[c] = a.scaling * qin[c];
     std::fill(qrow + dk, qrow + dkp, 0.0f);
     if (K.grouping == kToken)
