@@ -102,14 +102,14 @@ def _one(method_spec: str, context: int, decode: int) -> dict:
     ids = tok(text[: context * 8], return_tensors="pt").input_ids[:, :context]
     # Warm-up outside the measurement: kernels load once per process, as in a server.
     with torch.no_grad():
-        warm = _prefill(model, method, ids[:, :64], last_only=True)
+        warm = _prefill(model, method, ids[:, :64], tokenizer=tok, last_only=True)
         forward_at(model, warm.cache, warm.logits[:, -1:].argmax(-1), 64)
         warm.scope.close()
         del warm
     _reset_peak()
     with torch.no_grad():
         t0 = time.perf_counter()
-        pre = _prefill(model, method, ids, last_only=True)
+        pre = _prefill(model, method, ids, tokenizer=tok, last_only=True)  # KVzip's reconstruction pass needs it
         prefill_s = time.perf_counter() - t0
         peak_prefill = _peak_rss_mib()
         _decode_allocator()

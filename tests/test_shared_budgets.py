@@ -239,6 +239,23 @@ def test_kvzip_keeping_everything_equals_the_full_cache(stories):
     torch.testing.assert_close(_next_logits(model, cache, ids, q), ref, rtol=1e-4, atol=1e-4)
 
 
+def test_prefill_last_only_forms_the_last_logits_alone(stories):
+    """``prefill(..., last_only=True)``: the last position's logits, equal to the full pass's last
+    row, and the same cache (KVzip keeps the same tokens)."""
+    model, tok = stories
+    ids = _ids(tok, 120)
+    caches, logits = [], []
+    for last_only in (False, True):
+        cache = CompressedCache(model.config, eviction=KVzip(budget=0.5, chunk_size=50))
+        out, _ = prefill(model, cache, ids, tokenizer=tok, last_only=last_only)
+        caches.append(cache)
+        logits.append(out)
+    assert logits[1].shape == (1, 1, logits[0].shape[-1])
+    torch.testing.assert_close(logits[1][:, 0], logits[0][:, -1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.head_lengths(), b.head_lengths())
+
+
 def test_kvzip_scores_every_context_token_once_chunked(stories):
     """Chunks cover the context: every stored slot but the unrepeated BOS gets a score."""
     model, tok = stories

@@ -71,16 +71,20 @@ def prefill(
     *,
     tokenizer: Any = None,
     attention_mask: torch.Tensor | None = None,
+    last_only: bool = False,
 ) -> tuple[torch.Tensor, PrefillStats]:
     """Prefill ``input_ids`` ``[batch, T]`` into an empty ``cache`` and compress it.
 
     Runs inside ``kv_cache.compress(model, cache)`` (entered here unless it is already active
     for this cache). With :class:`~kv_cache.KVzip` the reconstruction pass follows (``tokenizer``
-    required, batch 1), then every layer evicts.
+    required, batch 1), then every layer evicts. ``last_only``: form the last position's logits
+    only (``logits_to_keep=1``, as ``model.generate``'s prefill does); the ``T x vocab`` logits
+    of a long context are otherwise the prefill's largest tensor (800 MB at 4K tokens and a
+    49K vocabulary).
 
     Returns
     -------
-    ``(logits [batch, T, vocab] of the context, PrefillStats)``
+    ``(logits [batch, T, vocab] of the context, or [batch, 1, vocab] with last_only, PrefillStats)``
 
     Raises
     ------
@@ -111,7 +115,9 @@ def prefill(
             stack.enter_context(compress(model, cache))
         with torch.no_grad():
             t0 = time.perf_counter()
-            out = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+            extra = {"logits_to_keep": 1} if last_only else {}
+            out = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
+                        **extra)
             stats = PrefillStats(int(input_ids.shape[1]), time.perf_counter() - t0)
             if scored:
                 t0 = time.perf_counter()
@@ -175,7 +181,7 @@ class CompressedContext:
         else:
             ids = torch.as_tensor(text_or_ids).reshape(1, -1).long()
         cache = CompressedCache(model.config, quant=quant, eviction=eviction)
-        logits, stats = prefill(model, cache, ids, tokenizer=tokenizer)
+        logits, stats = prefill(model, cache, ids, tokenizer=tokenizer, last_only=True)
         return cls(model, tokenizer, cache, int(ids.shape[1]), logits[0, -1].float(), stats)
 
     def ask(self, question: str | Sequence[int], *, max_new_tokens: int = 64, eos_token_ids: Sequence[int] | None = None

@@ -87,7 +87,7 @@ def _prefill(model, method: Method, ids: torch.Tensor, tokenizer=None, last_only
             raise ValueError(f"method {method.spec!r} needs the tokenizer for its reconstruction pass")
         scope.enter_context(ctx())
         try:
-            logits, stats = prefill(model, cache, ids, tokenizer=tokenizer)
+            logits, stats = prefill(model, cache, ids, tokenizer=tokenizer, last_only=last_only)
         except BaseException:
             scope.close()
             raise
