@@ -29,7 +29,8 @@ ROW_CHUNK_BYTES = 64 * 2**20
 """Logits held at once by the full-precision paths (bounded memory for long prefills)."""
 
 STAT_CHUNK_BYTES = 16 * 2**20
-"""Probabilities held at once by a first prefill's statistics pass (:func:`_causal_column_sums`):
+"""Probabilities held at once by a first prefill's statistics pass (:func:`_causal_column_sums`)
+and by KVzip's reconstruction scores (:func:`reconstruction_scores`):
 smaller than :data:`ROW_CHUNK_BYTES` because it runs on top of the prefill's own activations, so
 an evicting cache's prefill does not peak above the full cache's (``bench_generate``)."""
 
@@ -387,7 +388,7 @@ def reconstruction_scores(
     stored slots, the repeated slots ``[start, end)`` and the chunk's tokens up to itself
     (causal); the score of a repeated slot is its largest probability over the chunk's queries
     and the ``G`` query heads of its KV head. Returns float32 ``[B, Hkv, end - start]``.
-    Queries are taken in row blocks of at most :data:`ROW_CHUNK_BYTES` of logits.
+    Queries are taken in row blocks of at most :data:`STAT_CHUNK_BYTES` of logits.
     """
     B, H, M, d = q.shape
     G = group
@@ -398,13 +399,13 @@ def reconstruction_scores(
     n_ctx = k_ctx.shape[2]
     best = torch.full((B, H, end - start), float("-inf"), device=q.device)
     pos = torch.arange(L, device=q.device)
-    step = max(1, ROW_CHUNK_BYTES // max(1, 4 * (n_ctx + L) * B * H * G))
+    step = max(1, STAT_CHUNK_BYTES // max(1, 4 * (n_ctx + L) * B * H * G))
     for s in range(0, L, step):
         e = min(L, s + step)
         qc = q5[:, :, :, s:e]
-        lc = (qc @ k_ctx[:, :, None].transpose(-1, -2)) * scaling  # [B, H, G, c, n_ctx]
-        ln = (qc @ kn[:, :, None, :e].transpose(-1, -2)) * scaling  # [B, H, G, c, e]
-        ln = ln.masked_fill(pos[None, :e] > pos[s:e, None], float("-inf"))
+        lc = (qc @ k_ctx[:, :, None].transpose(-1, -2)).mul_(scaling)  # [B, H, G, c, n_ctx]
+        ln = (qc @ kn[:, :, None, :e].transpose(-1, -2)).mul_(scaling)  # [B, H, G, c, e]
+        ln.masked_fill_(pos[None, :e] > pos[s:e, None], float("-inf"))
         lse = torch.logaddexp(torch.logsumexp(lc, dim=-1), torch.logsumexp(ln, dim=-1)).unsqueeze(-1)
         # max_i p_i = exp(max_i (s_i - lse_i)): one exp per slot, not per probability
         best = torch.maximum(best, (lc[..., sinks:] - lse).amax(dim=(2, 3)))
