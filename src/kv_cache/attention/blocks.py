@@ -28,6 +28,10 @@ from ..kernels.reference import merge_parts
 ROW_CHUNK_BYTES = 64 * 2**20
 """Logits held at once by the full-precision paths (bounded memory for long prefills)."""
 
+JOIN_NEW_TOKEN_BELOW = 256
+"""On the per-block path, a decoded token is attended together with a full-precision block
+shorter than this (one block fewer to attend and merge)."""
+
 STAT_CHUNK_BYTES = 16 * 2**20
 """Probabilities held at once by a first prefill's statistics pass (:func:`_causal_column_sums`)
 and by KVzip's reconstruction scores (:func:`reconstruction_scores`):
@@ -179,6 +183,22 @@ class RaggedBlock:
         lse = torch.cat(lses, dim=0).reshape(B, H, M)
         p_stat = None if stat_rows is None else torch.cat(stats, dim=0).reshape(B, H, -1, L)
         return out, lse, p_stat
+
+
+def join_new_token(view: list) -> list:
+    """``view`` with each one-token full-precision block (a decoded token) joined to the short
+    full-precision block right before it (:data:`JOIN_NEW_TOKEN_BELOW`): the same tokens in the
+    same order, one block fewer for the per-block path (the one-call step needs no join)."""
+    out = []
+    for blk in view:
+        prev = out[-1] if out else None
+        if (isinstance(blk, FullBlock) and blk.length == 1 and isinstance(prev, FullBlock)
+                and prev.length <= JOIN_NEW_TOKEN_BELOW):
+            # torch.cat promotes: a float16 residual joins a float32 token as float32, the token exact
+            out[-1] = FullBlock(torch.cat([prev.keys, blk.keys], 2), torch.cat([prev.values, blk.values], 2))
+        else:
+            out.append(blk)
+    return out
 
 
 def _same_rotation(a: Any, b: Any) -> bool:

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .blocks import attend_new, fused_decode, merge, reconstruction_scores
+from .blocks import attend_new, fused_decode, join_new_token, merge, reconstruction_scores
 
 ATTENTION_NAME = "kv_cache"
 """The name under which :func:`compressed_attention` is registered in transformers."""
@@ -120,6 +120,8 @@ def compressed_attention(
             if layer.awaits_observation:
                 layer.observe_attention(None, 0, scaling)
             return fused.reshape(B, Hkv * G, L, -1).transpose(1, 2).to(query.dtype), None
+    if L == 1:
+        view = join_new_token(view)
     parts, stats, offset = [], [], 0
     for blk in view:
         start = None if starts is None else (starts - offset).clamp(0, blk.length)

@@ -37,9 +37,6 @@ from .packed import PackedKV, _cat, gather_tokens
 
 CATEGORIES = ("codes", "scales", "zero_points", "residual", "indices", "tables")
 
-JOIN_NEW_TOKEN_BELOW = 256
-"""A decoded token is attended together with a full-precision block shorter than this."""
-
 COMPACT_SLACK = 8
 """An eviction leaving at most ``max(1, kept // COMPACT_SLACK)`` slots unused compacts in place;
 more unused slots are given back (exact-size buffers)."""
@@ -89,18 +86,16 @@ class LayerStorage(ABC):
         """Append this call's tokens; return the blocks its attention reads (native path).
 
         The blocks stored before the call, in token order; when the call has one token
-        (decoding, no causal structure inside the call) that token is included too, in full
-        precision, joined to a short full-precision block (one block fewer); longer calls get
-        their own causal block in the attention function.
+        (decoding, no causal structure inside the call) that token is included too, as a
+        full-precision block of its own, exactly as given (the one-call decoding step reads it
+        there; the per-block path joins it to a short full-precision block,
+        :func:`kv_cache.attention.blocks.join_new_token`); longer calls get their own causal block
+        in the attention function.
         """
         view = self.blocks()
         self.append(keys, values)
         if keys.shape[2] == 1:
-            if view and isinstance(view[-1], FullBlock) and view[-1].length <= JOIN_NEW_TOKEN_BELOW:
-                last = view.pop()
-                view.append(FullBlock(torch.cat([last.keys, keys], 2), torch.cat([last.values, values], 2)))
-            else:
-                view.append(FullBlock(keys, values))
+            view.append(FullBlock(keys, values))
         return view
 
     @abstractmethod

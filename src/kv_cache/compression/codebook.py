@@ -310,12 +310,12 @@ def encode_log_scale(scale: torch.Tensor) -> torch.Tensor:
     if not isinstance(scale, torch.Tensor) or not scale.dtype.is_floating_point:
         raise TypeError(f"scale must be a floating torch.Tensor; got {getattr(scale, 'dtype', type(scale).__name__)}")
     s = scale.double()
-    if not bool(torch.isfinite(s).all()):
-        raise_non_finite(scale, "scale")
-    if bool((s < 0).any()):
-        raise ValueError(f"norms must be >= 0; got a minimum of {float(s.min()):.3g}")
     lo, hi = log_scale_range()
-    top = float(s.max()) if s.numel() else 0.0
+    low, top = (float(v) for v in torch.aminmax(s)) if s.numel() else (0.0, 0.0)  # one pass (NaN propagates)
+    if not (math.isfinite(low) and math.isfinite(top)):
+        raise_non_finite(scale, "scale")
+    if low < 0:
+        raise ValueError(f"norms must be >= 0; got a minimum of {low:.3g}")
     if top > hi * 2.0 ** (LOG_SCALE_STEP / 2):
         raise ValueError(f"8-bit log-coded norms hold {lo:.3g}..{hi:.3g}; got a norm of {top:.3g} "
                          "(use scale_dtype=torch.float16)")
