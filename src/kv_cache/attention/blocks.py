@@ -67,7 +67,7 @@ class FullBlock:
         Returns ``(out, lse, p_stat)``; ``p_stat`` ``[B, Hkv, S, n]`` are the in-block
         probabilities of the rows ``stat_rows`` (or None).
         """
-        k, v = self.keys.float(), self.values.float()
+        q, k, v = q.float(), self.keys.float(), self.values.float()  # float32 statistics (bf16/fp16 models)
         valid = None
         if start is not None:
             valid = torch.arange(self.length, device=k.device) >= start.unsqueeze(-1)  # [B, Hkv, n]

@@ -189,6 +189,10 @@ def _option(default: Any, help_text: str) -> Any:
     return field(default=default, metadata={"help": help_text})
 
 
+EVAL_DTYPES = ("float32", "bfloat16", "float16")
+"""Model dtypes ``kvcache eval --dtype`` loads."""
+
+
 @dataclass
 class EvalConfig:
     """Everything that defines a run (and decides whether saved samples can be reused).
@@ -198,6 +202,8 @@ class EvalConfig:
     """
 
     model: str = _option("smollm2", "alias (smollm2, stories260K), local HF directory, .gguf file or hub id")
+    dtype: str = _option("float32", "model dtype: float32, bfloat16 or float16 (the cache keeps it; statistics "
+                                    "stay float32)")
     text: str | None = _option(None, "haystack / perplexity text file [wikitext-2 test from ../shared/data]")
     tasks: list[str] = _option(["ppl"], "comma-separated tasks")
     methods: list[str] = _option(["full", "q4"], "comma-separated method specs")
@@ -213,6 +219,8 @@ class EvalConfig:
                                                "uses depths[i % len]; default: a seeded random depth per sample")
 
     def __post_init__(self) -> None:
+        if self.dtype not in EVAL_DTYPES:
+            raise ValueError(f"dtype must be one of {list(EVAL_DTYPES)}; got {self.dtype!r}")
         if not self.text:
             from ..models import shared_data_dir
 
@@ -225,6 +233,8 @@ class EvalConfig:
             d["query_layout"] = "question-last"
         if self.depths is not None:  # absent from runs that drew depths at random
             d["depths"] = list(self.depths)
+        if self.dtype != "float32":  # absent from the float32 runs that predate the option
+            d["dtype"] = self.dtype
         d["text_sha256"] = text_sha
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -269,7 +279,7 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
     text = read_text(cfg.text)
     text_sha = hashlib.sha256(text.encode()).hexdigest()
     if model is None:
-        model, tokenizer = load_model(cfg.model)
+        model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)
     max_pos = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     if max_pos:
         check_context_fits(cfg.context, max_pos, max_new_tokens=cfg.max_new_tokens)
