@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache
 from ..compression.global_budget import select_global
 from ..policies.base import EvictionPolicy
 from .config import QuantConfig
-from .layer import CompressedLayer
+from .layer import CompressedLayer, fixed_parts
 from .report import MemoryReport, fp16_kv_bytes, kv_geometry
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2")
@@ -80,14 +80,14 @@ class CompressedCache(Cache):
             quant.check_head_dim(geometry.head_dim)
             quant.check_layers(geometry.layers)
             if eviction is not None and isinstance(eviction.budget, int):
-                res = max(quant.residual_length, quant.group_size) - 1
-                window = eviction.window_tokens(eviction.budget)
-                need = quant.sink_tokens + res + window + eviction.sink_tokens
+                parts = fixed_parts(quant, eviction, eviction.window_tokens(eviction.budget))
+                need = sum(parts.values())
                 if eviction.budget < need:
                     raise ValueError(
-                        f"budget ({eviction.budget}) must be >= {need}: quantization sinks ({quant.sink_tokens}) + "
-                        f"residual up to max(residual_length, group_size) - 1 ({res}) "
-                        f"+ recent_window ({window}) + sink_tokens ({eviction.sink_tokens})"
+                        f"budget ({eviction.budget}) must be >= {need}: quantization sinks "
+                        f"({parts['quantization sinks']}) + residual up to max(residual_length, group_size) - 1 "
+                        f"({parts['residual']}) + recent_window ({parts['recent_window']}) "
+                        f"+ sink_tokens ({parts['sink_tokens']})"
                     )
         self.quant, self.eviction = quant, eviction
         self.config, self.geometry = config, geometry
@@ -200,5 +200,37 @@ class CompressedCache(Cache):
             codes_bytes=cat["codes"], scales_bytes=cat["scales"], zero_points_bytes=cat["zero_points"],
             residual_bytes=cat["residual"], indices_bytes=cat["indices"], scores_bytes=cat["scores"],
             fp16_bytes=fp16, tokens_seen=seen, tokens_kept=kept / n, elements_kept=elements,
-            per_layer_bytes=per_layer, tables_bytes=cat["tables"],
+            per_layer_bytes=per_layer, tables_bytes=cat["tables"], budget_raised=self.raised_budgets(),
+            notes=self._budget_notes(),
         )
+
+    def raised_budgets(self) -> dict[int, tuple[int, int]]:
+        """``{layer: (requested, kept)}`` for the layers whose fractional budget, resolved against
+        the prompt, was below the slots every head keeps anyway and was raised to them
+        (:meth:`CompressedLayer.resolved_budget`); empty when none was."""
+        out = {}
+        if self.eviction is None or not isinstance(self.eviction.budget, float):
+            return out
+        for i, layer in enumerate(self.layers):
+            if layer.is_initialized and layer.prompt_len is not None:
+                requested, budget, _ = layer.resolved_budget()
+                if budget > requested:
+                    out[i] = (requested, budget)
+        return out
+
+    def _budget_notes(self) -> list[str]:
+        """One line per distinct raise of :meth:`raised_budgets`."""
+        pol, groups = self.eviction, {}
+        for i, pair in self.raised_budgets().items():
+            groups.setdefault(pair, []).append(i)
+        notes = []
+        for (requested, budget), layers in groups.items():
+            layer = self.layers[layers[0]]
+            parts = fixed_parts(self.quant, pol, pol.window_tokens(requested))
+            which = "every layer" if len(layers) == len(self.layers) else "layers " + ", ".join(map(str, layers))
+            notes.append(
+                f"budget raised to the fixed parts' minimum in {which}: budget={pol.budget} of the "
+                f"{layer.prompt_len}-token prompt is {requested} tokens, fewer than every head keeps anyway "
+                f"({' + '.join(f'{k} {v}' for k, v in parts.items())} = {budget}); up to {budget} tokens are kept"
+            )
+        return notes

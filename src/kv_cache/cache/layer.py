@@ -327,6 +327,25 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
             )
 
     # ------------------------------------------------------------------ eviction
+    def resolved_budget(self) -> tuple[int, int, int]:
+        """``(requested, budget, window)`` in tokens for this layer's prompt.
+
+        ``requested`` is the policy's budget resolved against the prompt length; ``window`` the
+        recent window, resolved against ``requested``. A fractional budget below the slots every
+        head keeps whatever the budget (:func:`fixed_parts`: quantization sinks, the longest
+        full-precision residual, the recent window, the policy's sinks) is raised to them, as a
+        budget above the prompt keeps the whole prompt; :meth:`CompressedCache.memory_report`
+        says so. A token (int) budget is never raised: the cache's constructor refuses one that is
+        too small.
+        """
+        pol = self.policy
+        requested = pol.budget_tokens(self.layer_idx, self.prompt_len)
+        window = pol.window_tokens(requested)
+        budget = requested
+        if isinstance(pol.budget, float):
+            budget = max(requested, sum(fixed_parts(self.quant, pol, window).values()))
+        return requested, budget, window
+
     def _score_inputs(self, shape, **fields) -> ScoreInputs:
         fields.setdefault("scaling", 1.0)
         for name in ("keys", "query", "key_valid"):
@@ -340,7 +359,7 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         storage must not compact in place."""
         pol = self.policy
         T = inputs.shape[2]
-        budget = pol.budget_tokens(self.layer_idx, self.prompt_len)
+        _, budget, window = self.resolved_budget()
         # H2O must accumulate every step, even before the budget is reached.
         scores = pol.score(inputs) if not pol.prefill_only else None
         if pol.prefill_only:
@@ -354,8 +373,7 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         # Slots the storage holds in full precision (quantization sinks, the residual) are never
         # evicted: it keeps every head's quantized part rectangular and the residual append-only.
         lead, trail = self.storage.protected()
-        window = pol.window_tokens(budget)
-        if lead + trail + window + pol.sink_tokens > budget:
+        if lead + trail + window + pol.sink_tokens > budget:  # a token budget the cache's constructor let by
             raise ValueError(
                 f"budget of layer {self.layer_idx} ({budget} tokens) must be >= quantization sinks "
                 f"({lead}) + full-precision residual ({trail}) + recent_window ({window}) "
@@ -455,6 +473,17 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         if self._starts is not None:  # each head's first valid slot (padding, ragged heads)
             out["indices"] = out.get("indices", 0) + self._starts.nbytes
         return out
+
+
+def fixed_parts(quant: QuantConfig | None, policy: EvictionPolicy, window: int) -> dict[str, int]:
+    """Slots every head of a layer keeps whatever its budget, by part (math dictionary §12):
+    ``quantization sinks`` (``QuantConfig.sink_tokens``), ``residual`` (the longest
+    full-precision residual, ``max(residual_length, group_size) - 1``), ``recent_window``
+    (``window`` tokens) and ``sink_tokens`` (the policy's). A budget must be at least their sum."""
+    sinks = 0 if quant is None else quant.sink_tokens
+    residual = 0 if quant is None else max(quant.residual_length, quant.group_size) - 1
+    return {"quantization sinks": sinks, "residual": residual, "recent_window": window,
+            "sink_tokens": policy.sink_tokens}
 
 
 def _key_valid(mask: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,11 @@ class MemoryReport:
     ``total_bytes`` is their sum. ``fp16_bytes = 2 (K, V) * 2 bytes * batch * kv_heads *
     head_dim * tokens_seen * layers``. ``ratio = fp16_bytes / total_bytes`` is the seed's total
     gain, measured; it factors as ``token_ratio * bits_ratio`` up to index/score overhead.
+    ``budget_raised``: ``{layer: (requested, kept)}`` tokens for the layers whose fractional
+    eviction budget, resolved against a short prompt, was below the slots every head keeps anyway
+    (quantization sinks, residual, recent window, policy sinks) and was raised to them.
+    ``notes``: what the numbers alone do not say, one line each (e.g. a fractional eviction
+    budget raised to the slots every head keeps anyway on a short prompt); ``str()`` prints them.
     """
 
     codes_bytes: int
@@ -56,6 +61,8 @@ class MemoryReport:
     elements_kept: int
     per_layer_bytes: list[int] = field(default_factory=list)
     tables_bytes: int = 0
+    budget_raised: dict[int, tuple[int, int]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -92,4 +99,5 @@ class MemoryReport:
                 f"zero points {self.zero_points_bytes:,}, full-precision {self.residual_bytes:,}, "
                 f"indices {self.indices_bytes:,}, scores {self.scores_bytes:,}, tables {self.tables_bytes:,}) "
                 f"vs fp16 {self.fp16_bytes:,} B: "
-                f"{self.ratio:.2f}x = {self.token_ratio:.2f}x tokens * {self.bits_ratio:.2f}x bits")
+                f"{self.ratio:.2f}x = {self.token_ratio:.2f}x tokens * {self.bits_ratio:.2f}x bits"
+                + "".join(f"\nnote: {line}" for line in self.notes))
