@@ -35,6 +35,11 @@ def _read_marker(folder: Path) -> dict[str, Any] | None:
     return marker if isinstance(marker, dict) else None
 
 
+def is_conversion(folder: Path) -> bool:
+    """Return True if ``folder`` was written by :func:`convert_gguf_to_hf` (it holds the marker file)."""
+    return (folder / _CONVERSION_MARKER).is_file()
+
+
 def is_converted(folder: Path, source_sha256: str) -> bool:
     """Return True if ``folder`` holds a complete conversion of the GGUF with ``source_sha256``."""
     marker = _read_marker(folder)
@@ -44,8 +49,85 @@ def is_converted(folder: Path, source_sha256: str) -> bool:
         and marker.get("source_sha256") == source_sha256
         and (folder / "config.json").is_file()
         and (folder / "tokenizer.json").is_file()
+        and (folder / "tokenizer_config.json").is_file()
         and any(folder.glob("*.safetensors"))
     )
+
+
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as saved in ``tokenizer_config.json``: a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def load_converted_tokenizer(folder: Path) -> Any:
+    """Load the tokenizer of a converted folder straight from its ``tokenizer.json``.
+
+    ``AutoTokenizer`` picks a tokenizer class from ``tokenizer_config.json`` and the model
+    type, and some transformers releases then rebuild the tokenizer from its vocabulary
+    with the model type's default pre-tokenizer (for a Llama-type model, a sentencepiece
+    one), which turns every space of a byte-level BPE text into ``<|endoftext|>``. The
+    converted folder's ``tokenizer.json`` is complete (pre-tokenizer, decoder, post-processor
+    and added tokens, exactly as :func:`~kv_cache.models.tokenizer.gguf_tokenizer` built
+    them), so it is loaded as it is, with the special tokens and the chat template saved
+    beside it; the result is the same token ids under every transformers release.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    if not isinstance(config, dict):
+        config = {}
+    specials = {name: _token_text(config.get(name)) for name in _SPECIAL_TOKENS}
+    template_file = folder / "chat_template.jinja"
+    chat_template = (
+        template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"),
+        name_or_path=str(folder),
+        chat_template=chat_template,
+        clean_up_tokenization_spaces=False,
+        **{name: token for name, token in specials.items() if token is not None},
+    )
+
+
+def _dequantized_gguf_model(gguf_path: Path) -> Any:
+    """Load ``gguf_path`` with transformers as a plain float32 model, free of any GGUF quantizer.
+
+    transformers 5.2 dequantizes a GGUF file into an ordinary model; later releases (5.24)
+    keep a GGUF "quantizer" on the model, which refuses ``save_pretrained``, and may keep
+    the weights in packed GGUF blocks when a matmul kernel is installed. So the weights are
+    loaded with dequantization forced where the release supports asking for it, then copied
+    into a fresh model built from the same configuration (no quantization entry), with a
+    strict ``load_state_dict`` that fails rather than save anything packed.
+    """
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {}
+    gguf_config = getattr(transformers, "GgufConfig", None)  # absent from 5.2, present in 5.24
+    if gguf_config is not None:
+        kwargs["quantization_config"] = gguf_config(dequantize=True)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, **kwargs
+    )
+    config = loaded.config
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        model.load_state_dict(loaded.state_dict(), strict=True)
+    model.generation_config = loaded.generation_config
+    return model
 
 
 def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, source_sha256: str) -> None:
@@ -54,11 +136,9 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, source_sha256: str) -> No
     The folder is written under a temporary name and renamed into place, so an
     interrupted conversion leaves no half-written ``out_dir``.
     """
-    from transformers import AutoModelForCausalLM
-
     t0 = time.perf_counter()
     log.info("converting %s to float32 safetensors (about 20 s, done once)", gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    model = _dequantized_gguf_model(gguf_path)
     tokenizer = gguf_tokenizer(gguf_path)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .conversion import convert_gguf_to_hf, is_converted
+from .conversion import convert_gguf_to_hf, is_conversion, is_converted, load_converted_tokenizer
 from .fetch import SMOLLM2_GGUF_SHA256, fetch_smollm2
 from .tokenizer import gguf_tokenizer
 from .paths import SMOLLM2_HF_DIRNAME, resolve_cache_dir, shared_data_dir
@@ -53,18 +53,23 @@ def _finish(model: Any, tokenizer: Any) -> tuple[Any, Any]:
 
 
 def _load_pretrained(
-    source: Path | str, dtype: torch.dtype | str, attn_implementation: str | None
+    source: Path | str, dtype: torch.dtype | str, attn_implementation: str | None, *, converted: bool = False
 ) -> tuple[Any, Any]:
     """Load with ``from_pretrained`` from a local Hugging Face folder (a ``Path``) or a hub id (a ``str``).
 
     A hub id that cannot be loaded raises an ``OSError`` that suggests the offline
-    alternatives; errors from a local folder pass through unchanged.
+    alternatives; errors from a local folder pass through unchanged. A folder written by
+    the GGUF conversion (``converted``) has its tokenizer read straight from its
+    ``tokenizer.json`` (see :func:`~kv_cache.models.conversion.load_converted_tokenizer`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source))
+        if converted:
+            tokenizer = load_converted_tokenizer(Path(source))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(source))
         model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation=attn_implementation)
     except OSError as exc:
         if isinstance(source, Path):
@@ -94,7 +99,7 @@ def _load_smollm2(dtype: torch.dtype | str, attn_implementation: str | None, cac
     if not is_converted(out_dir, SMOLLM2_GGUF_SHA256):
         gguf_path = fetch_smollm2(cache_dir)
         convert_gguf_to_hf(gguf_path, out_dir, SMOLLM2_GGUF_SHA256)
-    return _load_pretrained(out_dir, dtype, attn_implementation)
+    return _load_pretrained(out_dir, dtype, attn_implementation, converted=True)
 
 
 def _alias_list() -> str:
@@ -181,7 +186,7 @@ def load_model(
         return _finish(*_load_gguf(path, dtype, attn_implementation))
     if path.is_dir():
         if (path / "config.json").is_file():
-            return _finish(*_load_pretrained(path, dtype, attn_implementation))
+            return _finish(*_load_pretrained(path, dtype, attn_implementation, converted=is_conversion(path)))
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return _finish(*_load_gguf(ggufs[0], dtype, attn_implementation))
