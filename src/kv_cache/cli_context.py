@@ -6,6 +6,12 @@ fp16 cache and the seconds of the prefill and of KVzip's reconstruction pass, an
 file (:mod:`kv_cache.cache.serialize`). ``--method`` is a method spec of ``kvcache eval``
 (``q4+kvzip@0.3``, ``q4htc8l``, ``snapkv@0.5:layer``, ``full``; our methods only).
 
+The document is UTF-8 text (a binary file is refused) and must fit the model's positions
+(``max_position_embeddings``; with KVzip, less what its reconstruction pass reads after the
+context): a longer one is refused before the prefill, with its token count and what fits,
+unless ``--max-tokens N`` says how many tokens to compress (the first ones, or the last with
+``--keep tail``). Questions need positions after the context too.
+
 ``kvcache ask doc.kvc "question" ["question" ...]`` loads the model the file names (or
 ``--model``), checks it is the one the cache was made from, and answers each question from the
 compressed context.
@@ -18,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+KEEP = ("head", "tail")  # kv_cache.context.KEEP (not imported here: `kvcache --help` stays light)
 DEFAULT_METHOD = "kvzip@0.3"
 DEFAULT_MAX_NEW_TOKENS = 64
 
@@ -33,6 +40,11 @@ def add_parsers(sub) -> None:
                    help=f"a method spec of `kvcache eval` (quantization and/or eviction) [{DEFAULT_METHOD}]")
     c.add_argument("--bits", type=int, default=None,
                    help="quantize to this many bits: prefixes q<bits>+ to --method (which then has no q part)")
+    c.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="compress at most N tokens of the document (N must fit the model's positions) "
+                        "[the whole document, refused if it does not fit]")
+    c.add_argument("--keep", choices=KEEP, default=None,
+                   help="which tokens --max-tokens keeps: the first (head) or the last (tail) [head]")
     c.set_defaults(_run=run_compress)
 
     a = sub.add_parser("ask", help="answer questions from a .kvc file written by `kvcache compress`",
@@ -46,9 +58,8 @@ def add_parsers(sub) -> None:
     a.set_defaults(_run=run_ask)
 
 
-def method_settings(spec: str, bits: int | None, model: Any) -> tuple[Any, Any, str]:
-    """``(quant, eviction, spec)`` of an ``kvcache eval`` method spec (ours only), ``bits`` prefixed."""
-    from .cache import CompressedCache
+def parse_ours(spec: str, bits: int | None) -> tuple[Any, str]:
+    """``(method, spec)``: an ``kvcache eval`` method spec (ours only), ``bits`` prefixed; no model needed."""
     from .eval.methods import parse_method
 
     if bits is not None:
@@ -57,6 +68,14 @@ def method_settings(spec: str, bits: int | None, model: Any) -> tuple[Any, Any, 
     if method.family != "ours":
         raise ValueError(f"--method {spec!r} is a peer's method; `kvcache compress` takes kv_cache's own "
                          "(e.g. kvzip@0.3, q4+kvzip@0.3, q4htc8l, snapkv@0.5:layer, full)")
+    return method, spec
+
+
+def method_settings(spec: str, bits: int | None, model: Any) -> tuple[Any, Any, str]:
+    """``(quant, eviction, spec)`` of an ``kvcache eval`` method spec (ours only), ``bits`` prefixed."""
+    from .cache import CompressedCache
+
+    method, spec = parse_ours(spec, bits)
     cache, _ = method.make(model)
     if not isinstance(cache, CompressedCache):  # "full": the uncompressed cache
         return None, None, spec
@@ -69,31 +88,65 @@ def _model_ref(name: str) -> str:
     return str(p.resolve()) if p.exists() else name
 
 
-def run_compress(args: argparse.Namespace) -> int:
-    from .cache.serialize import save_cache
-    from .context import CompressedContext
-    from .models import load_model
-
-    doc = Path(args.document)
+def read_document(path: str) -> str:
+    """The text of a document: a UTF-8 text file, not empty. A missing file, a binary file (NUL
+    bytes, or bytes that are not UTF-8) or an empty one is refused, naming the file."""
+    doc = Path(path)
     if not doc.is_file():
         raise FileNotFoundError(f"no document at {str(doc)!r}")
-    text = doc.read_text(encoding="utf-8", errors="replace")
+    data = doc.read_bytes()
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"{doc} is not a text file: it holds a NUL byte at offset {nul:,} "
+                         "(`kvcache compress` reads UTF-8 text)")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{doc} is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset {exc.start:,} "
+                         f"({exc.reason}); convert it to UTF-8 first") from None
     if not text.strip():
-        raise ValueError(f"{doc} is empty")
+        raise ValueError(f"{doc} is empty" + (f" ({len(text)} whitespace characters)" if text else ""))
+    return text
+
+
+def run_compress(args: argparse.Namespace) -> int:
+    from .cache.serialize import save_cache
+    from .context import CompressedContext, _text_ids, fit_context
+    from .models import load_model
+
+    # Everything that can be checked without the model is checked before it loads.
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be an int >= 1; got {args.max_tokens}")
+    if args.keep is not None and args.max_tokens is None:
+        raise ValueError(f"--keep says which tokens --max-tokens keeps; got --keep {args.keep} without "
+                         "--max-tokens: pass --max-tokens N as well")
+    doc = Path(args.document)
+    text = read_document(args.document)
+    parse_ours(args.method, args.bits)
     model, tok = load_model(args.model)
     quant, eviction, spec = method_settings(args.method, args.bits, model)
-    ctx = CompressedContext.build(model, tok, text, quant=quant, eviction=eviction)
-    written = save_cache(ctx.cache, args.out, model_config=model.config,
-                         extra={"context_tokens": ctx.context_tokens, "model": _model_ref(args.model),
-                                "method": spec, "document": doc.name})
+    ids = _text_ids(tok, text)  # checked against the model's positions before the prefill
+    kept = fit_context(ids, model.config, tok, eviction, max_tokens=args.max_tokens, keep=args.keep,
+                       names=("--max-tokens ", "--keep "))
+    ctx = CompressedContext.build(model, tok, kept, quant=quant, eviction=eviction)
+    extra = {"context_tokens": ctx.context_tokens, "model": _model_ref(args.model), "method": spec,
+             "document": doc.name}
+    if len(kept) < len(ids):
+        extra.update(document_tokens=len(ids), keep=args.keep or "head")
+    written = save_cache(ctx.cache, args.out, model_config=model.config, extra=extra)
     rep, st = ctx.cache.memory_report(), ctx.stats
     print(f"compressed {doc.name}: {ctx.context_tokens} tokens with {spec} on {args.model}")
+    if len(kept) < len(ids):
+        print(f"kept:  the {'last' if args.keep == 'tail' else 'first'} {len(kept):,} of the document's "
+              f"{len(ids):,} tokens (--max-tokens {args.max_tokens})")
     print(f"held:  {rep.total_bytes:,} B vs fp16 {rep.fp16_bytes:,} B ({rep.ratio:.2f}x smaller; "
           f"{rep.tokens_kept:.1f} of {rep.tokens_seen} tokens kept per head on average)")
     line = f"time:  prefill {st.prefill_s:.2f} s"
     if st.reconstruction_s:
         line += f" + reconstruction {st.reconstruction_s:.2f} s ({st.cost_ratio:.2f}x the prefill alone)"
     print(line)
+    for note in rep.notes:
+        print(f"note:  {note}")
     print(f"wrote: {args.out} ({written:,} B)")
     return 0
 
@@ -124,6 +177,8 @@ def run_ask(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.file} does not record its model: pass --model")
     model, tok = load_model(name)
     ctx = CompressedContext.load(args.file, model, tok)
+    for q in questions:  # every question fits with its answer before any is answered
+        ctx.question_ids(q, args.max_new_tokens)
     for q in questions:
         answer = ctx.ask(q, max_new_tokens=args.max_new_tokens)
         print(f"Q: {q}\nA: {answer.strip()}\n")

@@ -9,6 +9,9 @@
   questions from it (:meth:`CompressedCache.session`: each question starts from the same
   compressed context at its original positions; the question and answer are dropped after),
   and saves / loads it (:mod:`kv_cache.cache.serialize`).
+* :func:`fit_context` checks a document against the model's positions before any work
+  (:func:`max_context_tokens`: ``max_position_embeddings``, less the room KVzip's
+  reconstruction pass reads after the context), and cuts it only when told what to keep.
 """
 
 from __future__ import annotations
@@ -62,6 +65,133 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
         except TypeError:
             return list(tokenizer.encode(text))
     raise TypeError(f"tokenizer must have an encode() method; got {type(tokenizer).__name__}")
+
+
+KEEP = ("head", "tail")
+"""Which part of a document :func:`fit_context` keeps when it cuts it: the first or the last tokens."""
+
+
+def max_positions(config: Any) -> int | None:
+    """The positions a model was trained on (``max_position_embeddings`` of its text config);
+    None when the config does not say."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = getattr(text, "max_position_embeddings", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def reconstruction_positions(context_tokens: int, eviction: Any, tokenizer: Any, first: int = 0) -> int:
+    """Positions KVzip's reconstruction pass (:func:`reconstruct`) reads after a context of
+    ``context_tokens`` tokens: its longest chunk, repeat prompt (or continue prompt + overlap)
+    included; every chunk starts at the position after the context. 0 for a policy without the
+    pass. ``first``: 1 when the context starts with a BOS token, which is not repeated."""
+    if eviction is None or not eviction.needs_reconstruction or context_tokens <= first:
+        return 0
+    repeat, cont = len(_ids(tokenizer, REPEAT_PROMPT)), len(_ids(tokenizer, CONTINUE_PROMPT))
+    c, longest = eviction.chunk_size, 0
+    for s in range(first, context_tokens, c):  # as reconstruct() feeds them
+        head = repeat if s == first else cont + s - max(first, s - eviction.overlap)
+        longest = max(longest, head + min(context_tokens, s + c) - s)
+    return longest
+
+
+def max_context_tokens(config: Any, tokenizer: Any, eviction: Any = None, first: int = 0) -> int | None:
+    """How many context tokens :meth:`CompressedContext.build` takes on a model with this
+    config: its positions (:func:`max_positions`), less what KVzip's reconstruction pass reads
+    after the context (:func:`reconstruction_positions`). None when the model does not say. A
+    question and its answer need positions after the context too (:meth:`CompressedContext.ask`
+    checks them)."""
+    limit = max_positions(config)
+    if limit is None:
+        return None
+    lo, hi = 0, limit  # the largest n with n + pass(n) <= limit; n + pass(n) grows with n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if mid + reconstruction_positions(mid, eviction, tokenizer, min(first, mid - 1)) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def fit_context(ids: Sequence[int], config: Any, tokenizer: Any, eviction: Any = None, *,
+                max_tokens: int | None = None, keep: str | None = None,
+                names: tuple[str, str] = ("max_tokens=", "keep=")) -> list[int]:
+    """The context ids :meth:`CompressedContext.build` prefills: ``ids`` unchanged when they fit
+    the model's positions, cut when ``max_tokens`` / ``keep`` say what to keep, refused otherwise.
+
+    Parameters
+    ----------
+    max_tokens : int >= 1 or None
+        Keep at most this many tokens (a leading BOS included); it must fit
+        (:func:`max_context_tokens`). None: the whole document, which must fit.
+    keep : ``"head"``, ``"tail"`` or None
+        Which tokens ``max_tokens`` keeps: the first (``"head"``, the default) or the last
+        (``"tail"``, after a leading BOS token, which stays first). Only with ``max_tokens``.
+    names : the option names used in error messages, as they are written before a value
+        (``kvcache compress`` passes ``("--max-tokens ", "--keep ")``).
+
+    Raises
+    ------
+    ValueError
+        ``max_tokens`` not an int >= 1, or more than fits; ``keep`` not in :data:`KEEP`, or
+        without ``max_tokens``; a document longer than fits without ``max_tokens`` (the
+        message names its token count, the model's positions, what fits and the option).
+    """
+    opt_max, opt_keep = names
+    n_max, n_keep = opt_max.rstrip("= "), opt_keep.rstrip("= ")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"{n_max} must be an int >= 1 or None; got {max_tokens!r}")
+    if keep is not None and keep not in KEEP:
+        raise ValueError(f"{n_keep} must be one of {list(KEEP)} or None; got {keep!r}")
+    ids = list(ids)
+    if keep is not None and max_tokens is None:
+        given = f"{opt_keep}{keep if opt_keep.endswith(' ') else repr(keep)}"
+        raise ValueError(f"{n_keep} says which tokens {n_max} keeps; got {given} without {n_max}: "
+                         f"pass {opt_max}N as well")
+    bos = getattr(tokenizer, "bos_token_id", None)
+    first = 1 if len(ids) > 1 and bos is not None and ids[0] == bos else 0
+    fits = max_context_tokens(config, tokenizer, eviction, first)
+    if fits is not None:
+        limit = max_positions(config)
+        why = f"the model has {limit:,} positions (max_position_embeddings)"
+        if fits < limit:
+            why += (f" and {type(eviction).__name__}'s reconstruction pass reads up to "
+                    f"{reconstruction_positions(max(fits, 1), eviction, tokenizer, first):,} more after the context "
+                    f"(chunk_size={eviction.chunk_size})")
+        if fits < 1:
+            raise ValueError(f"no context fits: {why}")
+        if max_tokens is not None and max_tokens > fits:
+            raise ValueError(f"{opt_max}{max_tokens} does not fit: {why}, so at most {fits:,} context tokens fit")
+        if max_tokens is None and len(ids) > fits:
+            values = " or ".join(repr(k) if opt_keep.endswith("=") else k for k in KEEP)
+            raise ValueError(
+                f"the document is {len(ids):,} tokens but {why}: at most {fits:,} context tokens fit; "
+                f"pass {opt_max}N (N <= {fits:,}, leaving room for the questions) to compress the first N "
+                f"tokens, with {opt_keep}{values} to choose the part"
+            )
+    if max_tokens is None or len(ids) <= max_tokens:
+        return ids
+    if keep == "tail":
+        return ids[:first] + ids[len(ids) - (max_tokens - first):] if max_tokens > first else ids[:max_tokens]
+    return ids[:max_tokens]
+
+
+def _text_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a context text, with the special tokens (BOS) the tokenizer adds."""
+    return list(tokenizer(text).input_ids) if callable(tokenizer) else _ids(tokenizer, text)
+
+
+def check_text(text: Any, what: str = "the context text") -> str:
+    """Refuse a text that is not a ``str``, is empty (or whitespace only) or holds NUL
+    characters (binary data decoded as text)."""
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be a str; got {type(text).__name__}")
+    if not text.strip():
+        raise ValueError(f"{what} is empty" + (f" ({len(text)} whitespace characters)" if text else ""))
+    nul = text.find("\x00")
+    if nul >= 0:
+        raise ValueError(f"{what} holds a NUL character at offset {nul}: binary data, not text")
+    return text
 
 
 def prefill(
@@ -164,34 +294,87 @@ class CompressedContext:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, cache: CompressedCache, context_tokens: int,
-                 last_logits: torch.Tensor | None = None, stats: PrefillStats | None = None):
+                 last_logits: torch.Tensor | None = None, stats: PrefillStats | None = None,
+                 document_tokens: int | None = None):
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.context_tokens = context_tokens
+        # tokens of the whole document (more than context_tokens when build cut it)
+        self.document_tokens = context_tokens if document_tokens is None else document_tokens
         self.last_logits = last_logits  # [vocab] float32: the next-token logits after the context
         self.stats = stats
 
     @classmethod
     def build(cls, model: torch.nn.Module, tokenizer: Any, text_or_ids: str | Sequence[int] | torch.Tensor, *,
-              quant=None, eviction=None) -> "CompressedContext":
-        """Prefill and compress a document (text, or token ids with their BOS if the model wants one)."""
-        if isinstance(text_or_ids, str):
-            if not text_or_ids:
-                raise ValueError("the context text is empty")
-            ids = torch.tensor([tokenizer(text_or_ids).input_ids if callable(tokenizer) else _ids(tokenizer, text_or_ids)])
-        else:
-            ids = torch.as_tensor(text_or_ids).reshape(1, -1).long()
-        cache = CompressedCache(model.config, quant=quant, eviction=eviction)
-        logits, stats = prefill(model, cache, ids, tokenizer=tokenizer, last_only=True)
-        return cls(model, tokenizer, cache, int(ids.shape[1]), logits[0, -1].float(), stats)
+              quant=None, eviction=None, max_tokens: int | None = None, keep: str | None = None
+              ) -> "CompressedContext":
+        """Prefill and compress a document (text, or token ids with their BOS if the model wants one).
 
-    def ask(self, question: str | Sequence[int], *, max_new_tokens: int = 64, eos_token_ids: Sequence[int] | None = None
-            ) -> str:
-        """Greedy answer to ``question`` (text appended after the context, or token ids)."""
+        The document must fit the model's positions (``max_position_embeddings``; with
+        :class:`~kv_cache.KVzip`, less what its reconstruction pass reads after the context:
+        :func:`max_context_tokens`), or say what to keep (:func:`fit_context`):
+
+        * ``max_tokens=N``: keep at most ``N`` tokens (``N`` must fit), a leading BOS included;
+        * ``keep="head"`` (default) / ``"tail"``: which ones, the first or the last (``"tail"``
+          keeps a leading BOS token first).
+
+        Checked before any work: a text that is empty or holds NUL characters, token ids that are
+        not integers in ``[0, vocab_size)``, a document longer than fits with neither option
+        (``ValueError`` naming its tokens, the model's positions, what fits and the options).
+        ``document_tokens`` of the result is the document's length, ``context_tokens`` what was
+        kept. Questions need positions after the context too (:meth:`ask` checks them).
+        """
+        if isinstance(text_or_ids, str):
+            ids = _text_ids(tokenizer, check_text(text_or_ids))
+        else:
+            t = torch.as_tensor(text_or_ids)
+            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                raise ValueError(f"token ids must be integers; got {t.dtype}")
+            ids = t.reshape(-1).long().tolist()
+        vocab = getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
+                        "vocab_size", None)
+        bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {vocab}) (the model's vocab_size); got {bad[0]} "
+                             f"({len(bad)} such ids)")
+        document_tokens = len(ids)
+        ids = fit_context(ids, model.config, tokenizer, eviction, max_tokens=max_tokens, keep=keep)
+        cache = CompressedCache(model.config, quant=quant, eviction=eviction)
+        logits, stats = prefill(model, cache, torch.tensor([ids], dtype=torch.long), tokenizer=tokenizer,
+                                last_only=True)
+        return cls(model, tokenizer, cache, len(ids), logits[0, -1].float(), stats, document_tokens)
+
+    def question_ids(self, question: str | Sequence[int], max_new_tokens: int) -> list[int]:
+        """The token ids of ``question``, once it is checked to fit with its answer.
+
+        The question and the answer take the positions after the context: ``context_tokens +
+        len(question) + max_new_tokens - 1`` must not exceed the model's positions
+        (``max_position_embeddings``). ``ValueError`` for an empty question, ``max_new_tokens``
+        not an int >= 1, or a question or an answer that would run past the positions (the
+        message says how many tokens fit)."""
         ids = _ids(self.tokenizer, question) if isinstance(question, str) else list(question)
         if not ids:
             raise ValueError("the question is empty")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}")
+        limit = max_positions(self.model.config)
+        if limit is not None:
+            room = limit - self.context_tokens
+            if len(ids) + max_new_tokens - 1 > room:
+                where = (f"the model has {limit:,} positions (max_position_embeddings) and the context takes "
+                         f"{self.context_tokens:,}, leaving {room:,} for the question and its answer")
+                if len(ids) > room:
+                    raise ValueError(f"the question is {len(ids):,} tokens but {where}: ask a shorter question "
+                                     "(or compress less of the document)")
+                raise ValueError(f"the question ({len(ids):,} tokens) + max_new_tokens ({max_new_tokens}) need "
+                                 f"{len(ids) + max_new_tokens - 1:,} positions but {where}: max_new_tokens "
+                                 f"<= {room - len(ids) + 1:,} fits")
+        return ids
+
+    def ask(self, question: str | Sequence[int], *, max_new_tokens: int = 64, eos_token_ids: Sequence[int] | None = None
+            ) -> str:
+        """Greedy answer to ``question`` (text appended after the context, or token ids), checked
+        first by :meth:`question_ids`."""
+        ids = self.question_ids(question, max_new_tokens)
         eos = set(eos_token_ids if eos_token_ids is not None else
                   [t for t in [getattr(self.tokenizer, "eos_token_id", None)] if isinstance(t, int)])
         out: list[int] = []
@@ -204,6 +387,8 @@ class CompressedContext:
                 if nxt in eos:
                     break
                 out.append(nxt)
+                if len(out) == max_new_tokens:
+                    break  # the last token is not fed: it would only predict a token nobody reads
                 logits = forward_at(self.model, self.cache, torch.tensor([[nxt]]), pos)
                 pos += 1
         return self.tokenizer.decode(out, skip_special_tokens=True)
