@@ -145,9 +145,7 @@ def test_storage_keeps_residual_and_sinks_in_residual_dtype(residual_dtype):
     k, v = _x(R=2, N=22, d=16, seed=5).view(1, 2, 22, 16), _x(R=2, N=22, d=16, seed=6).view(1, 2, 22, 16)
     st = make_storage(q, k[:, :, :0], v[:, :, :0], track_groups=False)
     st.append(k, v)
-    if st.keys.dtype != residual_dtype:
-        pytest.skip("QuantizedStorage does not honour QuantConfig.residual_dtype yet (storage.py patch pending)")
-    assert st.sink_keys.dtype == residual_dtype and st.values.dtype == residual_dtype
+    assert st.keys.dtype == st.sink_keys.dtype == st.values.dtype == st.sink_values.dtype == residual_dtype
     rk, rv = st.read()
     assert rk.dtype == torch.float32 and rk.shape == k.shape
     torch.testing.assert_close(rk[:, :, :4], k[:, :, :4].to(residual_dtype).float(), rtol=0, atol=0)
