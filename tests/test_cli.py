@@ -11,7 +11,7 @@ from kv_cache import CompressedCache, QuantConfig
 from kv_cache.cli import main
 from kv_cache.eval.methods import MethodUnavailable, parse_method
 from kv_cache.eval.runner import held_nbytes, resolve_task
-from kv_cache.models import load_model, shared_data_dir
+from kv_cache.models import shared_data_dir
 
 TEXT = shared_data_dir() / "tinyshakespeare" / "input.txt"
 
@@ -115,7 +115,7 @@ def test_text_too_short_and_unwritable_out(tmp_path, capsys):
     assert rc == 2 and "not writable" in capsys.readouterr().err
 
 
-def test_method_specs():
+def test_method_specs(stories):
     m = parse_method("q4g64r128+h2o@0.25")
     assert (m.family, m.bits, m.budget) == ("ours", 4, 0.25)
     assert parse_method("streaming@512").budget == 512
@@ -124,7 +124,7 @@ def test_method_specs():
         with pytest.raises(ValueError, match="unknown method"):
             parse_method(bad)
     assert resolve_task("needle") == "niah_single" and resolve_task("PPL") == "ppl"
-    model, _ = load_model("stories260K")
+    model = stories[0]
     windows = {"h2o@0.5": 0.5, "h2o@0.5w32": 32, "h2o@512w0.25": 0.25, "snapkv@0.5": 32, "snapkv@0.5w64": 64}
     for spec, window in windows.items():
         assert parse_method(spec).make(model)[0].eviction.recent_window == window
@@ -133,20 +133,20 @@ def test_method_specs():
             parse_method(bad)
 
 
-def test_held_nbytes_matches_our_report():
-    model, tok = load_model("stories260K")
+def test_held_nbytes_matches_our_report(stories):
+    model, tok = stories
     cache = CompressedCache(model.config, quant=QuantConfig.kivi(bits=4, group_size=8, residual_length=8))
     with torch.no_grad():
         model(tok("Once upon a time there was a dog", return_tensors="pt").input_ids, past_key_values=cache)
     assert held_nbytes(cache) == cache.memory_report().total_bytes
 
 
-def test_hf_quanto_adapter_counts_quantized_bytes():
+def test_hf_quanto_adapter_counts_quantized_bytes(stories):
     try:
         method = parse_method("hf-quanto-int4")
     except MethodUnavailable as exc:
         pytest.skip(str(exc))
-    model, tok = load_model("stories260K")
+    model = stories[0]
     cache, ctx = method.make(model)
     ids = torch.randint(3, 500, (1, 256))
     with torch.no_grad(), ctx():
@@ -157,24 +157,24 @@ def test_hf_quanto_adapter_counts_quantized_bytes():
     assert 0 < held < full_fp32 / 3
 
 
-def test_kvpress_adapter_evicts():
+def test_kvpress_adapter_evicts(stories):
     try:
         method = parse_method("kvpress-streamingllm@0.5")
     except MethodUnavailable as exc:
         pytest.skip(str(exc))
-    model, _ = load_model("stories260K")
+    model = stories[0]
     cache, ctx = method.make(model)
     with torch.no_grad(), ctx():
         model(torch.randint(3, 500, (1, 200)), past_key_values=cache)
     assert cache.layers[0].keys.shape[2] == 100
 
 
-def test_hf_fp8_matches_fp8_formula_and_counts_bytes():
+def test_hf_fp8_matches_fp8_formula_and_counts_bytes(stories):
     from kv_cache.eval.fp8 import FP8_MAX, fp8_dequantize, fp8_quantize
 
     method = parse_method("hf-fp8")
     assert (method.family, method.bits) == ("hf", 8)
-    model, _ = load_model("stories260K")
+    model = stories[0]
     cache, ctx = method.make(model)
     ids = torch.randint(3, 500, (1, 64))
     with torch.no_grad(), ctx():
