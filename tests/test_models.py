@@ -229,6 +229,8 @@ def test_smollm2_loads_and_is_cached(monkeypatch):
     assert ids[0] != tok.bos_token_id  # no BOS is added
     assert tok.decode(ids) == text
     assert tok.convert_ids_to_tokens(tok("  1846").input_ids) == ["ĠĠ", "1", "8", "4", "6"]
+    # the same ids under every supported transformers release (make test runs the oldest and newest)
+    assert tok("The history of the whale fishery").input_ids == [504, 1463, 282, 260, 15682, 28562]
     assert "<|im_start|>assistant" in tok.apply_chat_template(
         [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
     )
