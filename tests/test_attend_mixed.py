@@ -117,15 +117,16 @@ def test_fused_decode_matches_the_per_block_path(rotation, padded):
             FullBlock(torch.randn(Bm, Hm, 5, d), torch.randn(Bm, Hm, 5, d))]
     q = torch.randn(Bm, Hm, Gm, d)
     starts = torch.tensor([[0, 0], [6, 6]]) if padded else None
-    got = fused_decode(view, q, 0.2, starts)
+    got, got_lse = fused_decode(view, q, 0.2, starts)
     parts, off = [], 0
     for blk in view:
         st = None if starts is None else (starts - off).clamp(0, blk.length)
         out, lse, _ = blk.attend(q, 0.2, st, None)
         parts.append((out, lse))
         off += blk.length
-    want, _ = merge(parts)
+    want, want_lse = merge(parts)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_decode_declines_views_it_cannot_take():

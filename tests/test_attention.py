@@ -212,12 +212,23 @@ def test_architectures_through_the_attention_interface(cfg_cls):
         assert [layer.kept_length() for layer in small.layers] == [24, 24]
 
 
-def test_unsupported_architecture_is_a_clear_error():
-    from transformers import GPT2Config, GPT2LMHeadModel
+def test_support_is_by_capability_not_by_type():
+    """GPT-2 is in no list, but its attention goes through the interface: it works; an
+    encoder-decoder or a config without a decoder's shape is a clear error."""
+    from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, T5Config
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
-    with pytest.raises(ValueError, match=r"supports model types .*; got 'gpt2'"):
-        CompressedCache(model.config)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=50)).eval()
+    ids = torch.randint(0, 50, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids, past_key_values=DynamicCache()).logits
+        cache = CompressedCache(model.config)
+        with compress(model, cache):
+            got = model(ids, past_key_values=cache).logits
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="'t5' is an encoder-decoder"):
+        CompressedCache(T5Config(num_layers=1, d_model=32, num_heads=2))
+    with pytest.raises(ValueError, match=r"lacks \['num_hidden_layers'"):
+        CompressedCache(type("Cfg", (), {"model_type": "odd", "num_attention_heads": 2, "hidden_size": 8})())
 
 
 @pytest.mark.parametrize("policy", ["none", "h2o"])

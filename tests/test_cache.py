@@ -203,10 +203,6 @@ def test_invalid_configurations():
         CompressedCache(model.config, quant=QuantConfig.kivi(bits=4, group_size=8, residual_length=8),
                         eviction=H2O(budget=12, recent_window=8))
     cfg = model.config.to_dict()
-    from transformers import GPT2Config
-
-    with pytest.raises(ValueError, match=r"supports model types \['llama', 'mistral', 'qwen2', 'qwen3', .*\]; got 'gpt2'"):
-        CompressedCache(GPT2Config())
     with pytest.raises(TypeError, match="QuantConfig"):
         CompressedCache(model.config, quant=4)
     assert cfg["model_type"] == "llama"

@@ -135,6 +135,12 @@ def test_constant_and_zero_channels_round_trip_exactly(bits, symmetric):
     z = torch.zeros(2, 3, 4, 8, dtype=torch.float16)
     qt = quantize(z, bits, axis=-2, group_size=2, symmetric=symmetric)
     assert torch.equal(dequantize(qt), z)
+    # an all-zero group next to live ones, with float16 scales (padding tokens' zero keys)
+    y = torch.zeros(1, 1, 32, 8)
+    y[..., 1] = torch.linspace(-1, 1, 32)
+    for store in (torch.float16, torch.bfloat16):
+        qt = quantize(y, bits, axis=-2, group_size=32, symmetric=symmetric, scale_dtype=store)
+        assert torch.equal(dequantize(qt)[..., 0], y[..., 0])
 
 
 def test_near_constant_channel_zero_point_fits_int16():

@@ -210,12 +210,12 @@ def _same_rotation(a: Any, b: Any) -> bool:
     return torch.equal(a.signs, b.signs)
 
 
-def _one_call(blocks: list, q: torch.Tensor, scaling: float, starts: list) -> torch.Tensor:
+def _one_call(blocks: list, q: torch.Tensor, scaling: float, starts: list) -> tuple[torch.Tensor, torch.Tensor]:
     """``blocks`` (full-precision and packed, ``batch * kv_heads = R`` rows) with per-block starts
     (int32 ``[R]`` or None) in one :func:`~kv_cache.kernels.attend_mixed` call; ``q``
     ``[B, H, G, d]``. Each packed block is scored in its own space (``q R`` for a rotated block,
     its share rotated back in the kernel); blocks stored in the same space share one rotated
-    query. Returns ``out`` ``[B, H, G, d_v]`` float32."""
+    query. Returns ``(out [B, H, G, d_v], lse [B, H, G])`` float32."""
     B, H, G, d = q.shape
     R = B * H
     spaces: list = []  # (rotation, q R, R^T) per distinct space
@@ -230,11 +230,12 @@ def _one_call(blocks: list, q: torch.Tensor, scaling: float, starts: list) -> to
             space = (rot, None, None) if rot is None else (rot, rot.forward(q).reshape(R, G, d), rot.inverse_matrices())
             spaces.append(space)
         packed.append((blk.keys, blk.values, start, q.reshape(R, G, d) if space[1] is None else space[1], space[2]))
-    out, _ = attend_mixed(q.reshape(R, G, d), scaling, packed=packed or None, dense=dense)
-    return out.reshape(B, H, G, -1)
+    out, lse = attend_mixed(q.reshape(R, G, d), scaling, packed=packed or None, dense=dense)
+    return out.reshape(B, H, G, -1), lse.reshape(B, H, G)
 
 
-def fused_decode(view: list, q: torch.Tensor, scaling: float, starts: torch.Tensor | None) -> torch.Tensor | None:
+def fused_decode(view: list, q: torch.Tensor, scaling: float, starts: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A decoding step's attention over a layer's whole view in one kernel call, or None.
 
     ``view``: the stored blocks in token order (the new token included); ``q`` ``[B, Hkv, G, d]``
@@ -244,7 +245,7 @@ def fused_decode(view: list, q: torch.Tensor, scaling: float, starts: torch.Tens
     parallel call, merged inside it, each packed block's rotation undone on its share of the
     output. A view with ragged blocks (heads of different lengths) and otherwise only
     full-precision blocks takes one such call per ``(b, h)`` row. Anything else returns None and
-    takes the per-block path. Returns ``out`` ``[B, Hkv, G, d_v]`` float32.
+    takes the per-block path. Returns ``(out [B, Hkv, G, d_v], lse [B, Hkv, G])`` float32.
     """
     if not view:
         return None
@@ -261,14 +262,15 @@ def fused_decode(view: list, q: torch.Tensor, scaling: float, starts: torch.Tens
     return _one_call(view, qf, scaling, rows)
 
 
-def _fused_rows(view: list, q: torch.Tensor, scaling: float, starts: torch.Tensor | None) -> torch.Tensor | None:
+def _fused_rows(view: list, q: torch.Tensor, scaling: float, starts: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`fused_decode` of a view with ragged blocks: one call per ``(b, h)`` row over that
     row's own blocks (right-aligned in the ragged block's slots, as :class:`RaggedBlock` reads
     them) and its slice of the full-precision blocks."""
     if any(not isinstance(b, (FullBlock, RaggedBlock)) for b in view):
         return None
     B, H = q.shape[:2]
-    outs = []
+    outs, lses = [], []
     for r in range(B * H):
         b, h = divmod(r, H)
         blocks, row_starts, offset = [], [], 0
@@ -290,8 +292,10 @@ def _fused_rows(view: list, q: torch.Tensor, scaling: float, starts: torch.Tenso
                 inner += sub.length
         if not blocks:
             return None
-        outs.append(_one_call(blocks, q[b:b + 1, h:h + 1], scaling, row_starts))
-    return torch.cat(outs, dim=0).reshape(B, H, *outs[0].shape[2:])
+        o, lse = _one_call(blocks, q[b:b + 1, h:h + 1], scaling, row_starts)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs, dim=0).reshape(B, H, *outs[0].shape[2:]), torch.cat(lses, dim=0).reshape(B, H, -1)
 
 
 def attend_new(

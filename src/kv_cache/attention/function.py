@@ -31,16 +31,12 @@ from typing import Any, Iterator
 import torch
 
 from .blocks import attend_new, fused_decode, join_new_token, merge, reconstruction_scores
+from .dense import apply_learned_sinks, attend_positions, materialize
 
 ATTENTION_NAME = "kv_cache"
 """The name under which :func:`compressed_attention` is registered in transformers."""
 
 _ACTIVE: ContextVar[Any] = ContextVar("kv_cache_active_cache", default=None)
-
-UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
-"""Attention options of some architectures (Gemma-2 logit soft-capping, gpt-oss learned sinks)
-that this function does not implement: a model passing them gets a clear error."""
-
 
 def active_cache() -> Any:
     """The :class:`CompressedCache` whose ``compress`` block is running (or None)."""
@@ -48,11 +44,15 @@ def active_cache() -> Any:
 
 
 def _new_token_valid(attention_mask: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
-    """``[B, L]`` bool validity of this call's tokens, read off the last row of the 4-D mask."""
+    """``[B, L]`` bool validity of this call's tokens, read off the diagonal of the 4-D mask
+    (query ``i`` and its own token, the last ``L`` columns): a padded token is masked as a key
+    everywhere, while a window or causality never hides a token from its own query."""
     if attention_mask is None or attention_mask.dim() != 4:
         return None
-    row = attention_mask[:, 0, -1, -q_len:]
-    valid = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
+    i = torch.arange(q_len, device=attention_mask.device)
+    rows = attention_mask[:, 0, -q_len:]  # [B, L, kv]
+    diag = rows[:, i, rows.shape[-1] - q_len + i]
+    valid = diag if diag.dtype == torch.bool else diag > torch.finfo(diag.dtype).min / 2
     return None if bool(valid.all()) else valid
 
 
@@ -74,8 +74,11 @@ def compressed_attention(
     query : ``[B, Hq, L, d]`` post-RoPE queries of this call
     key, value : ``[B, Hkv, L, d]``, this call's new tokens (what the layer's ``update`` returned)
     attention_mask : the model's 4-D boolean mask (sdpa layout) or None; only the padding of
-        this call's tokens is read from it, stored tokens carry their own masks.
-    scaling : softmax scale (default ``d ** -0.5``)
+        this call's tokens is read from it (its diagonal), stored tokens carry their own masks.
+    scaling : softmax scale (default ``d ** -0.5``; e.g. Gemma's ``query_pre_attn_scalar ** -0.5``)
+    kwargs : ``sliding_window`` (the layer's window, checked against the cache's),
+        ``softcap`` (Gemma 2 logit soft-capping), ``s_aux`` / ``sinks`` (gpt-oss learned sinks,
+        ``[Hq]``): math dictionary §22.
 
     Returns
     -------
@@ -84,8 +87,9 @@ def compressed_attention(
     Raises
     ------
     ValueError
-        Dropout in training, an unsupported option (:data:`UNSUPPORTED_KWARGS`), a sliding
-        window shorter than the context, or a padding pattern other than left padding.
+        Dropout in training, a sliding window the cache's layer does not know, soft-capping
+        with a policy that needs attention statistics, or a padding pattern other than left
+        padding.
     """
     cache = _ACTIVE.get()
     idx = getattr(module, "layer_idx", None)
@@ -96,17 +100,85 @@ def compressed_attention(
         # Not a call over our cache (e.g. a DynamicCache, or no cache): plain sdpa.
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    _check_options(module, dropout, kwargs, layer)
+    softcap, sinks = _check_options(module, dropout, kwargs, layer)
     B, Hq, L, d = query.shape
     Hkv = key.shape[1]
     G = Hq // Hkv
     scaling = d**-0.5 if scaling is None else scaling
     q = query.reshape(B, Hkv, G * L, d)
     view = layer.take_attention_view()
-    if layer.reconstructing is not None:
-        return _reconstruction_pass(layer, query, q, key, value, scaling, G), None
-    new_valid = _new_token_valid(attention_mask, L)
-    starts = layer.stored_starts(new_valid, L)  # [B, Hkv] leading padding slots among the stored ones
+    try:
+        if layer.reconstructing is not None and layer.window is None and softcap is None and sinks is None:
+            return _reconstruction_pass(layer, query, q, key, value, scaling, G), None
+        new_valid = _new_token_valid(attention_mask, L)
+        starts = layer.stored_starts(new_valid, L)  # [B, Hkv] leading padding slots among the stored ones
+        if softcap is not None or layer.reconstructing is not None or _window_hides(layer, view, L):
+            out, lse = _positional(layer, view, q, key, value, scaling, G, L, starts, new_valid, softcap)
+        else:
+            out, lse = _blocks(layer, view, q, key, value, scaling, G, L, starts, new_valid, sinks is not None)
+    finally:
+        layer.attention_done()
+    if sinks is not None:
+        out, lse = apply_learned_sinks(out, lse, sinks, Hkv)
+    return out.reshape(B, Hkv * G, L, -1).transpose(1, 2).to(query.dtype), None
+
+
+def _window_hides(layer, view: list, L: int) -> bool:
+    """Whether a sliding layer's window hides some held token from some query of this call: the
+    ``S`` tokens held before it and its ``L`` tokens all fit in the window iff ``S + L <= W``
+    (a decoded token is already in ``view``)."""
+    if layer.window is None:
+        return False
+    held = sum(blk.length for blk in view) + (0 if L == 1 else L)
+    return held > layer.window
+
+
+def _positional(layer, view, q, key, value, scaling, G, L, starts, new_valid, softcap):
+    """The call by positions (:mod:`.dense`): sliding windows, soft-capping, KVzip's repeat chunk
+    on a sliding layer. Returns ``(out, lse)`` ``[B, Hkv, G * L, ...]`` float32."""
+    if layer.awaits_observation and layer.query_window(L):
+        raise ValueError(
+            f"{type(layer.policy).__name__} needs attention statistics, which the positional path "
+            "(logit soft-capping) does not produce: use KVzip, StreamingLLM or quantization alone on this model"
+        )
+    if layer.reconstructing is not None and layer.window is None:
+        raise ValueError(
+            "KVzip's reconstruction scores are not implemented with logit soft-capping or learned sinks on a "
+            "full-attention layer; use SnapKV-free quantization or StreamingLLM on this model"
+        )
+    if L == 1 and layer.reconstructing is None:
+        stored = materialize(view)  # the decoded token is the view's last token
+        keys, values = stored
+        S = keys.shape[2] - 1
+    else:
+        stored = materialize(view)
+        S = 0 if stored is None else stored[0].shape[2]
+        keys = key.float() if stored is None else torch.cat([stored[0], key.float()], 2)
+        values = value.float() if stored is None else torch.cat([stored[1], value.float()], 2)
+    B, H = keys.shape[:2]
+    T = keys.shape[2]
+    end = layer.position_end(L)  # one past the last query's position
+    k_pos = torch.arange(end - T, end, device=keys.device)
+    q_pos = k_pos[T - L:]
+    valid = None
+    if starts is not None or new_valid is not None:
+        valid = torch.ones(B, H, T, dtype=torch.bool, device=keys.device)
+        if starts is not None:
+            valid[:, :, :S] = torch.arange(S, device=keys.device) >= starts.unsqueeze(-1)
+        if new_valid is not None:
+            valid[:, :, T - L:] = new_valid[:, None, :]
+    out, lse = attend_positions(q, keys, values, scaling, G, q_pos, k_pos, window=layer.window, softcap=softcap,
+                                key_valid=valid)
+    if layer.awaits_observation:
+        layer.observe_attention(None, 0, scaling)
+    return out, lse
+
+
+def _blocks(layer, view, q, key, value, scaling, G, L, starts, new_valid, need_lse: bool):
+    """The block path (:mod:`.blocks`): every query sees every held token. Returns
+    ``(out, lse)`` ``[B, Hkv, G * L, ...]`` float32 (``lse`` None for a first prefill served by
+    sdpa unless ``need_lse``) and hands a waiting policy its statistics."""
+    B, Hkv = key.shape[:2]
     n_stat = layer.query_window(L) if layer.awaits_observation else 0
     stat_rows = None
     if n_stat:
@@ -119,7 +191,7 @@ def compressed_attention(
         if fused is not None:  # the whole step in one kernel call
             if layer.awaits_observation:
                 layer.observe_attention(None, 0, scaling)
-            return fused.reshape(B, Hkv * G, L, -1).transpose(1, 2).to(query.dtype), None
+            return fused[0].reshape(B, Hkv, G * L, -1), fused[1].reshape(B, Hkv, G * L)
     if L == 1:
         view = join_new_token(view)
     parts, stats, offset = [], [], 0
@@ -129,19 +201,18 @@ def compressed_attention(
         parts.append((out, lse))
         stats.append(p)
         offset += blk.length
-    only_new = not view
+    only_new = not view and not need_lse  # a first prefill: sdpa serves it (no log-sum-exp)
     if L > 1:
         out, lse, p = attend_new(q, key, value, scaling, G, new_valid, n_stat, sum_stats=only_new)
         parts.append((out, lse))
         stats.append(p)
-    out, lse = merge(parts)
+    out, lse = parts[0] if len(parts) == 1 else merge(parts)
     if layer.awaits_observation:
         attn = None
         if n_stat:
             attn = _attention_sums(stats, parts, lse, stat_rows, B, Hkv, G, n_stat, only_new)
         layer.observe_attention(attn, n_stat, scaling)
-    out = out.reshape(B, Hkv * G, L, -1).transpose(1, 2).to(query.dtype)
-    return out, None
+    return out.float(), lse
 
 
 def _reconstruction_pass(layer, query, q, key, value, scaling: float, G: int) -> torch.Tensor:
@@ -173,22 +244,25 @@ def _attention_sums(stats, parts, lse, stat_rows, B, Hkv, G, n, only_new) -> tor
     return torch.cat(cols, dim=-1).reshape(B, Hkv * G, -1)
 
 
-def _check_options(module, dropout: float, kwargs: dict, layer) -> None:
+def _check_options(module, dropout: float, kwargs: dict, layer) -> tuple[float | None, torch.Tensor | None]:
+    """Validate the call's options; return ``(softcap, learned sinks)`` (None when absent)."""
     if dropout and module.training:
         raise ValueError(f"{ATTENTION_NAME} attention does not implement dropout; got dropout={dropout}")
-    for name in UNSUPPORTED_KWARGS:
-        if kwargs.get(name) is not None:
-            raise ValueError(
-                f"{ATTENTION_NAME} attention does not implement {name!r} ({type(module).__name__}); "
-                "use kv_cache.compress(model, cache, attention='reference')"
-            )
     window = kwargs.get("sliding_window")
-    if window is not None and layer.seen > window:
+    if window is not None and window != layer.window:
         raise ValueError(
-            f"{type(module).__name__} uses a sliding window of {window} tokens but the cache has seen "
-            f"{layer.seen}: {ATTENTION_NAME} attention keeps every stored token in view; use "
-            "kv_cache.compress(model, cache, attention='reference') or a context within the window"
+            f"{type(module).__name__} (layer {layer.layer_idx}) attends with a sliding window of {window} tokens but "
+            f"the cache built this layer with window {layer.window}: build the CompressedCache from this model's "
+            "config (CompressedCache(model.config, ...))"
         )
+    softcap = kwargs.get("softcap")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
+        raise ValueError(f"softcap must be a positive number or None; got {softcap!r}")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if sinks is not None and (not torch.is_tensor(sinks) or sinks.dim() != 1):
+        raise ValueError(f"learned sinks (s_aux) must be a 1-D tensor of one logit per query head; got "
+                         f"{type(sinks).__name__}{tuple(sinks.shape) if torch.is_tensor(sinks) else ''}")
+    return (None if softcap is None else float(softcap)), sinks
 
 
 @contextmanager

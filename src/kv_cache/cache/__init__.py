@@ -1,9 +1,9 @@
 """The transformers integration: ``CompressedCache``, its layers, ``compress`` and the report."""
 
-from .cache import SUPPORTED_MODEL_TYPES, CompressedCache
+from .cache import TESTED_MODEL_TYPES, CompressedCache
 from .config import QuantConfig
 from .hooks import compress
 from .layer import CompressedLayer
 from .report import MemoryReport
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "CompressedCache", "CompressedLayer", "MemoryReport", "QuantConfig", "compress"]
+__all__ = ["TESTED_MODEL_TYPES", "CompressedCache", "CompressedLayer", "MemoryReport", "QuantConfig", "compress"]

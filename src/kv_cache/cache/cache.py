@@ -10,13 +10,16 @@ from transformers.cache_utils import Cache
 
 from ..compression.global_budget import select_global
 from ..policies.base import EvictionPolicy
+from .architecture import check_decoder, layer_windows
 from .config import QuantConfig
 from .layer import CompressedLayer, fixed_parts
 from .report import MemoryReport, fp16_kv_bytes, kv_geometry
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2")
-"""Model types whose attention modules update the cache and then call transformers' attention
-interface with the returned states (tested on tiny random configs of each)."""
+TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
+                      "gpt_oss", "cohere2", "granite", "smollm3", "ministral", "olmo3", "exaone4")
+"""Model types in the test grid (tiny random configs, ``tests/test_architectures.py``). Support is
+by capability, not by this list: any decoder whose attention modules update the cache and then
+call transformers' attention interface works (:mod:`.architecture`)."""
 
 REFERENCE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose queries the reference path's hooks can recompute (``q_proj`` [+ ``q_norm``])."""
@@ -41,7 +44,9 @@ class CompressedCache(Cache):
     Parameters
     ----------
     config : transformers.PretrainedConfig
-        The model's config (Llama, Mistral, Qwen2, Qwen3: MHA or GQA).
+        The model's config: any decoder (MHA, GQA, MQA); hybrid models' sliding-window layers
+        (``config.layer_types``) hold at most their window and are quantized like the others,
+        while eviction policies and precision tiers act on the full-attention layers.
     quant : QuantConfig or None
         How tokens are stored; None keeps them in the model dtype.
     eviction : EvictionPolicy or None
@@ -59,11 +64,9 @@ class CompressedCache(Cache):
     """
 
     def __init__(self, config: Any, *, quant: QuantConfig | None = None, eviction: EvictionPolicy | None = None):
+        check_decoder(config)
         geometry = kv_geometry(config)
-        if geometry.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"CompressedCache supports model types {list(SUPPORTED_MODEL_TYPES)}; got {geometry.model_type!r}"
-            )
+        windows = layer_windows(config)
         if quant is not None and not isinstance(quant, QuantConfig):
             raise TypeError(f"quant must be a QuantConfig or None; got {type(quant).__name__}")
         if eviction is not None and not isinstance(eviction, EvictionPolicy):
@@ -89,10 +92,28 @@ class CompressedCache(Cache):
                         f"({parts['residual']}) + recent_window ({parts['recent_window']}) "
                         f"+ sink_tokens ({parts['sink_tokens']})"
                     )
+        if eviction is not None and all(w is not None for w in windows):
+            raise ValueError(
+                f"{type(eviction).__name__} acts on full-attention layers, and every layer of this "
+                f"{geometry.model_type!r} model slides over a window of {windows[0]} tokens (it holds at most that "
+                "many already): use quantization alone (eviction=None)"
+            )
+        if quant is not None and any(w is not None for w in windows):
+            need = max(quant.residual_length, quant.group_size)
+            small = min(w for w in windows if w is not None)
+            if small < need:
+                raise ValueError(
+                    f"a sliding window of {small} tokens is shorter than the quantized layout's full-precision "
+                    f"residual (max(residual_length, group_size) = {need}): lower QuantConfig.residual_length / "
+                    "group_size to at most the window"
+                )
         self.quant, self.eviction = quant, eviction
         self.config, self.geometry = config, geometry
         self.head_dim = geometry.head_dim
-        layers = [CompressedLayer(i, quant, eviction) for i in range(geometry.layers)]
+        self.windows = windows
+        layers = [CompressedLayer(i, quant if w is None or quant is None else quant.sliding_config(),
+                                  eviction if w is None else None, w)
+                  for i, w in enumerate(windows)]
         super().__init__(layers=layers)
         self._shared: dict[int, tuple] = {}
         for layer in self.layers:
@@ -103,7 +124,7 @@ class CompressedCache(Cache):
         """``scope="model"``: collect every layer's scores, then one top-k over all of them
         (per batch row), ``budget`` tokens per head on average (math dictionary §19)."""
         self._shared[layer.layer_idx] = (scores, valid, forced, budget, floor, before_attention)
-        if len(self._shared) < len(self.layers):
+        if len(self._shared) < sum(layer.policy is not None for layer in self.layers):
             return
         pending, self._shared = self._shared, {}
         order = sorted(pending)
@@ -182,12 +203,15 @@ class CompressedCache(Cache):
     def memory_report(self) -> MemoryReport:
         """Bytes actually held, by category, against an fp16 cache of every token seen."""
         cat = dict.fromkeys(("codes", "scales", "zero_points", "residual", "indices", "scores", "tables"), 0)
-        per_layer, kept, elements, fp16, seen = [], 0, 0, 0, 0
+        per_layer, kept, elements, fp16, seen, saved = [], 0, 0, 0, 0, 0
+        kinds: dict[str, int] = {}
         for layer in self.layers:
             by_cat = layer.nbytes_by_category()
             for key, nbytes in by_cat.items():
                 cat[key] += nbytes
             per_layer.append(sum(by_cat.values()))
+            kind = "full_attention" if layer.window is None else "sliding_attention"
+            kinds[kind] = kinds.get(kind, 0) + per_layer[-1]
             if layer.is_initialized:
                 b = layer.storage.batch
                 seen = layer.seen
@@ -195,13 +219,15 @@ class CompressedCache(Cache):
                 kept += float(heads.float().mean())
                 elements += 2 * self.head_dim * int(heads.sum())
                 fp16 += fp16_kv_bytes(self.config, layer.seen, batch=b, layers=1)
+                if layer.window is not None:
+                    saved += fp16_kv_bytes(self.config, max(0, layer.seen - layer.kept_length()), batch=b, layers=1)
         n = max(1, sum(1 for layer in self.layers if layer.is_initialized))
         return MemoryReport(
             codes_bytes=cat["codes"], scales_bytes=cat["scales"], zero_points_bytes=cat["zero_points"],
             residual_bytes=cat["residual"], indices_bytes=cat["indices"], scores_bytes=cat["scores"],
             fp16_bytes=fp16, tokens_seen=seen, tokens_kept=kept / n, elements_kept=elements,
             per_layer_bytes=per_layer, tables_bytes=cat["tables"], budget_raised=self.raised_budgets(),
-            notes=self._budget_notes(),
+            notes=self._budget_notes(), bytes_by_layer_kind=kinds, window_saved_fp16_bytes=saved,
         )
 
     def raised_budgets(self) -> dict[int, tuple[int, int]]:
@@ -212,7 +238,7 @@ class CompressedCache(Cache):
         if self.eviction is None or not isinstance(self.eviction.budget, float):
             return out
         for i, layer in enumerate(self.layers):
-            if layer.is_initialized and layer.prompt_len is not None:
+            if layer.policy is not None and layer.is_initialized and layer.prompt_len is not None:
                 requested, budget, _ = layer.resolved_budget()
                 if budget > requested:
                     out[i] = (requested, budget)
@@ -227,7 +253,7 @@ class CompressedCache(Cache):
         for (requested, budget), layers in groups.items():
             layer = self.layers[layers[0]]
             parts = fixed_parts(self.quant, pol, pol.window_tokens(requested))
-            which = "every layer" if len(layers) == len(self.layers) else "layers " + ", ".join(map(str, layers))
+            which = "every layer" if len(layers) == sum(x.policy is not None for x in self.layers) else "layers " + ", ".join(map(str, layers))
             notes.append(
                 f"budget raised to the fixed parts' minimum in {which}: budget={pol.budget} of the "
                 f"{layer.prompt_len}-token prompt is {requested} tokens, fewer than every head keeps anyway "

@@ -297,6 +297,12 @@ class QuantConfig:
         except ValueError as err:
             raise ValueError(f"QuantConfig.evicted_bits={b}: the evicted tier keeps this layout, where {err}") from None
 
+    def sliding_config(self) -> "QuantConfig":
+        """The layout of a sliding-window layer: this one with no full-precision sinks (the
+        window drops the first tokens like any other) and no evicted tier (a window is not a
+        policy's choice). Bits, rotation, levels, residual and bits per layer are kept."""
+        return replace(self, sink_tokens=0, evicted_bits=None, evicted_layer_bits=())
+
     def _all_bits(self) -> set[int]:
         return {self.bits, self.key_bits or self.bits, self.value_bits or self.bits,
                 *(b for _, kv in self.layer_bits for b in kv)}

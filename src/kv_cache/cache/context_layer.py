@@ -73,7 +73,9 @@ class ContextMixin:
         return self._reconstruct
 
     def begin_reconstruction(self, sinks: int, start: int, end: int) -> None:
-        if not self._awaiting_reconstruction:
+        """Attend the repeat chunk without storing it; a layer with a policy scores context slots
+        ``[start, end)``, a layer without one (a sliding-window layer) only attends."""
+        if self.policy is not None and not self._awaiting_reconstruction:
             raise RuntimeError(f"layer {self.layer_idx} has no prefilled context awaiting KVzip scores")
         self._reconstruct = (sinks, start, end)
 
@@ -100,6 +102,8 @@ class ContextMixin:
         """Evict with the reconstruction scores (shared budgets wait for every layer)."""
         self._awaiting_reconstruction = False
         self._reconstruct = None
+        if self.policy is None:  # a sliding-window layer: attended, never scored
+            return
         shape = (self.storage.batch, self.storage.heads, self.kept_length())
         if "kvzip" not in self.state:
             self.state["kvzip"] = torch.zeros(shape)

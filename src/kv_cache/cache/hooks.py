@@ -21,8 +21,8 @@ from typing import Any, Iterator
 import torch
 
 from ..attention import ATTENTION_NAME, activate, register
-from .cache import REFERENCE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, CompressedCache
-from .report import kv_geometry
+from .architecture import check_decoder
+from .cache import REFERENCE_MODEL_TYPES, CompressedCache
 
 
 def _attention_classes() -> tuple[type, ...]:
@@ -62,7 +62,7 @@ def compress(
 
     Parameters
     ----------
-    model : a transformers causal LM of a type in :data:`SUPPORTED_MODEL_TYPES`
+    model : a transformers decoder (support by capability, :mod:`.architecture`)
     cache : CompressedCache
     attention : {"native", "reference"}, default "native"
         ``native`` switches the model to :func:`kv_cache.attention.compressed_attention`
@@ -84,9 +84,9 @@ def compress(
         raise TypeError(f"cache must be a CompressedCache; got {type(cache).__name__}")
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {list(ATTENTION_MODES)}; got {attention!r}")
-    mt = kv_geometry(getattr(model, "config", None)).model_type if hasattr(model, "config") else None
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"kv_cache.compress supports model types {list(SUPPORTED_MODEL_TYPES)}; got {mt!r}")
+    if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"model must be a transformers PreTrainedModel; got {type(model).__name__}")
+    check_decoder(model.config)
     with ExitStack() as stack:
         if attention == "native":
             stack.enter_context(_native_attention(model, cache))

@@ -65,14 +65,19 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         call's tokens and keeps the stored blocks for the attention function to read in place.
     """
 
-    is_sliding = False
     is_compileable = False
 
-    def __init__(self, layer_idx: int, quant: QuantConfig | None, policy: EvictionPolicy | None):
+    def __init__(self, layer_idx: int, quant: QuantConfig | None, policy: EvictionPolicy | None,
+                 window: int | None = None):
         super().__init__()
+        if window is not None and policy is not None:
+            raise ValueError(f"layer {layer_idx} slides over a window of {window} tokens: eviction policies act on "
+                             "full-attention layers only")
         self.layer_idx = layer_idx
         self.quant = quant
         self.policy = policy
+        self.window = window  # sliding window W in positions (None: full attention); holds <= W - 1 tokens
+        self.is_sliding = window is not None  # read by transformers' mask builders
         self.seen = 0
         self.prompt_len: int | None = None
         self.storage: LayerStorage | None = None
@@ -98,7 +103,8 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
             self.quant.check_head_dim(d)
         empty_k = key_states.new_empty((b, h, 0, d))
         empty_v = value_states.new_empty((b, h, 0, value_states.shape[-1]))
-        self.storage = make_storage(self.quant, empty_k, empty_v, track_groups=self.policy is not None,
+        self.storage = make_storage(self.quant, empty_k, empty_v,
+                                    track_groups=self.policy is not None or self.is_sliding,
                                     layer=self.layer_idx)
         self.is_initialized = True
 
@@ -135,6 +141,7 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         if self.demoted is not None:
             raise RuntimeError(TIERS_NEED_NATIVE)
         keys, values = self.storage.update(key_states, value_states)
+        self._slide()  # the returned states are materialized: the window's oldest tokens can go now
         if acts:
             if self.observed:
                 self._pending = keys
@@ -160,7 +167,7 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
 
     def reset(self) -> None:
         observed, native, share = self.observed, self.native, self.share
-        self.__init__(self.layer_idx, self.quant, self.policy)
+        self.__init__(self.layer_idx, self.quant, self.policy, self.window)
         self.observed, self.native, self.share = observed, native, share
 
     def crop(self, max_length: int) -> None:
@@ -250,6 +257,32 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         """The blocks stored before this call (:mod:`kv_cache.attention.blocks`), once."""
         view, self._view = self._view, None
         return view
+
+    def position_end(self, q_len: int) -> int:
+        """One past the absolute position of the last query of the call in flight (KVzip's
+        repeat chunk sits after the context without being counted as seen)."""
+        return self.seen + (q_len if self._reconstruct is not None else 0)
+
+    def attention_done(self) -> None:
+        """Called by the attention function after it read this layer's view: a sliding layer
+        drops the tokens its window no longer reaches (math dictionary §22)."""
+        self._slide()
+
+    def _slide(self) -> None:
+        """Keep the last ``W - 1`` tokens of a sliding layer (the next query's window holds them
+        and itself). A session's context and KVzip's repeat pass leave the storage as it is."""
+        if self.window is None or self.storage is None or self._tail is not None or self._reconstruct is not None:
+            return
+        st, keep_n = self.storage, self.window - 1
+        T = st.length
+        if T <= keep_n:
+            return
+        keep = torch.arange(T - keep_n, T, device=self.device).expand(st.batch, st.heads, keep_n)
+        if self._starts is not None:
+            self._starts = (self._starts - (T - keep_n)).clamp_(min=0).to(torch.int32)
+            if not bool(self._starts.any()):
+                self._starts = None
+        st.gather(keep, in_place=False)
 
     def stored_starts(self, new_valid: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
         """Leading padding slots ``[batch, kv_heads]`` of the blocks stored before this call

@@ -47,6 +47,9 @@ class MemoryReport:
     (quantization sinks, residual, recent window, policy sinks) and was raised to them.
     ``notes``: what the numbers alone do not say, one line each (e.g. a fractional eviction
     budget raised to the slots every head keeps anyway on a short prompt); ``str()`` prints them.
+    ``bytes_by_layer_kind``: bytes held by ``"full_attention"`` and ``"sliding_attention"``
+    layers (hybrid models); ``window_saved_fp16_bytes``: the fp16 bytes of the tokens seen that
+    sliding layers no longer hold because their window passed them (math dictionary §22).
     """
 
     codes_bytes: int
@@ -63,6 +66,8 @@ class MemoryReport:
     tables_bytes: int = 0
     budget_raised: dict[int, tuple[int, int]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    bytes_by_layer_kind: dict[str, int] = field(default_factory=dict)
+    window_saved_fp16_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -100,4 +105,7 @@ class MemoryReport:
                 f"indices {self.indices_bytes:,}, scores {self.scores_bytes:,}, tables {self.tables_bytes:,}) "
                 f"vs fp16 {self.fp16_bytes:,} B: "
                 f"{self.ratio:.2f}x = {self.token_ratio:.2f}x tokens * {self.bits_ratio:.2f}x bits"
+                + (f"\nby layer kind: " + ", ".join(f"{k} {v:,} B" for k, v in self.bytes_by_layer_kind.items())
+                   + f"; sliding windows saved {self.window_saved_fp16_bytes:,} fp16 B"
+                   if len(self.bytes_by_layer_kind) > 1 else "")
                 + "".join(f"\nnote: {line}" for line in self.notes))

@@ -277,6 +277,8 @@ def quantize(
             scale = (mx - mn).clamp(min=SCALE_FLOOR) / (qmax - qmin)
             scale = torch.maximum(scale, amax * ZERO_POINT_GUARD)
         scale = torch.where(constant, amax, scale)
+        # An all-zero group: any scale codes it exactly (code = zero point); 1 fits every scale dtype.
+        scale = torch.where(amax == 0, torch.ones_like(scale), scale)
         # Quantize with the scale exactly as stored, so dequantize reproduces this grid.
         stored = scale.to(store_dtype)
         if store_dtype != stat_dtype:
