@@ -16,7 +16,7 @@ import torch
 
 import kv_cache
 from kv_cache import H2O, CompressedCache, CompressedContext, KVzip, QuantConfig, SnapKV
-from kv_cache.cache.layer import fixed_parts
+from kv_cache.cache.budgets import fixed_parts
 
 PROMPT = "The cat sat"  # 6 tokens with stories260K's tokenizer (BOS included)
 README = Path(__file__).resolve().parents[1] / "README.md"

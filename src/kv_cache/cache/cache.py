@@ -12,7 +12,8 @@ from ..compression.global_budget import select_global
 from ..policies.base import EvictionPolicy
 from .architecture import check_decoder, layer_windows
 from .config import QuantConfig
-from .layer import CompressedLayer, fixed_parts
+from .budgets import fixed_parts
+from .layer import CompressedLayer
 from .report import MemoryReport, fp16_kv_bytes, kv_geometry
 
 TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",

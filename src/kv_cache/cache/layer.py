@@ -1,29 +1,22 @@
 """One layer of :class:`kv_cache.CompressedCache`: the transformers layer contract plus eviction.
 
 The layer knows the order of operations; its :mod:`~kv_cache.cache.storage` knows the layout
-(full precision, or KIVI's sinks | packed codes | residual). Per call:
+(full precision, or sinks | packed codes | residual). Per call:
 
-1. ``update`` appends this call's tokens to the storage and returns what attention reads: the
-   stored tokens in full precision (dequantized, released with the attention call) followed by
-   this call's tokens exactly as given, so a prefill attends to its own full-precision states.
-2. A policy that needs attention statistics (SnapKV, H2O) runs inside
-   :func:`kv_cache.compress`, whose hook calls :meth:`CompressedLayer.observe` after attention
-   with the last :meth:`CompressedLayer.query_window` queries; the layer scores and evicts.
-   A policy that needs none (StreamingLLM) evicts right in ``update`` when no observer is
-   attached; outside ``compress`` a policy that needs attention raises at once.
-3. A shared budget (``policy.scope`` ``"layer"`` / ``"model"``) selects over the heads of the layer
-   (or, through the cache, of every layer) and turns the storage into ragged rows
-   (:mod:`~kv_cache.cache.ragged`); KVzip's reconstruction pass and sessions live in
-   :mod:`~kv_cache.cache.context_layer`.
-4. With ``QuantConfig.evicted_bits`` the tokens a one-shot policy does not keep move to a
-   second, lower-precision storage (:attr:`CompressedLayer.demoted`, math dictionary §21)
-   instead of being dropped; attention reads its blocks after the kept ones
-   (:mod:`~kv_cache.cache.tiers`).
+1. ``update`` appends this call's tokens to the storage. Under :func:`kv_cache.compress` it keeps
+   the *view* (the stored blocks) for the attention function, which reads it in place; otherwise
+   it returns the stored tokens dequantized, followed by this call's tokens as given.
+2. A policy that needs attention statistics (SnapKV, H2O) gets them from the attention function
+   (or the reference path's hook, :meth:`observe`) and evicts; one that needs none (StreamingLLM)
+   evicts in ``update``; outside ``compress`` a policy that needs attention raises at once.
+3. A shared budget (``scope`` ``"layer"`` / ``"model"``) turns the storage into ragged rows
+   (:mod:`~kv_cache.cache.ragged`); KVzip's pass and sessions live in
+   :mod:`~kv_cache.cache.context_layer`; precision tiers (``QuantConfig.evicted_bits``, §21) in
+   :mod:`~kv_cache.cache.tiers`; a sliding-window layer's trim (§22) in :mod:`~kv_cache.cache.window`.
 
-Positions: ``get_seq_length`` is the number of tokens *seen*, so ``cache_position`` and RoPE
-stay absolute after eviction; ``get_mask_sizes`` returns ``kv_length = kept + q_len`` and
-``kv_offset = seen - kept``, so the kept tokens line up with the last ``kept`` columns of the
-2-D attention mask (exact for left padding, see ``docs/``).
+Positions: ``get_seq_length`` is the number of tokens *seen*, so RoPE stays absolute after
+eviction; ``get_mask_sizes`` returns ``kv_length = kept + q_len`` and ``kv_offset = seen - kept``,
+so the kept tokens line up with the last ``kept`` columns of the 2-D attention mask.
 """
 
 from __future__ import annotations
@@ -39,7 +32,9 @@ from ..policies.base import EvictionPolicy, ScoreInputs
 from .config import QuantConfig
 from .context_layer import RECONSTRUCTION_MISSING, ContextMixin
 from .ragged import RaggedStorage, ragged_state
+from .budgets import fixed_parts
 from .tiers import TIERS_NEED_NATIVE, TiersMixin, row_lengths
+from .window import slide
 from .storage import FullPrecisionStorage, LayerStorage, gather_tokens, make_storage
 
 _FORCE = torch.finfo(torch.float32).max
@@ -50,19 +45,12 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
 
     Attributes
     ----------
-    storage : LayerStorage or None
-        The tokens held (None until the first ``update``).
-    demoted : LayerStorage or None
-        The evicted tier (``QuantConfig.evicted_bits``): the tokens the policy did not keep, at
-        the lower width, never appended to; None when nothing was demoted.
-    state : dict
-        The policy's per-token state (e.g. H2O's accumulated attention), ``[batch, kv_heads, kept]``.
-    observed : bool
-        True while :func:`kv_cache.compress` has an observer on this layer's attention.
-    native : bool
-        True while :func:`kv_cache.compress` runs the model with
-        :func:`kv_cache.attention.compressed_attention`: ``update`` then returns only this
-        call's tokens and keeps the stored blocks for the attention function to read in place.
+    storage : LayerStorage or None — the tokens held (None until the first ``update``)
+    demoted : LayerStorage or None — the evicted tier (``QuantConfig.evicted_bits``), never appended to
+    state : dict — the policy's per-token state (e.g. H2O's accumulated attention), ``[batch, kv_heads, kept]``
+    window : int or None — a sliding layer's window ``W`` (it holds at most ``W - 1`` tokens between calls)
+    observed, native : bool — True while :func:`kv_cache.compress` observes this layer / runs
+        :func:`kv_cache.attention.compressed_attention`, which reads the stored blocks in place
     """
 
     is_compileable = False
@@ -269,20 +257,10 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         self._slide()
 
     def _slide(self) -> None:
-        """Keep the last ``W - 1`` tokens of a sliding layer (the next query's window holds them
-        and itself). A session's context and KVzip's repeat pass leave the storage as it is."""
-        if self.window is None or self.storage is None or self._tail is not None or self._reconstruct is not None:
-            return
-        st, keep_n = self.storage, self.window - 1
-        T = st.length
-        if T <= keep_n:
-            return
-        keep = torch.arange(T - keep_n, T, device=self.device).expand(st.batch, st.heads, keep_n)
-        if self._starts is not None:
-            self._starts = (self._starts - (T - keep_n)).clamp_(min=0).to(torch.int32)
-            if not bool(self._starts.any()):
-                self._starts = None
-        st.gather(keep, in_place=False)
+        """A sliding layer keeps the last ``W - 1`` tokens (:func:`.window.slide`); a session's
+        context and KVzip's repeat pass leave the storage as it is."""
+        if self.window is not None and self.storage is not None and self._tail is None and self._reconstruct is None:
+            self._starts = slide(self.storage, self._starts, self.window, self.device)
 
     def stored_starts(self, new_valid: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
         """Leading padding slots ``[batch, kv_heads]`` of the blocks stored before this call
@@ -506,17 +484,6 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         if self._starts is not None:  # each head's first valid slot (padding, ragged heads)
             out["indices"] = out.get("indices", 0) + self._starts.nbytes
         return out
-
-
-def fixed_parts(quant: QuantConfig | None, policy: EvictionPolicy, window: int) -> dict[str, int]:
-    """Slots every head of a layer keeps whatever its budget, by part (math dictionary §12):
-    ``quantization sinks`` (``QuantConfig.sink_tokens``), ``residual`` (the longest
-    full-precision residual, ``max(residual_length, group_size) - 1``), ``recent_window``
-    (``window`` tokens) and ``sink_tokens`` (the policy's). A budget must be at least their sum."""
-    sinks = 0 if quant is None else quant.sink_tokens
-    residual = 0 if quant is None else max(quant.residual_length, quant.group_size) - 1
-    return {"quantization sinks": sinks, "residual": residual, "recent_window": window,
-            "sink_tokens": policy.sink_tokens}
 
 
 def _key_valid(mask: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
