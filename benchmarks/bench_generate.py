@@ -16,7 +16,7 @@ as ``model.generate`` does), so its peak is the model's activations and the cach
 ``context x vocabulary`` logits matrix that is the same for every method (1.6 GB at 8K here).
 
 Run: ``python benchmarks/bench_generate.py [--contexts 1024,2048,4096,8192] [--decode 64]
-[--methods full,q4,...] [--out benchmarks/results/]``
+[--methods full,q4,...] [--dtype bfloat16] [--model M] [--out benchmarks/results/]``
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _env() -> dict:
     return env
 
 
-def _one(method_spec: str, context: int, decode: int) -> dict:
+def _one(method_spec: str, context: int, decode: int, dtype: str = "float32", model_name: str = "smollm2") -> dict:
     import torch
 
     from kv_cache.eval.methods import MethodUnavailable, parse_method
@@ -97,7 +97,7 @@ def _one(method_spec: str, context: int, decode: int) -> dict:
     except MethodUnavailable as exc:
         return {"method": method_spec, "context": context, "skipped": str(exc)}
     torch.set_num_threads(2)
-    model, tok = load_model("smollm2")
+    model, tok = load_model(model_name, dtype=dtype)
     text = (shared_data_dir() / "gutenberg" / "pg2701.txt").read_text().replace("\r\n", "\n")
     ids = tok(text[: context * 8], return_tensors="pt").input_ids[:, :context]
     # Warm-up outside the measurement: kernels load once per process, as in a server.
@@ -127,7 +127,7 @@ def _one(method_spec: str, context: int, decode: int) -> dict:
             pre.scope.close()
     timed = steps[4:] if len(steps) > 8 else steps
     return {
-        "method": method_spec, "context": context, "decode": decode,
+        "method": method_spec, "context": context, "decode": decode, "dtype": dtype, "model": model_name,
         "kv_bytes_prefill": bytes_prefill, "kv_bytes_end": held_nbytes(pre.cache),
         "fp16_bytes_prefill": fp16_kv_bytes(model.config, context),
         "fp16_bytes_end": fp16_kv_bytes(model.config, context + decode),
@@ -142,17 +142,21 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--methods", default=DEFAULT_METHODS)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="model dtype (the full cache then holds it too)")
+    ap.add_argument("--model", default="smollm2", help="alias, HF folder or .gguf (default smollm2)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--context", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(_one(args.one, args.context, args.decode)))
+        print(json.dumps(_one(args.one, args.context, args.decode, args.dtype, args.model)))
         return
     rows = []
     for ctx in [int(c) for c in args.contexts.split(",")]:
         for spec in args.methods.split(","):
             proc = subprocess.run([sys.executable, __file__, "--one", spec, "--context", str(ctx),
-                                   "--decode", str(args.decode)], capture_output=True, text=True, env=_env())
+                                   "--decode", str(args.decode), "--dtype", args.dtype, "--model", args.model],
+                                  capture_output=True, text=True, env=_env())
             if proc.returncode != 0:
                 row = {"method": spec, "context": ctx, "error": proc.stderr.strip().splitlines()[-1:]}
             else:
@@ -179,7 +183,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     methods_id = hashlib.sha256(args.methods.encode()).hexdigest()[:8]  # runs never overwrite each other
-    stem = f"bench_generate_smollm2_ctx{args.contexts.replace(',', '-')}_dec{args.decode}_methods-{methods_id}"
+    tag = "" if args.dtype == "float32" else f"_{args.dtype}"
+    name = Path(args.model).stem if args.model != "smollm2" else "smollm2"
+    stem = f"bench_generate_{name}{tag}_ctx{args.contexts.replace(',', '-')}_dec{args.decode}_methods-{methods_id}"
     (out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
     (out / f"{stem}.md").write_text(table + "\n")
 

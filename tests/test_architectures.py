@@ -179,7 +179,7 @@ def test_generate(family, method, padded):
     assert rep.total_bytes > 0
 
 
-def test_kvzip_and_tiers_on_hybrid_layers(stories):
+def test_kvzip_and_tiers_on_hybrid_layers(stories, tmp_path):
     """KVzip scores the full-attention layers; the sliding ones attend the repeat pass and keep their window."""
     _, tok = stories
     model = _make("gemma3_text")
@@ -193,8 +193,12 @@ def test_kvzip_and_tiers_on_hybrid_layers(stories):
         assert all(int(layer.head_lengths().max()) <= seen for layer in full)
         if kw.get("quant") is None or kw["quant"].evicted_bits is None:
             assert all(float(layer.head_lengths().float().mean()) < 0.5 * seen for layer in full)
-        ctx.ask("Who loved to play?", max_new_tokens=4)
+        answer = ctx.ask("Who loved to play?", max_new_tokens=4)
         _check_windows(ctx.cache)
+        ctx.save(tmp_path / "ctx.kvc")
+        again = CompressedContext.load(tmp_path / "ctx.kvc", model, tok)
+        assert again.ask("Who loved to play?", max_new_tokens=4) == answer
+        assert again.cache.memory_report().total_bytes == ctx.cache.memory_report().total_bytes
 
 
 def test_layer_windows_reads_the_config():

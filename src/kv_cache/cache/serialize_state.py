@@ -161,6 +161,8 @@ class _Writer:
                 return {"quant": True}
             if self.quant is not None and self.quant.evicted_bits is not None and v == self.quant.evicted_config():
                 return {"quant": "evicted"}  # the evicted tier's layout, derived from the cache's
+            if self.quant is not None and v == self.quant.sliding_config():
+                return {"quant": "sliding"}  # a sliding-window layer's layout (no sinks, no tier)
             raise ValueError(f"cannot save: {name} holds a QuantConfig other than the cache's ({v!r})")
         if attr == "rows" and isinstance(v, list):  # RaggedStorage.rows: row r at "row{r}"
             return {"rows": [self.obj(row, _join(prefix, f"row{r}")) for r, row in enumerate(v)]}
@@ -215,7 +217,9 @@ class _Reader:
         if set(v) == {"dtype"}:
             return _dtype(v["dtype"])
         if set(v) == {"quant"}:
-            return self.quant.evicted_config() if v["quant"] == "evicted" else self.quant
+            if v["quant"] == "evicted":
+                return self.quant.evicted_config()
+            return self.quant.sliding_config() if v["quant"] == "sliding" else self.quant
         if set(v) == {"rows"}:
             return [self.obj(r) for r in v["rows"]]
         if set(v) == {"list"}:
