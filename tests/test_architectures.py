@@ -201,6 +201,28 @@ def test_kvzip_and_tiers_on_hybrid_layers(stories, tmp_path):
         assert again.cache.memory_report().total_bytes == ctx.cache.memory_report().total_bytes
 
 
+@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss", "cohere2"])
+def test_hybrid_generate_with_q4d_kvzip_and_tiers(stories, name):
+    """A hybrid model through ``generate`` after a KVzip prefill: q4d, kvzip@0.25, tiers; the
+    sliding layers stay within their window at every step."""
+    _, tok = stories
+    model = _make(name)
+    ids = tok("Once upon a time there was a little girl named Lily who loved to play in the park. " * 3,
+              return_tensors="pt").input_ids
+    for kw in (dict(quant=QuantConfig(bits=4)), dict(eviction=KVzip(budget=0.25)),
+               dict(quant=QuantConfig(bits=4, evicted_bits=2), eviction=KVzip(budget=0.25))):
+        cache = CompressedCache(model.config, **kw)
+        with torch.no_grad(), kv_cache.compress(model, cache):
+            kv_cache.prefill(model, cache, ids[:, :-1], tokenizer=tok)  # generate feeds the last token
+            _check_windows(cache)
+            out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == ids.shape[1] + 8
+        _check_windows(cache)
+        rep = cache.memory_report()
+        assert rep.window_saved_fp16_bytes > 0 and set(rep.bytes_by_layer_kind) == {"full_attention",
+                                                                                     "sliding_attention"}
+
+
 def test_layer_windows_reads_the_config():
     assert layer_windows(_make("llama").config) == [None] * 4
     assert layer_windows(_make("mistral").config) == [WINDOW] * 4

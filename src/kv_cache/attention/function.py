@@ -108,8 +108,8 @@ def compressed_attention(
     q = query.reshape(B, Hkv, G * L, d)
     view = layer.take_attention_view()
     try:
-        if layer.reconstructing is not None and layer.window is None and softcap is None and sinks is None:
-            return _reconstruction_pass(layer, query, q, key, value, scaling, G), None
+        if layer.reconstructing is not None and layer.window is None and softcap is None:
+            return _reconstruction_pass(layer, query, q, key, value, scaling, G, sinks), None
         new_valid = _new_token_valid(attention_mask, L)
         starts = layer.stored_starts(new_valid, L)  # [B, Hkv] leading padding slots among the stored ones
         if softcap is not None or layer.reconstructing is not None or _window_hides(layer, view, L):
@@ -143,8 +143,8 @@ def _positional(layer, view, q, key, value, scaling, G, L, starts, new_valid, so
         )
     if layer.reconstructing is not None and layer.window is None:
         raise ValueError(
-            "KVzip's reconstruction scores are not implemented with logit soft-capping or learned sinks on a "
-            "full-attention layer; use SnapKV-free quantization or StreamingLLM on this model"
+            "KVzip's reconstruction scores are not implemented with logit soft-capping (a soft-capped "
+            "full-attention layer); use quantization or StreamingLLM on this model"
         )
     if L == 1 and layer.reconstructing is None:
         stored = materialize(view)  # the decoded token is the view's last token
@@ -215,21 +215,31 @@ def _blocks(layer, view, q, key, value, scaling, G, L, starts, new_valid, need_l
     return out.float(), lse
 
 
-def _reconstruction_pass(layer, query, q, key, value, scaling: float, G: int) -> torch.Tensor:
+def _reconstruction_pass(layer, query, q, key, value, scaling: float, G: int,
+                         learned: torch.Tensor | None = None) -> torch.Tensor:
     """KVzip's repeat chunk (batch 1, nothing stored): the output attends to every stored token
-    and causally to the chunk (one fused sdpa call over the full-precision states); the layer
-    receives the chunk's reconstruction scores (:func:`.blocks.reconstruction_scores`)."""
+    and causally to the chunk (one fused sdpa call over the full-precision states, or with
+    ``learned`` sinks the chunked path that returns the log-sum-exp they need); the layer
+    receives the chunk's reconstruction scores (:func:`.blocks.reconstruction_scores`, without
+    the learned sinks' share)."""
     B, Hq, L, d = query.shape
     sinks, start, end = layer.reconstructing
     keys, values = layer.reconstruction_states()  # [B, Hkv, T, d], dequantized when packed
     T = keys.shape[2]
-    pos = torch.arange(L, device=query.device)
-    mask = torch.cat([torch.ones(L, T, dtype=torch.bool, device=query.device), pos[None, :] <= pos[:, None]], dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, torch.cat([keys, key.to(keys.dtype)], 2), torch.cat([values, value.to(values.dtype)], 2),
-        attn_mask=mask, scale=scaling, enable_gqa=True)
+    all_k, all_v = torch.cat([keys, key.to(keys.dtype)], 2), torch.cat([values, value.to(values.dtype)], 2)
+    if learned is None:
+        pos = torch.arange(L, device=query.device)
+        mask = torch.cat([torch.ones(L, T, dtype=torch.bool, device=query.device), pos[None, :] <= pos[:, None]],
+                         dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(query, all_k, all_v, attn_mask=mask, scale=scaling,
+                                                               enable_gqa=True).transpose(1, 2)
+    else:
+        pos = torch.arange(T + L, device=query.device)
+        o, lse = attend_positions(q, all_k, all_v, scaling, G, pos[T:], pos)
+        o, _ = apply_learned_sinks(o, lse, learned, key.shape[1])
+        out = o.reshape(B, Hq, L, -1).transpose(1, 2)
     layer.observe_reconstruction(reconstruction_scores(q, keys, key, scaling, G, sinks, start, end))
-    return out.transpose(1, 2).to(query.dtype)
+    return out.to(query.dtype)
 
 
 def _attention_sums(stats, parts, lse, stat_rows, B, Hkv, G, n, only_new) -> torch.Tensor:
