@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from kv_cache.compression.calibration import query_covariances
+from kv_cache.plan.calibration import query_covariances
 from kv_cache.compression.codebook import dequantize_norm_codebook, quantize_norm_codebook
 from kv_cache.compression.rotation import RandomizedHadamard, calibrated_rotation
 from kv_cache.models import load_model, shared_data_dir

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kv_cache import CompressedCache, QuantConfig, compress
-from kv_cache.compression.bit_allocation import (
+from kv_cache.plan.bit_allocation import (
     BitProfileError,
     allocate_bits,
     layer_bits_from_allocation,
@@ -18,7 +18,7 @@ from kv_cache.compression.bit_allocation import (
     read_bit_profile,
     save_bit_profile,
 )
-from kv_cache.compression.sensitivity import _round_trip, measure_bit_costs
+from kv_cache.plan.sensitivity import _round_trip, measure_bit_costs
 from kv_cache.eval.accounting import walked_nbytes
 from kv_cache.eval.methods import parse_method, parse_quant
 

@@ -12,16 +12,14 @@ from kv_cache import CompressedCache, QuantConfig, compress
 from kv_cache.cache.packed import Rotation
 from kv_cache.cache.storage import make_storage
 from kv_cache.compression import dequantize, quantize
-from kv_cache.compression.calibration import (
+from kv_cache.compression.rotation_file import (
     CalibrationError,
-    calibrate_rotations,
-    calibration_meta,
     check_against_model,
     load_calibration,
-    query_covariances,
     rotation_matrices,
     save_calibration,
 )
+from kv_cache.plan.calibration import calibrate_rotations, calibration_meta, query_covariances
 from kv_cache.compression.rotation import calibrated_rotation, covariance_eigenvectors, fwht, hadamard_matrix
 from kv_cache.eval.accounting import walked_nbytes
 

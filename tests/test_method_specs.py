@@ -66,7 +66,7 @@ def test_missing_peer_package_is_reported_only_when_checked(monkeypatch):
 
 
 def test_every_quantization_option_sets_its_field(tmp_path):
-    from kv_cache.compression.bit_allocation import save_bit_profile
+    from kv_cache.plan.bit_allocation import save_bit_profile
 
     head, *suffixes = QUANT_OPTIONS
     assert head.field == "bits"

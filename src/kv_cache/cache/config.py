@@ -112,7 +112,7 @@ class QuantConfig:
     layer_bits : mapping or tuple of pairs, default ()
         Overrides for chosen layers: ``{layer: bits}`` (keys and values) or
         ``{layer: (key_bits, value_bits)}``, e.g. the first layer at 4 bits in a 2-bit cache,
-        or a per-layer allocation from :func:`kv_cache.compression.bit_allocation.allocate_bits`
+        or a per-layer allocation from :func:`kv_cache.plan.bit_allocation.allocate_bits`
         (``kvcache allocate``; :func:`load_bit_profile` reads its file).
     rotation : {None, "hadamard", "calibrated"}, default "auto" ("hadamard" at 2-4 bits, None with 8)
         ``"hadamard"``: a randomized Hadamard rotation per layer and KV head (seeded, no
@@ -124,7 +124,7 @@ class QuantConfig:
         their outliers too, and one rotation keeps one query and one output rotation per call).
     rotation_path : str or os.PathLike or None
         The calibration file of ``rotation="calibrated"`` (``kvcache calibrate``; a safetensors
-        file read by :func:`kv_cache.compression.calibration.load_calibration`). It must exist;
+        file read by :func:`kv_cache.compression.rotation_file.load_calibration`). It must exist;
         its shapes are checked against the model at first use.
     rotation_seed : int, default 0
     key_grouping : {"channel", "token"}, default "auto" ("token" at 2-4 bits, "channel" with 8)

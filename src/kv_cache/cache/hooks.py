@@ -25,7 +25,7 @@ from .architecture import check_decoder
 from .cache import REFERENCE_MODEL_TYPES, CompressedCache
 
 
-def _attention_classes() -> tuple[type, ...]:
+def attention_classes() -> tuple[type, ...]:
     from transformers.models.llama.modeling_llama import LlamaAttention
     from transformers.models.mistral.modeling_mistral import MistralAttention
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
@@ -34,7 +34,7 @@ def _attention_classes() -> tuple[type, ...]:
     return (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention)
 
 
-def _queries(module: torch.nn.Module, hidden: torch.Tensor, position_embeddings: Any, n: int) -> torch.Tensor:
+def post_rope_queries(module: torch.nn.Module, hidden: torch.Tensor, position_embeddings: Any, n: int) -> torch.Tensor:
     """Post-RoPE queries of the last ``n`` positions: ``[batch, q_heads, n, head_dim]``."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -112,7 +112,7 @@ def _native_attention(model: torch.nn.Module, cache: CompressedCache) -> Iterato
 
 @contextmanager
 def _observer_hooks(model: torch.nn.Module, cache: CompressedCache) -> Iterator[None]:
-    classes = _attention_classes()
+    classes = attention_classes()
     modules = [m for m in model.modules() if isinstance(m, classes)]
     if not modules:
         mt = getattr(getattr(model, "config", None), "model_type", None)
@@ -131,7 +131,7 @@ def _observer_hooks(model: torch.nn.Module, cache: CompressedCache) -> Iterator[
         query = None
         if n:
             with torch.no_grad():
-                query = _queries(module, hidden, kwargs["position_embeddings"], n)
+                query = post_rope_queries(module, hidden, kwargs["position_embeddings"], n)
         layer.observe(query, kwargs.get("attention_mask"), module.scaling)
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]

@@ -187,7 +187,7 @@ class Rotation:
 
 def _make_rotation(quant: QuantConfig, layer: int, kv_heads: int, head_dim: int, device) -> Rotation:
     if quant.rotation == "calibrated":
-        from ..compression.calibration import rotation_matrices
+        from ..compression.rotation_file import rotation_matrices
 
         return Rotation.from_matrices(rotation_matrices(quant.rotation_path, layer, kv_heads, head_dim, device))
     return Rotation(layer, kv_heads, head_dim, quant.rotation_seed, device)

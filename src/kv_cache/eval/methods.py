@@ -30,7 +30,7 @@ import torch
 from ..cache import CompressedCache, QuantConfig, compress
 from ..cache.config import KIVI_LAYOUT
 from ..compression.packing import SUPPORTED_BITS
-from ..compression.bit_allocation import load_bit_profile
+from ..plan.bit_allocation import load_bit_profile
 from ..policies import POLICIES, EvictionPolicy
 from ..policies.base import SCOPES
 

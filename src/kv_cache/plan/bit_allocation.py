@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .packing import SUPPORTED_BITS
+from ..compression.packing import SUPPORTED_BITS
 
 PROFILE_FORMAT = "kv_cache.bit_profile"
 PROFILE_VERSION = 1
