@@ -9,8 +9,10 @@ demo   the README's main job: a small eval of SmolLM2-135M on wikitext-2 (a few 
 bill   the byte bill of one captured KV cache under several quantization/selection settings
 calibrate  fit calibrated KV rotations of a model on a text (QuantConfig(rotation="calibrated"))
 allocate   choose key/value bits per layer under an average budget (QuantConfig(layer_bits=...))
+plan       a cache plan from a byte target (kvcache plan --ratio 8 -o plan.json)
 compress   compress a document once into a file (kvcache compress doc.txt -o doc.kvc --method kvzip@0.3)
 ask        answer questions from that file (kvcache ask doc.kvc "question" ...)
+serve      an OpenAI-compatible server over compressed contexts (pip install kv_cache[serve])
 """
 
 from __future__ import annotations
@@ -185,9 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_allocate import add_parser as _add_allocate
 
     _add_allocate(sub)
+    from .cli_plan import add_parser as _add_plan
+
+    _add_plan(sub)
     from .cli_context import add_parsers as _add_context
 
     _add_context(sub)
+    from .cli_serve import add_parser as _add_serve
+
+    _add_serve(sub)
     return ap
 
 
@@ -201,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()  # the CLI owns the terminal; library code never does this
         if args.command == "bill":
             return _run_bill(args)
-        if args.command in ("calibrate", "allocate", "compress", "ask"):
+        if args.command in ("calibrate", "allocate", "plan", "compress", "ask", "serve"):
             return args._run(args)
         return _run_eval(args)
     except (ValueError, PermissionError, FileNotFoundError) as exc:

@@ -1,0 +1,215 @@
+"""The bodies ``kvcache serve`` accepts, checked into plain dataclasses (pure functions, no model).
+
+* :func:`parse_chat` checks a ``POST /v1/chat/completions`` body (OpenAI's fields, plus
+  ``context_id``: the stored compressed context the answer starts from);
+* :func:`parse_context` checks a ``POST /v1/contexts`` body: the document and how to compress it,
+  as a ``method`` spec of ``kvcache eval`` (ours), a ``preset`` (:data:`PRESETS`), or a ``plan``
+  (the bits-per-layer profile ``kvcache allocate`` writes, applied to ``method``'s quantization).
+
+Every bad value is an :class:`~kv_cache.serve.errors.ApiError` (400) naming the field, what is
+allowed and what was received. Fields OpenAI defines that this server does not implement are
+refused when they ask for something (``n`` > 1, penalties, ``logit_bias``, ``logprobs``,
+``tools``); others (``user``, ``metadata``, ...) are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..generation import MAX_TEMPERATURE, SamplingParams
+from .errors import ApiError, bad_param
+
+ROLES = ("system", "developer", "user", "assistant")
+MAX_STOPS = 4  # as OpenAI
+DEFAULT_METHOD = "kvzip@0.3"  # `kvcache compress`'s default
+PRESETS: dict[str, str] = {
+    # name -> method spec; the figures are the README's (SmolLM2, 4K needle / 2K perplexity)
+    "full": "full",  # the uncompressed cache
+    "q4": "q4d",  # QuantConfig(bits=4): 3.87x fewer bytes than fp16, +0.6% perplexity
+    "kvzip": "kvzip@0.5",  # half the tokens, the full cache's needle scores
+    "q4-kvzip": "q4+kvzip@0.3",  # 8.07x fewer bytes than fp16, 90% / 55% needle
+}
+KEEP = ("head", "tail")
+UNSUPPORTED_CHAT = {  # field -> the value that asks for nothing
+    "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "logprobs": False, "top_logprobs": None,
+    "tools": None, "tool_choice": None, "functions": None, "function_call": None, "response_format": None,
+}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    messages: tuple[tuple[str, str], ...]  # (role, text)
+    sampling: SamplingParams
+    max_tokens: int | None = None  # None: as many as fit, up to the server's default
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    context_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ContextRequest:
+    document: str
+    method: str
+    plan: dict[str, Any] | None = field(default=None, hash=False)
+    max_tokens: int | None = None
+    keep: str | None = None
+
+
+def _require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError("invalid_json", f"the request body must be a JSON object; got {type(body).__name__}")
+    return body
+
+
+def _int(body: dict, name: str, lo: int, default: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise bad_param(name, f"{name} must be an integer >= {lo}; got {v!r}")
+    return v
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+    if not ok or v > hi or v < lo or (lo_open and v == lo):
+        span = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
+        raise bad_param(name, f"{name} must be a number in {span}; got {v!r}")
+    return float(v)
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                got = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad_param(where, f"{where}[{i}] must be a text part {{\"type\": \"text\", \"text\": str}} "
+                                       f"(this server reads text only); got {got!r}")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_param(where, f"{where} must be a string or a list of text parts; got {type(content).__name__}")
+
+
+def parse_chat(body: Any, served_model: str) -> ChatRequest:
+    """Check a chat completion body against the model this server serves (``served_model``)."""
+    body = _require_object(body)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_param("model", f"model must be a non-empty string (this server serves {served_model!r}); "
+                                 f"got {model!r}")
+    if model != served_model:
+        raise ApiError("model_not_found", f"the model {model!r} is not served here; this server serves "
+                                          f"{served_model!r}", param="model")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_param("messages", f"messages must be a non-empty list of {{role, content}}; got {msgs!r}")
+    messages = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_param(where, f"{where} must be an object {{role, content}}; got {type(m).__name__}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad_param(f"{where}.role", f"{where}.role must be one of {list(ROLES)}; got {role!r}")
+        text = _text(m.get("content"), f"{where}.content")
+        if "\x00" in text:
+            raise bad_param(f"{where}.content", f"{where}.content holds a NUL character: binary data, not text")
+        messages.append((role, text))
+    if not any(text.strip() for _, text in messages):
+        raise bad_param("messages", "messages hold no text: every content is empty")
+    for name, idle in UNSUPPORTED_CHAT.items():
+        v = body.get(name)
+        if v is not None and v != idle and v != {} and v != []:
+            if name == "response_format" and isinstance(v, dict) and v.get("type") == "text":
+                continue
+            raise bad_param(name, f"{name} is not supported by this server (allowed: omitted or {idle!r}); "
+                                  f"got {v!r}")
+    n = _int(body, "n", 1, 1)
+    if n != 1:
+        raise bad_param("n", f"n must be 1 (one answer per request); got {n}")
+    max_tokens = _int(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1)
+    temperature = _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise bad_param("seed", f"seed must be an integer; got {seed!r}")
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOPS:
+        stops = tuple(stop)
+    else:
+        raise bad_param("stop", f"stop must be a string or a list of at most {MAX_STOPS} strings; got {stop!r}")
+    if any(not s for s in stops):
+        raise bad_param("stop", "stop strings must not be empty")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_param("stream", f"stream must be true or false; got {stream!r}")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+        raise bad_param("stream_options", f"stream_options must be {{\"include_usage\": bool}}; got {opts!r}")
+    context_id = body.get("context_id")
+    if context_id is not None and (not isinstance(context_id, str) or not context_id):
+        raise bad_param("context_id", f"context_id must be the id of a stored context (a string); got {context_id!r}")
+    return ChatRequest(model, tuple(messages), SamplingParams(temperature, top_p, seed), max_tokens, stops, stream,
+                       bool(opts.get("include_usage", False)), context_id)
+
+
+def parse_context(body: Any) -> ContextRequest:
+    """Check a ``POST /v1/contexts`` body: ``document`` (text), one of ``method`` / ``preset``
+    (default ``method`` :data:`DEFAULT_METHOD`), an optional ``plan``, and ``max_tokens`` /
+    ``keep`` as ``kvcache compress --max-tokens / --keep``. The method's grammar is checked when
+    the job runs (it needs the model for a plan)."""
+    body = _require_object(body)
+    doc = body.get("document")
+    if not isinstance(doc, str):
+        raise ApiError("invalid_document", f"document must be a string of text; got {type(doc).__name__}",
+                       param="document")
+    if not doc.strip():
+        raise ApiError("invalid_document", "document is empty" + (f" ({len(doc)} whitespace characters)" if doc
+                                                                  else ""), param="document")
+    nul = doc.find("\x00")
+    if nul >= 0:
+        raise ApiError("invalid_document", f"document holds a NUL character at offset {nul}: binary data, not text",
+                       param="document")
+    method, preset, plan = body.get("method"), body.get("preset"), body.get("plan")
+    if method is not None and preset is not None:
+        raise ApiError("invalid_method", f"give method or preset, not both; got method={method!r} and "
+                                         f"preset={preset!r}", param="preset")
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ApiError("invalid_method", f"preset must be one of {list(PRESETS)}; got {preset!r}", param="preset")
+        method = PRESETS[preset]
+    if method is None:
+        method = DEFAULT_METHOD
+    if not isinstance(method, str) or not method.strip():
+        raise ApiError("invalid_method", f"method must be a method spec string (e.g. {DEFAULT_METHOD!r}); "
+                                         f"got {method!r}", param="method")
+    if plan is not None and not isinstance(plan, dict):
+        raise ApiError("invalid_method", "plan must be a bit profile object as `kvcache allocate` writes it "
+                                         f"({{\"format\", \"format_version\", \"layer_bits\"}}); got "
+                                         f"{type(plan).__name__}", param="plan")
+    max_tokens = _int(body, "max_tokens", 1)
+    keep = body.get("keep")
+    if keep is not None and keep not in KEEP:
+        raise bad_param("keep", f"keep must be one of {list(KEEP)}; got {keep!r}")
+    if keep is not None and max_tokens is None:
+        raise bad_param("keep", "keep says which tokens max_tokens keeps; give max_tokens as well")
+    return ContextRequest(doc, method.strip(), plan, max_tokens, keep)

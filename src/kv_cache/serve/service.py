@@ -1,0 +1,205 @@
+"""What the worker runs for each request of ``kvcache serve``: compress a document, answer a chat.
+
+Both run on the worker thread of :class:`~kv_cache.serve.engine.Engine`, under its model lock.
+
+**Prompts.** The messages are rendered with the tokenizer's chat template when it has one
+(SmolLM2: ``<|im_start|>user ... <|im_start|>assistant``, the generation prompt added), or else
+as their texts joined by newlines (stories260K). Without a context the prompt is the whole input
+(the tokenizer's special tokens, BOS, added); with ``context_id`` it is appended after the stored
+document at the positions that follow it, without special tokens (as
+:meth:`kv_cache.CompressedContext.ask`), inside ``cache.session()``: the question and answer go
+to a tail that is dropped after, so the stored context never changes.
+
+**Usage.** ``prompt_tokens`` counts every token the answer attends to: the stored context's
+tokens plus the rendered messages (``prompt_tokens_details.cached_tokens``: the context's part).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..cache import compress
+from ..context import CompressedContext, _ids, _text_ids, fit_context, forward_at, max_positions
+from ..generation import generate_tokens, stop_scan
+from .engine import Job
+from .errors import ApiError
+from .requests import ChatRequest, ContextRequest
+from .store import ContextCorrupted, ContextNotFound, ContextStore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 256  # an answer's tokens when the request does not say (and they fit)
+
+
+def render_messages(tokenizer: Any, messages: tuple[tuple[str, str], ...]) -> str:
+    """The prompt text of ``messages`` ((role, text) pairs): the chat template, or the texts."""
+    if getattr(tokenizer, "chat_template", None):
+        chat = [{"role": "system" if role == "developer" else role, "content": text} for role, text in messages]
+        return tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    return "\n".join(text for _, text in messages)
+
+
+def _eos(tokenizer: Any, model: Any) -> set[int]:
+    ids = [getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None),
+                                                             "eos_token_id", None)]
+    out: set[int] = set()
+    for i in ids:
+        out.update(i if isinstance(i, (list, tuple)) else [i])
+    return {i for i in out if isinstance(i, int)}
+
+
+def _load_profile(plan: dict[str, Any]) -> dict[int, tuple[int, int]]:
+    """The ``{layer: (key_bits, value_bits)}`` of a ``plan`` (a `kvcache allocate` profile
+    object), checked by the same reader as the files."""
+    import json
+
+    try:  # where the profile reader lives in this tree
+        from ..plan.bit_allocation import load_bit_profile
+    except ImportError:  # pragma: no cover - older layout
+        from ..compression.bit_allocation import load_bit_profile
+    fd, path = tempfile.mkstemp(suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(plan, f)
+        return load_bit_profile(path)
+    finally:
+        os.unlink(path)
+
+
+@dataclass
+class Service:
+    """The model, its tokenizer, the context store and the server's limits."""
+
+    model: Any
+    tokenizer: Any
+    store: ContextStore
+    model_id: str
+    max_document_tokens: int | None = None  # None: what the model's positions allow
+
+    # ----------------------------------------------------------------- POST /v1/contexts
+    def settings(self, req: ContextRequest) -> tuple[Any, Any, str]:
+        """``(quant, eviction, spec)`` of the request's method (and plan); ``invalid_method``."""
+        from ..cli_context import method_settings
+
+        try:
+            quant, eviction, spec = method_settings(req.method, None, self.model)
+            if req.plan is not None:
+                if quant is None:
+                    raise ValueError(f"a plan sets bits per layer of a quantized cache; method {req.method!r} has "
+                                     "no quantization part (e.g. q3htc64l, q4d+kvzip@0.3)")
+                quant = dataclasses.replace(quant, layer_bits=_load_profile(req.plan))
+                spec += " with plan"
+        except (ValueError, RuntimeError) as exc:
+            raise ApiError("invalid_method", str(exc), param="plan" if req.plan is not None else "method") from None
+        return quant, eviction, spec
+
+    def compress(self, req: ContextRequest, job: Job) -> dict[str, Any]:
+        quant, eviction, spec = self.settings(req)
+        ids = _text_ids(self.tokenizer, req.document)
+        limit = self.max_document_tokens
+        if limit is not None and len(ids) > limit:
+            raise ApiError("document_too_long", f"the document is {len(ids):,} tokens; this server takes at most "
+                                                f"{limit:,} (kvcache serve --max-document-tokens)", param="document")
+        try:
+            kept = fit_context(ids, self.model.config, self.tokenizer, eviction, max_tokens=req.max_tokens,
+                               keep=req.keep)
+        except ValueError as exc:
+            raise ApiError("document_too_long", str(exc), param="max_tokens" if req.max_tokens else "document"
+                           ) from None
+        job.check()
+        ctx = CompressedContext.build(self.model, self.tokenizer, kept, quant=quant, eviction=eviction)
+        ctx.document_tokens = len(ids)
+        if job.cancelled or job.expired():  # the client has its answer (a timeout): keep nothing
+            job.check()
+            raise ApiError("request_timeout", "the request was cancelled")
+        st = ctx.stats
+        return self.store.add(ctx, {"model": self.model_id, "method": spec,
+                                    "prefill_seconds": st.prefill_s + st.reconstruction_s,
+                                    "reconstruction_seconds": st.reconstruction_s})
+
+    # ----------------------------------------------------------------- POST /v1/chat/completions
+    def _context(self, cid: str) -> CompressedContext:
+        try:
+            return self.store.get(cid)
+        except ContextNotFound:
+            raise ApiError("context_not_found", f"no context with id {cid!r} (GET /v1/contexts lists them)",
+                           param="context_id") from None
+        except ContextCorrupted as exc:
+            raise ApiError("context_corrupted", f"the stored context {cid!r} fails its checks: {exc}; delete it "
+                                                "(DELETE /v1/contexts/{id}) and compress the document again",
+                           param="context_id") from None
+
+    def _budget(self, req: ChatRequest, used: int, prompt: int) -> int:
+        """Tokens the answer may take: ``max_tokens``, checked against the positions left after
+        ``used`` tokens (context + prompt), or the default capped to what fits."""
+        limit = max_positions(self.model.config)
+        room = None if limit is None else limit - used + 1  # the last token is not fed
+        if room is not None and room < 1:
+            raise ApiError("context_length_exceeded", f"the prompt takes {used:,} positions (messages: {prompt:,}) "
+                                                      f"but the model has {limit:,} (max_position_embeddings)",
+                           param="messages")
+        if req.max_tokens is None:
+            return DEFAULT_MAX_TOKENS if room is None else min(DEFAULT_MAX_TOKENS, room)
+        if room is not None and req.max_tokens > room:
+            raise ApiError("context_length_exceeded", f"max_tokens={req.max_tokens} does not fit: the prompt takes "
+                                                      f"{used:,} of the model's {limit:,} positions, so at most "
+                                                      f"{room:,} tokens can be generated", param="max_tokens")
+        return req.max_tokens
+
+    def chat(self, req: ChatRequest, job: Job) -> dict[str, Any]:
+        tok, model = self.tokenizer, self.model
+        text = render_messages(tok, req.messages)
+        with torch.no_grad():
+            if req.context_id is not None:
+                ctx = self._context(req.context_id)
+                ids = _ids(tok, text)
+                cached = ctx.context_tokens
+                n_new = self._budget(req, cached + len(ids), len(ids))
+                with compress(model, ctx.cache), ctx.cache.session():
+                    logits = forward_at(model, ctx.cache, torch.tensor([ids]), cached, last_only=True)[0, -1]
+                    return self._generate(req, job, ctx.cache, logits, cached + len(ids), n_new, cached, len(ids))
+            from transformers import DynamicCache
+
+            ids = _text_ids(tok, text)
+            n_new = self._budget(req, len(ids), len(ids))
+            cache = DynamicCache()
+            logits = forward_at(model, cache, torch.tensor([ids]), 0, last_only=True)[0, -1]
+            return self._generate(req, job, cache, logits, len(ids), n_new, 0, len(ids))
+
+    def _generate(self, req: ChatRequest, job: Job, cache: Any, logits: torch.Tensor, pos: int, n_new: int,
+                  cached: int, prompt: int) -> dict[str, Any]:
+        job.emit("start")
+        out: list[int] = []
+        text, sent, stopped = "", 0, False
+        gen = generate_tokens(self.model, cache, logits, pos, max_new_tokens=n_new, params=req.sampling,
+                              eos=_eos(self.tokenizer, self.model))
+        try:
+            for token in gen:
+                out.append(token)
+                text = self.tokenizer.decode(out, skip_special_tokens=True)
+                end, stopped = stop_scan(text, req.stop)
+                if req.stream and end > sent:
+                    job.emit("delta", text[sent:end])
+                    sent = end
+                if stopped:
+                    text = text[:end]
+                    break
+                if job.cancelled:
+                    raise ApiError("request_timeout", "the request was cancelled")
+                job.check()
+        finally:
+            gen.close()
+        if req.stream and len(text) > sent:
+            job.emit("delta", text[sent:])
+        finish = "stop" if stopped or len(out) < n_new else "length"
+        return {"text": text, "finish_reason": finish,
+                "usage": {"prompt_tokens": cached + prompt, "completion_tokens": len(out),
+                          "total_tokens": cached + prompt + len(out),
+                          "prompt_tokens_details": {"cached_tokens": cached}}}
