@@ -50,6 +50,9 @@ class CompressedCache(Cache):
         while eviction policies and precision tiers act on the full-attention layers.
     quant : QuantConfig or None
         How tokens are stored; None keeps them in the model dtype.
+    plan : kv_cache.plan.CachePlan, optional
+        Per-layer widths, budget, policy and tiers in one object (``kv_cache.plan.plan_for``,
+        a preset, or a plan file); exclusive with ``quant`` / ``eviction``.
     eviction : EvictionPolicy or None
         Which tokens survive (:class:`~kv_cache.SnapKV`, :class:`~kv_cache.H2O`,
         :class:`~kv_cache.StreamingLLM`); policies need ``with kv_cache.compress(model, cache):``.
@@ -64,8 +67,17 @@ class CompressedCache(Cache):
     >>> cache.memory_report().ratio                                                                # doctest: +SKIP
     """
 
-    def __init__(self, config: Any, *, quant: QuantConfig | None = None, eviction: EvictionPolicy | None = None):
+    def __init__(self, config: Any, *, quant: QuantConfig | None = None, eviction: EvictionPolicy | None = None,
+                 plan: Any = None):
         check_decoder(config)
+        if plan is not None:  # a kv_cache.plan.CachePlan (duck-typed: the plan layer sits above this one)
+            if quant is not None or eviction is not None:
+                raise ValueError("pass either plan= or quant=/eviction=, not both (a plan holds both)")
+            for name in ("check_model", "quant_config", "eviction"):
+                if not callable(getattr(plan, name, None)):
+                    raise TypeError(f"plan must be a kv_cache.plan.CachePlan; got {type(plan).__name__}")
+            plan.check_model(config)
+            quant, eviction = plan.quant_config(), plan.eviction()
         geometry = kv_geometry(config)
         windows = layer_windows(config)
         if quant is not None and not isinstance(quant, QuantConfig):
@@ -108,7 +120,7 @@ class CompressedCache(Cache):
                     f"residual (max(residual_length, group_size) = {need}): lower QuantConfig.residual_length / "
                     "group_size to at most the window"
                 )
-        self.quant, self.eviction = quant, eviction
+        self.quant, self.eviction, self.plan = quant, eviction, plan
         self.config, self.geometry = config, geometry
         self.head_dim = geometry.head_dim
         self.windows = windows

@@ -265,3 +265,8 @@ def _decode_layer(layer: CompressedLayer, d: dict[str, Any], r: _Reader) -> None
     layer.state = {k: r.tensor(name) for k, name in d["state"].items()}
     layer._starts = None if d["_starts"] is None else r.tensor(d["_starts"])
     layer.is_initialized = True
+
+
+# Public names of the settings codecs (the plan layer writes the same JSON for its layout and policy).
+encode_quant, decode_quant = _encode_quant, _decode_quant
+encode_policy, decode_policy = _encode_policy, _decode_policy

@@ -7,3 +7,8 @@ decide how a cache is laid out.
 
 Nothing in :mod:`kv_cache.compression` or :mod:`kv_cache.kernels` imports from here.
 """
+
+from .plan import CachePlan, LayerPlan  # noqa: E402
+from .planner import PRESETS, parse_target, plan_for, predict_bytes, preset_plan  # noqa: E402
+
+__all__ = ["PRESETS", "CachePlan", "LayerPlan", "parse_target", "plan_for", "predict_bytes", "preset_plan"]

@@ -1,0 +1,67 @@
+"""``kvcache plan``: a cache plan from a byte target, measured on calibration text (math dictionary §23).
+
+Every candidate layout (4, 3 and 2 bits, K4V3, K3V2: ``QuantConfig(bits=b)``'s defaults) is
+sized to the target (with KVzip keeping the largest fraction of tokens that meets it, its bytes
+predicted before any model run), then scored by the mean next-token KL divergence from the full
+cache on the calibration text; the least costly is written as a plan file for
+``CompressedCache(config, plan=CachePlan.load(path))``, ``kvcache compress --plan`` and the
+method spec ``plan[<path>]``. ``--preset`` writes the documented default instead (no model run
+beyond the config).
+
+The default text is a Gutenberg novel (Pride and Prejudice) from ``shared/data``, never the
+wikitext-2 test split the evaluation scores on.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_TEXT = "gutenberg/pg1342.txt"
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Register the ``plan`` subcommand on ``sub`` (an argparse subparsers object)."""
+    p = sub.add_parser("plan", help="a cache plan from a byte target (writes a plan file)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="an alias or a path [smollm2]")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--ratio", help="bytes target as a ratio vs an fp16 cache, e.g. 8 or 8x")
+    target.add_argument("--bytes-per-token", type=float, help="bytes held per context token")
+    target.add_argument("--max-bytes", type=int, help="bytes held for --context tokens")
+    p.add_argument("--text", default=None, help=f"calibration text file [shared/data/{DEFAULT_TEXT}]")
+    p.add_argument("--context", type=int, default=None, help="context length planned for [4096, at most half the "
+                                                            "model's positions]")
+    p.add_argument("--windows", type=int, default=2, help="calibration windows [2]")
+    p.add_argument("--preset", action="store_true", help="the documented default for --ratio, no measurement")
+    p.add_argument("-o", "--out", required=True, help="the plan file (JSON) to write")
+    p.set_defaults(_run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .models import load_model, shared_data_dir
+    from .plan import plan_for, preset_plan
+
+    if args.context is not None and args.context < 1:
+        raise ValueError(f"--context must be >= 1; got {args.context}")
+    if args.windows < 1:
+        raise ValueError(f"--windows must be >= 1; got {args.windows}")
+    if args.preset and args.ratio is None:
+        raise ValueError("--preset needs --ratio (presets are ratios, e.g. --ratio 8)")
+    target = None if args.ratio is None else (args.ratio if str(args.ratio).lower().endswith("x") else f"{args.ratio}x")
+    model, tok = load_model(args.model)
+    if args.preset:
+        plan = preset_plan(model.config, target, context_tokens=args.context, dtype=next(model.parameters()).dtype)
+    else:
+        path = Path(args.text) if args.text else shared_data_dir() / DEFAULT_TEXT
+        text = path.read_text(encoding="utf-8").replace("\r\n", "\n")
+        plan = plan_for(model, tok, target=target, bytes_per_token=args.bytes_per_token, max_bytes=args.max_bytes,
+                        calibration_text=text, context_tokens=args.context, windows=args.windows)
+        for c in plan.predicted.get("candidates", []):
+            print(f"  {c['layout']:6s} budget {c['budget']}  {c['ratio']:.2f}x  KL {c['kl']:.4f}")
+    plan.save(args.out)
+    print(plan.describe())
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,54 @@
+"""What a plan costs on calibration text: the mean next-token KL divergence from the full cache
+over a teacher-forced continuation after a compressed prefix (math dictionary §13, §23)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from ..cache import CompressedCache, compress
+from ..context import forward_at, prefill
+from .plan import CachePlan
+
+
+def calibration_windows(tokenizer: Any, text: str, context: int, continuation: int, windows: int
+                        ) -> list[torch.Tensor]:
+    """Up to ``windows`` non-overlapping ``[1, context + continuation]`` id windows of ``text``."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("calibration_text must be a non-empty str")
+    if windows < 1 or continuation < 1:
+        raise ValueError(f"windows and continuation must be >= 1; got {windows} and {continuation}")
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    n = context + continuation
+    out = [ids[s:s + n][None] for s in range(0, ids.numel() - n + 1, n)][:windows]
+    if not out:
+        raise ValueError(f"calibration_text holds {ids.numel()} tokens; one window needs {n} "
+                         f"({context} context + {continuation} continuation)")
+    return out
+
+
+def _continuation_log_probs(model, cache, window: torch.Tensor, context: int, tokenizer, ours: bool) -> torch.Tensor:
+    prefix, cont = window[:, :context], window[:, context:]
+    if ours:
+        logits, _ = prefill(model, cache, prefix, tokenizer=tokenizer, last_only=True)
+        with compress(model, cache):
+            rest = forward_at(model, cache, cont[:, :-1], context)
+    else:
+        logits = forward_at(model, cache, prefix, 0, last_only=True)
+        rest = forward_at(model, cache, cont[:, :-1], context)
+    return torch.log_softmax(torch.cat([logits[:, -1:], rest], 1)[0].float(), -1)
+
+
+def continuation_kl(model, tokenizer, plan: CachePlan, windows: list[torch.Tensor], context: int | None = None
+                    ) -> float:
+    """Mean over windows and continuation positions of ``KL(P_full || P_plan)``."""
+    kls = []
+    with torch.no_grad():
+        for w in windows:
+            T = context if context is not None else int(plan.predicted.get("context_tokens", w.shape[1] // 2))
+            ref = _continuation_log_probs(model, DynamicCache(), w, T, tokenizer, ours=False)
+            got = _continuation_log_probs(model, CompressedCache(model.config, plan=plan), w, T, tokenizer, ours=True)
+            kls.append(float((ref.exp() * (ref - got)).sum(-1).mean()))
+    return sum(kls) / len(kls)

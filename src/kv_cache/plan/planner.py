@@ -1,0 +1,234 @@
+"""The planner: a :class:`CachePlan` from a byte target, its bytes predicted before running.
+
+* :func:`predict_bytes` runs the plan's storage on random states of the model's K/V shape (no
+  model call): every layer holds ``T`` tokens (a sliding layer ``min(T, W - 1)``), then keeps the
+  budget's count per head (uneven by one token across heads under a shared budget, so the
+  ragged layout and its per-row overhead are what is measured) with the evicted tier demoted.
+  The bytes are ``memory_report``'s, so the prediction carries the layout's exact metadata,
+  sinks and residual (math dictionary §23).
+* :func:`preset_plan` is the documented default of ``"4x"`` / ``"8x"`` / ``"16x"`` (or any
+  ``"<r>x"``): ``QuantConfig(bits=4)`` and, where 4-bit codes alone do not reach the ratio,
+  ``KVzip`` keeping the largest fraction of tokens that does.
+* :func:`plan_for` measures: every candidate layout (4, 3 and 2 bits, K4V3 and K3V2) at the
+  largest KVzip budget that meets the target is scored by the mean next-token KL divergence from
+  the full cache on calibration text (compressed prefix, teacher-forced continuation), and the
+  least costly one is the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Sequence
+
+import torch
+
+from ..cache.architecture import layer_windows
+from ..cache.config import QuantConfig
+from ..cache.layer import CompressedLayer
+from ..cache.report import fp16_kv_bytes, kv_geometry
+from ..compression.selection import resolve_budget
+from ..policies import KVzip
+from .plan import CachePlan
+
+PRESETS = ("4x", "8x", "16x")
+"""Named presets; any ``"<ratio>x"`` with a ratio above 1 works the same way."""
+
+DEFAULT_CONTEXT = 4096
+"""Context length the presets are sized for when none is given (the bytes per token of a
+layout with full-precision sinks fall slightly with the length)."""
+
+BUDGET_STEP = 0.01
+"""Resolution of the KVzip fraction the planner searches."""
+
+CANDIDATE_LAYOUTS: dict[str, QuantConfig] = {
+    "q4d": QuantConfig(bits=4),
+    "k4v3d": QuantConfig(bits=3, key_bits=4),
+    "q3d": QuantConfig(bits=3),
+    "k3v2d": QuantConfig(bits=2, key_bits=3),
+    "q2d": QuantConfig(bits=2),
+}
+"""The layouts :func:`plan_for` measures (``QuantConfig(bits=b)``'s defaults at each width)."""
+
+
+def parse_target(target: Any) -> float:
+    """``"8x"`` / ``8`` / ``8.0`` -> ``8.0``; raise for anything else or a ratio <= 1."""
+    if isinstance(target, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*x\s*", target.lower())
+        if not m:
+            raise ValueError(f"target must be a ratio like {list(PRESETS)} or a number > 1; got {target!r}")
+        ratio = float(m.group(1))
+    elif isinstance(target, (int, float)) and not isinstance(target, bool):
+        ratio = float(target)
+    else:
+        raise ValueError(f"target must be a ratio like {list(PRESETS)} or a number > 1; got {target!r}")
+    if not math.isfinite(ratio) or ratio <= 1.0:
+        raise ValueError(f"target ratio must be > 1 (vs an fp16 cache); got {target!r}")
+    return ratio
+
+
+def _keep_masks(T: int, lead: int, trail: int, counts: list[int]) -> torch.Tensor:
+    """``[1, H, T]`` bool: the protected ``lead`` / ``trail`` slots and evenly spread others."""
+    rows = []
+    for n in counts:
+        m = torch.zeros(T, dtype=torch.bool)
+        m[:lead] = True
+        if trail:
+            m[T - trail:] = True
+        free = torch.nonzero(~m).squeeze(1)
+        extra = max(0, min(n - int(m.sum()), free.numel()))
+        if extra:
+            m[free[torch.linspace(0, free.numel() - 1, extra).round().long()]] = True
+        rows.append(m)
+    return torch.stack(rows)[None]
+
+
+def predict_bytes(config: Any, plan: CachePlan, context_tokens: int, *, dtype: torch.dtype = torch.float32,
+                  seed: int = 0) -> int:
+    """Bytes a cache of ``plan`` holds after prefilling ``context_tokens`` tokens (batch 1).
+
+    Parameters
+    ----------
+    config : the model's config; plan : the plan; context_tokens : ``T >= 1``
+    dtype : the model's dtype (what full-precision parts are held in)
+
+    Returns
+    -------
+    ``int``: the sum of ``nbytes`` over every tensor the layers would hold.
+    """
+    if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 1:
+        raise ValueError(f"context_tokens must be an int >= 1; got {context_tokens!r}")
+    plan.check_model(config)
+    g = kv_geometry(config)
+    quant, policy = plan.quant_config(), plan.eviction()
+    gen = torch.Generator().manual_seed(seed)
+    total = 0
+    for i, window in enumerate(layer_windows(config)):
+        q = quant if window is None or quant is None else quant.sliding_config()
+        layer = CompressedLayer(i, q, None, window)
+        n = context_tokens if window is None else min(context_tokens, window - 1)
+        k = torch.randn(1, g.kv_heads, n, g.head_dim, generator=gen).to(dtype)
+        v = torch.randn(1, g.kv_heads, n, g.head_dim, generator=gen).to(dtype)
+        layer.update(k, v)
+        if window is None and policy is not None:
+            budget = resolve_budget(policy.budget, n) if isinstance(policy.budget, float) else min(policy.budget, n)
+            if budget < n:
+                lead, trail = layer.storage.protected()
+                H = g.kv_heads
+                uneven = policy.scope != "head" and H > 1
+                counts = [budget + (((-1) ** h) if uneven and h < H - (H % 2) else 0) for h in range(H)]
+                layer.apply_keep_masks(_keep_masks(n, lead, trail, counts))
+        total += sum(layer.nbytes_by_category().values())
+    return total
+
+
+def _with_prediction(config: Any, plan: CachePlan, context_tokens: int, dtype: torch.dtype, **extra) -> CachePlan:
+    held = predict_bytes(config, plan, context_tokens, dtype=dtype)
+    fp16 = fp16_kv_bytes(config, context_tokens)
+    predicted = {"bytes": held, "bytes_per_token": held / context_tokens, "context_tokens": context_tokens,
+                 "ratio": fp16 / held, "dtype": str(dtype).removeprefix("torch."), **extra}
+    return dataclasses.replace(plan, predicted=predicted)
+
+
+def _largest_budget(config: Any, layout: QuantConfig, ratio: float, context_tokens: int, dtype: torch.dtype,
+                    name: str) -> CachePlan | None:
+    """The plan of ``layout`` (+ KVzip keeping the largest fraction) whose predicted ratio
+    reaches ``ratio``, or None if even the smallest fraction does not."""
+    fp16 = fp16_kv_bytes(config, context_tokens)
+
+    def plan_at(rho: float | None) -> CachePlan:
+        return CachePlan.uniform(config, layout, None if rho is None else KVzip(budget=rho), name=name)
+
+    if fp16 / predict_bytes(config, plan_at(None), context_tokens, dtype=dtype) >= ratio:
+        return _with_prediction(config, plan_at(None), context_tokens, dtype)
+    lo, hi = 1, int(round(1 / BUDGET_STEP)) - 1  # search the largest k with ratio(k * step) >= target
+    if fp16 / predict_bytes(config, plan_at(lo * BUDGET_STEP), context_tokens, dtype=dtype) < ratio:
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fp16 / predict_bytes(config, plan_at(round(mid * BUDGET_STEP, 4)), context_tokens, dtype=dtype) >= ratio:
+            lo = mid
+        else:
+            hi = mid - 1
+    return _with_prediction(config, plan_at(round(lo * BUDGET_STEP, 4)), context_tokens, dtype)
+
+
+def preset_plan(config: Any, target: Any = "8x", *, context_tokens: int | None = None,
+                dtype: torch.dtype = torch.float32) -> CachePlan:
+    """The documented default plan for ``target`` (see the module docstring), sized for
+    ``context_tokens`` (default :data:`DEFAULT_CONTEXT`, capped at the model's positions)."""
+    ratio = parse_target(target)
+    T = context_tokens or _default_context(config)
+    name = target if isinstance(target, str) else f"{ratio:g}x"
+    plan = _largest_budget(config, CANDIDATE_LAYOUTS["q4d"], ratio, T, dtype, name)
+    if plan is None:
+        plan = _largest_budget(config, CANDIDATE_LAYOUTS["q2d"], ratio, T, dtype, name)
+    if plan is None:
+        raise ValueError(f"no plan reaches {ratio:g}x at {T} tokens: even 2-bit codes keeping 1% of the tokens hold "
+                         "more; lower the target")
+    return plan
+
+
+def _default_context(config: Any) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = int(getattr(text, "max_position_embeddings", 0) or 0)
+    return min(DEFAULT_CONTEXT, limit // 2) if limit else DEFAULT_CONTEXT
+
+
+def plan_for(model: torch.nn.Module, tokenizer: Any, *, target: Any = None, bytes_per_token: float | None = None,
+             max_bytes: int | None = None, calibration_text: str, context_tokens: int | None = None,
+             continuation: int = 64, windows: int = 2,
+             layouts: Sequence[str] = tuple(CANDIDATE_LAYOUTS)) -> CachePlan:
+    """Measure the candidates that meet one byte target and return the least costly plan.
+
+    Parameters
+    ----------
+    model, tokenizer : a transformers causal LM and its tokenizer
+    target / bytes_per_token / max_bytes : exactly one: a ratio vs fp16 (``"8x"``), bytes per
+        context token, or bytes for ``context_tokens`` tokens
+    calibration_text : text the costs are measured on (never the evaluation text)
+    context_tokens : the context length planned for (default :data:`DEFAULT_CONTEXT`, capped at
+        half the model's positions); the calibration windows are this long plus ``continuation``
+    windows : how many calibration windows the KL is averaged over
+
+    Returns
+    -------
+    :class:`CachePlan` with ``predicted`` holding the bytes, the ratio and every candidate's
+    measured KL.
+    """
+    from .measure import continuation_kl, calibration_windows
+
+    given = [x is not None for x in (target, bytes_per_token, max_bytes)]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of target=, bytes_per_token= or max_bytes=; got "
+                         f"target={target!r}, bytes_per_token={bytes_per_token!r}, max_bytes={max_bytes!r}")
+    T = context_tokens or _default_context(model.config)
+    fp16 = fp16_kv_bytes(model.config, T)
+    if target is not None:
+        ratio = parse_target(target)
+    else:
+        held = bytes_per_token * T if bytes_per_token is not None else max_bytes
+        if not isinstance(held, (int, float)) or isinstance(held, bool) or held <= 0:
+            raise ValueError(f"bytes_per_token / max_bytes must be > 0; got {bytes_per_token!r} / {max_bytes!r}")
+        ratio = fp16 / held
+    unknown = [n for n in layouts if n not in CANDIDATE_LAYOUTS]
+    if unknown:
+        raise ValueError(f"layouts must be among {list(CANDIDATE_LAYOUTS)}; got {unknown}")
+    dtype = next(model.parameters()).dtype
+    name = target if isinstance(target, str) else f"{ratio:.3g}x"
+    candidates = [p for n in layouts if (p := _largest_budget(model.config, CANDIDATE_LAYOUTS[n], ratio, T, dtype,
+                                                              name)) is not None]
+    if not candidates:
+        raise ValueError(f"no candidate layout reaches {ratio:.3g}x at {T} tokens; lower the target")
+    wins = calibration_windows(tokenizer, calibration_text, T, continuation, windows)
+    measured = []
+    for n, plan in zip(layouts, candidates):
+        kl = continuation_kl(model, tokenizer, plan, wins)
+        measured.append({"layout": n, "fingerprint": plan.fingerprint, "kl": kl,
+                         "budget": None if plan.policy is None else plan.policy.budget,
+                         "ratio": plan.predicted["ratio"]})
+    best = min(range(len(candidates)), key=lambda j: measured[j]["kl"])
+    plan = candidates[best]
+    return dataclasses.replace(plan, predicted={**plan.predicted, "candidates": measured, "target_ratio": ratio,
+                                                "calibration_windows": len(wins)})

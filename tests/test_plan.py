@@ -1,0 +1,198 @@
+"""Cache plans (math dictionary §23): the typed plan, its file, presets and the planner.
+
+Layers: model-free (validation, JSON round trip, fingerprint, damaged files), reference
+comparison (a uniform plan builds the same cache as quant= / eviction=), the planner on
+stories260K (predicted bytes vs ``memory_report`` for every preset, measured candidates, the CLI)
+and a golden test on SmolLM2 (every preset's prediction within 2%).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import kv_cache
+from kv_cache import H2O, CompressedCache, KVzip, QuantConfig
+from kv_cache.plan import PRESETS, CachePlan, LayerPlan, parse_target, plan_for, predict_bytes, preset_plan
+
+
+
+def _story_ids(tok, n):
+    from kv_cache.models import shared_data_dir
+
+    text = (shared_data_dir() / "tinyshakespeare" / "input.txt").read_text()[: n * 8]
+    return tok(text, return_tensors="pt").input_ids[:, :n]
+
+
+# --------------------------------------------------------------------------- model-free
+def test_layer_plan_validation():
+    with pytest.raises(ValueError, match=r"kind must be one of \['full_attention', 'sliding_attention'\]; got 'x'"):
+        LayerPlan(kind="x")
+    with pytest.raises(ValueError, match="both set or both None"):
+        LayerPlan(key_bits=4)
+    with pytest.raises(ValueError, match="sliding-window layer holds its window"):
+        LayerPlan(kind="sliding_attention", key_bits=4, value_bits=4, budget=0.5)
+
+
+def test_plan_validation():
+    q = QuantConfig(bits=4)
+    with pytest.raises(ValueError, match="needs one LayerPlan per layer"):
+        CachePlan(())
+    with pytest.raises(ValueError, match="no layout is given"):
+        CachePlan((LayerPlan(key_bits=4, value_bits=4),))
+    with pytest.raises(ValueError, match="every layer is quantized or none is"):
+        CachePlan((LayerPlan(key_bits=4, value_bits=4), LayerPlan()), layout=q)
+    with pytest.raises(ValueError, match="different budgets"):
+        CachePlan((LayerPlan(budget=0.5), LayerPlan(budget=0.25)), policy=KVzip(budget=0.5))
+    with pytest.raises(ValueError, match="a budget .* needs a policy"):
+        CachePlan((LayerPlan(budget=0.5),))
+    with pytest.raises(ValueError, match=r"the policy's budget \(0.25\) differs"):
+        CachePlan((LayerPlan(budget=0.5),), policy=KVzip(budget=0.25))
+
+
+@pytest.mark.parametrize("target,ratio", [("8x", 8.0), ("16X", 16.0), (4, 4.0), ("2.5x", 2.5)])
+def test_parse_target(target, ratio):
+    assert parse_target(target) == ratio
+
+
+@pytest.mark.parametrize("bad", ["8", "x8", "fast", 1, 0.5, True, None, float("nan")])
+def test_parse_target_refuses(bad):
+    with pytest.raises(ValueError, match="target"):
+        parse_target(bad)
+
+
+# --------------------------------------------------------------------------- files
+def test_json_round_trip_and_fingerprint(stories, tmp_path):
+    model, _ = stories
+    q = QuantConfig(bits=3, key_bits=4, layer_bits={1: (2, 2)}, evicted_bits=2)
+    plan = CachePlan.uniform(model.config, q, KVzip(budget=0.3), name="mine")
+    path = plan.save(tmp_path / "p.json")
+    again = CachePlan.load(path)
+    assert again == plan and again.fingerprint == plan.fingerprint
+    assert again.quant_config() == q and again.eviction() == KVzip(budget=0.3)
+    other = CachePlan.uniform(model.config, q, KVzip(budget=0.31))
+    assert other.fingerprint != plan.fingerprint
+    assert dataclasses.replace(plan, name="renamed").fingerprint == plan.fingerprint  # a label only
+    doc = json.loads(path.read_text())
+    doc["layers"][0]["key_bits"] = 2  # edited by hand: refused
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="fingerprint .* does not match"):
+        CachePlan.load(tmp_path / "bad.json")
+    doc = json.loads(path.read_text())
+    doc["version"] = 99
+    (tmp_path / "v.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="plan version 99; this kv_cache reads version 1"):
+        CachePlan.load(tmp_path / "v.json")
+    (tmp_path / "n.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        CachePlan.load(tmp_path / "n.json")
+    with pytest.raises(FileNotFoundError, match="no plan file"):
+        CachePlan.load(tmp_path / "missing.json")
+
+
+def test_plan_for_another_model_is_refused(stories):
+    from transformers import LlamaConfig
+
+    model, _ = stories
+    plan = CachePlan.uniform(model.config, QuantConfig(bits=4))
+    other = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=5,
+                        intermediate_size=64, vocab_size=32)
+    with pytest.raises(ValueError, match="was made for .* not for this model"):
+        CompressedCache(other, plan=plan)
+    with pytest.raises(ValueError, match="either plan= or quant=/eviction="):
+        CompressedCache(model.config, plan=plan, quant=QuantConfig(bits=4))
+    with pytest.raises(TypeError, match="plan must be a kv_cache.plan.CachePlan"):
+        CompressedCache(model.config, plan="8x")
+
+
+# --------------------------------------------------------------------------- reference comparison
+@pytest.mark.parametrize("kw", [dict(quant=QuantConfig(bits=4)),
+                                dict(quant=QuantConfig.kivi(bits=2), eviction=H2O(budget=0.5)),
+                                dict(quant=QuantConfig(bits=3, layer_bits={0: (4, 2)}), eviction=KVzip(budget=0.4))])
+def test_uniform_plan_builds_the_same_cache(stories, kw):
+    model, tok = stories
+    ids = _story_ids(tok, 120)
+    caches = [CompressedCache(model.config, **kw),
+              CompressedCache(model.config, plan=CachePlan.uniform(model.config, kw.get("quant"), kw.get("eviction")))]
+    logits = []
+    for cache in caches:
+        with torch.no_grad(), kv_cache.compress(model, cache):
+            out, _ = kv_cache.prefill(model, cache, ids, tokenizer=tok)
+            logits.append(kv_cache.context.forward_at(model, cache, ids[:, -3:], ids.shape[1]))
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+    assert caches[0].memory_report().total_bytes == caches[1].memory_report().total_bytes
+
+
+# --------------------------------------------------------------------------- presets and the planner
+def _check_prediction(model, tok, plan, T):
+    ids = _story_ids(tok, T)
+    cache = CompressedCache(model.config, plan=plan)
+    with torch.no_grad():
+        kv_cache.prefill(model, cache, ids, tokenizer=tok, last_only=True)
+    held = cache.memory_report().total_bytes
+    assert abs(plan.predicted["bytes"] / held - 1) <= 0.02, (plan.describe(), plan.predicted["bytes"], held)
+    return cache.memory_report()
+
+
+@pytest.mark.parametrize("target", PRESETS)
+def test_every_preset_predicts_its_bytes_on_stories(stories, target):
+    model, tok = stories
+    plan = preset_plan(model.config, target, context_tokens=200)
+    assert plan.predicted["ratio"] >= parse_target(target)
+    report = _check_prediction(model, tok, plan, 200)
+    assert report.ratio >= 0.98 * parse_target(target)
+    assert plan.predicted["bytes"] == predict_bytes(model.config, plan, 200)  # deterministic
+
+
+def test_preset_on_a_hybrid_model_counts_the_windows():
+    from test_architectures import _make
+
+    model = _make("gemma3_text")
+    plan = preset_plan(model.config, "8x", context_tokens=120)
+    kinds = {lp.kind for lp in plan.layers}
+    assert kinds == {"full_attention", "sliding_attention"}
+    assert all(lp.budget is None for lp in plan.layers if lp.kind == "sliding_attention")
+    assert plan.predicted["ratio"] >= 8
+
+
+def test_plan_for_measures_candidates(stories):
+    model, tok = stories
+    from kv_cache.models import shared_data_dir
+
+    text = (shared_data_dir() / "tinyshakespeare" / "input.txt").read_text()[:20000]
+    plan = plan_for(model, tok, target="6x", calibration_text=text, context_tokens=160, continuation=16, windows=1,
+                    layouts=("q4d", "q2d"))
+    cands = plan.predicted["candidates"]
+    assert [c["layout"] for c in cands] == ["q4d", "q2d"]
+    assert all(c["kl"] >= 0 and c["ratio"] >= 6 for c in cands)
+    assert plan.fingerprint == min(cands, key=lambda c: c["kl"])["fingerprint"]
+    _check_prediction(model, tok, plan, 160)
+    with pytest.raises(ValueError, match="exactly one of target=, bytes_per_token= or max_bytes="):
+        plan_for(model, tok, target="8x", max_bytes=10, calibration_text=text)
+    with pytest.raises(ValueError, match=r"layouts must be among"):
+        plan_for(model, tok, target="8x", calibration_text=text, layouts=("q5",))
+    with pytest.raises(ValueError, match="calibration_text must be a non-empty str"):
+        plan_for(model, tok, target="8x", calibration_text=" ")
+
+
+def test_cli_plan_writes_a_plan(tmp_path, stories):
+    from kv_cache.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "stories260K", "--ratio", "8", "--preset", "--context", "200", "-o", str(out)]) == 0
+    plan = CachePlan.load(out)
+    assert plan.name == "8x" and plan.predicted["ratio"] >= 8
+    assert main(["plan", "--model", "stories260K", "--ratio", "8", "--context", "0", "-o", str(out)]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", PRESETS)
+def test_every_preset_predicts_its_bytes_on_smollm2(target):
+    from kv_cache.models import load_model
+
+    model, tok = load_model("smollm2")
+    plan = preset_plan(model.config, target, context_tokens=1024)
+    _check_prediction(model, tok, plan, 1024)
