@@ -137,7 +137,11 @@ def test_streaming_keeps_its_spec_name():
         parse_method("streaming_llm@512")
 
 
-def test_every_form_renders_in_the_help_and_the_error():
+def test_every_form_renders_in_the_help_and_the_error(tmp_path, monkeypatch, stories):
+    from kv_cache.plan import CachePlan
+
+    monkeypatch.chdir(tmp_path)  # the plan[plan.json] example reads ./plan.json
+    CachePlan.uniform(stories[0].config, QuantConfig(bits=4)).save("plan.json")
     text = grammar_help()
     with pytest.raises(ValueError) as err:
         parse_method("turbo@0.5")
@@ -148,6 +152,26 @@ def test_every_form_renders_in_the_help_and_the_error():
             method = parse_method(example, check_packages=False)
             assert method.family == form.family and example in message
     assert EXAMPLES[0] == REFERENCE_SPEC and len(set(EXAMPLES)) == len(EXAMPLES)
+
+
+def test_presets_and_plan_files_as_specs(tmp_path, stories):
+    from kv_cache.plan import CachePlan
+
+    model, tok = stories
+    m = parse_method("8X")
+    assert m.family == "ours" and m.resolved == "kv_cache preset 8x" and m.needs_tokenizer
+    cache, _ = m.make(model)
+    assert cache.plan is not None and cache.plan.predicted["ratio"] >= 8
+    path = tmp_path / "Plan.json"  # the path keeps its case
+    plan = CachePlan.uniform(model.config, QuantConfig(bits=2))
+    plan.save(path)
+    m = parse_method(f"plan[{path}]")
+    assert m.resolved == f"kv_cache plan {plan.fingerprint}"
+    assert m.make(model)[0].quant == QuantConfig(bits=2)
+    with pytest.raises(FileNotFoundError, match="no plan file"):
+        parse_method(f"plan[{tmp_path / 'missing.json'}]")
+    with pytest.raises(ValueError, match="target ratio must be > 1"):
+        parse_method("1x")
 
 
 def test_reference_property_and_run_order():

@@ -253,6 +253,37 @@ def _ours(spec: str, parts: list[str]) -> Method:
                   needs_tokenizer=policy is not None and policy.needs_reconstruction)
 
 
+def _planned(spec: str, name: str, get_plan: Callable[[Any], Any], resolved: str) -> Method:
+    """A method whose cache is ``CompressedCache(config, plan=get_plan(model))``."""
+
+    def make(model):
+        cache = CompressedCache(model.config, plan=get_plan(model))
+        return cache, lambda: compress(model, cache)
+
+    return Method(spec, "ours", None, None, make, resolved=resolved, needs_tokenizer=True)
+
+
+def _plan_file(spec: str, m: re.Match[str]) -> Method:
+    """``plan[<path>]``: a plan file (``kvcache plan``); the path keeps the case it was given in."""
+    from ..plan import CachePlan
+
+    path = spec.strip()[len("plan["):-1]
+    plan = CachePlan.load(path)  # validated now: a bad file fails before anything runs
+    return _planned(spec, plan.name, lambda model: plan, f"kv_cache plan {plan.fingerprint}")
+
+
+def _preset(spec: str, m: re.Match[str]) -> Method:
+    """``<r>x``: the documented default plan for that ratio (``kv_cache.plan.preset_plan``)."""
+    from ..plan import parse_target, preset_plan
+
+    ratio = parse_target(m.string)  # validates (> 1)
+
+    def get(model):
+        return preset_plan(model.config, m.string, dtype=next(model.parameters()).dtype)
+
+    return _planned(spec, m.string, get, f"kv_cache preset {ratio:g}x")
+
+
 def _hf(backend: str, spec: str, m: re.Match[str]) -> Method:
     hf = HF_BACKENDS[backend]
     bits = int(m["bits"])
@@ -354,6 +385,11 @@ METHOD_GRAMMAR: tuple[MethodForm, ...] = (
                ("snapkv@0.5", "h2o@0.25", "h2o@0.5w32", "h2o@0.5e32", "streaming@512", "kvzip@0.3",
                 "snapkv@0.5:layer")),
     MethodForm("ours", "<quantization>+<eviction>", "both levers in one cache", ("q4+h2o@0.5",)),
+    MethodForm("ours", "<ratio>x", "a preset: the documented default plan for that ratio vs fp16 (4-bit codes, "
+               "plus KVzip keeping the largest fraction of tokens that reaches it; kv_cache.plan.preset_plan)",
+               ("4x", "8x", "16x"), re.compile(r"^\d+(?:\.\d+)?x$"), _preset),
+    MethodForm("ours", "plan[<path>]", "a plan file written by `kvcache plan` (per-layer widths, budget, tiers)",
+               ("plan[plan.json]",), re.compile(r"^plan\[[^\]]+\]$"), _plan_file),
     *(MethodForm("hf", f"hf-{key}-int<{'|'.join(map(str, hf.bits))}>",
                  f"transformers' QuantizedCache, {hf.name} backend (pip install {hf.package})",
                  (f"hf-{key}-int{hf.example_bits}",), re.compile(rf"^hf-{key}-int(?P<bits>\d+)$"),
@@ -369,7 +405,8 @@ METHOD_GRAMMAR: tuple[MethodForm, ...] = (
                re.compile(r"^kvpress-(?P<press>[a-z]+(?:-[a-z]+)?)@(?P<kept>\d*\.?\d+)$"), _kvpress),
 )
 EXAMPLES = tuple(e for form in METHOD_GRAMMAR for e in form.examples)
-_PEER_PREFIXES = tuple(dict.fromkeys(f"{form.family}-" for form in METHOD_GRAMMAR if form.pattern))
+_PEER_PREFIXES = tuple(dict.fromkeys(f"{form.family}-" for form in METHOD_GRAMMAR if form.pattern
+                                     and form.family != "ours"))
 
 
 def grammar_help(width: int = 100, column: int = 33) -> str:
