@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from kv_cache import CompressedContext, KVzip
+from kv_cache import CompressedContext, KVzip, QuantConfig
 from kv_cache.cache.serialize import read_info
 from kv_cache.cli import main
 from kv_cache.cli_context import method_settings
@@ -62,6 +62,29 @@ def test_bits_sugar_and_eval_specs(stories, doc, tmp_path, capsys):
     assert info["quant"]["bits"] == 4 and info["eviction"]["fields"]["scope"] == "layer"
     assert main(["ask", str(out), "Lily saw", "--max-new-tokens", "3"]) == 0
     assert len(_answers(capsys.readouterr().out)) == 1
+
+
+def test_compress_by_ratio_or_plan(stories, doc, tmp_path, capsys):
+    """`--ratio 8`: the preset sized for this document reaches 8x; `--plan` reads a plan file."""
+    from kv_cache.plan import CachePlan
+
+    out = tmp_path / "r.kvc"
+    assert main(["compress", "--model", "stories260K", str(doc), "-o", str(out), "--ratio", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "plan '8x'" in printed and "with 8x on stories260K" in printed
+    ratio = float(printed.split(" B (")[1].split("x smaller")[0])
+    assert ratio >= 8 * 0.98
+    assert main(["ask", str(out), "Lily saw", "--max-new-tokens", "3"]) == 0
+    plan_path = tmp_path / "p.json"
+    model, _ = stories
+    CachePlan.uniform(model.config, QuantConfig(bits=2)).save(plan_path)
+    assert main(["compress", "--model", "stories260K", str(doc), "-o", str(out), "--plan", str(plan_path)]) == 0
+    assert read_info(out)["quant"]["bits"] == 2
+    capsys.readouterr()
+    assert main(["compress", "--model", "stories260K", str(doc), "-o", str(out), "--ratio", "8", "--bits", "4"]) == 2
+    assert "--ratio and --plan already choose the widths" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: not allowed with --method
+        main(["compress", "--model", "stories260K", str(doc), "-o", str(out), "--ratio", "8", "--method", "q4"])
 
 
 def test_method_settings(stories):

@@ -36,8 +36,13 @@ def add_parsers(sub) -> None:
     c.add_argument("document", help="the text file to compress")
     c.add_argument("-o", "--out", required=True, help="the file to write (e.g. doc.kvc)")
     c.add_argument("--model", default="smollm2", help="as `kvcache eval --model` (an alias or a path) [smollm2]")
-    c.add_argument("--method", default=DEFAULT_METHOD,
-                   help=f"a method spec of `kvcache eval` (quantization and/or eviction) [{DEFAULT_METHOD}]")
+    how = c.add_mutually_exclusive_group()
+    how.add_argument("--method", default=None,
+                     help=f"a method spec of `kvcache eval` (quantization and/or eviction) [{DEFAULT_METHOD}]")
+    how.add_argument("--ratio", default=None,
+                     help="a size instead of a method: the preset plan for this ratio vs fp16 (e.g. 8 or 8x), "
+                          "sized for this document (kv_cache.plan.preset_plan)")
+    how.add_argument("--plan", default=None, help="a plan file written by `kvcache plan`")
     c.add_argument("--bits", type=int, default=None,
                    help="quantize to this many bits: prefixes q<bits>+ to --method (which then has no q part)")
     c.add_argument("--max-tokens", type=int, default=None, metavar="N",
@@ -120,14 +125,34 @@ def run_compress(args: argparse.Namespace) -> int:
     if args.keep is not None and args.max_tokens is None:
         raise ValueError(f"--keep says which tokens --max-tokens keeps; got --keep {args.keep} without "
                          "--max-tokens: pass --max-tokens N as well")
+    if args.bits is not None and (args.ratio is not None or args.plan is not None):
+        raise ValueError("--bits prefixes q<bits>+ to --method; --ratio and --plan already choose the widths")
     doc = Path(args.document)
     text = read_document(args.document)
-    parse_ours(args.method, args.bits)
+    if args.ratio is not None:
+        from .plan import parse_target, preset_plan
+
+        target = f"{parse_target(args.ratio if str(args.ratio).lower().endswith('x') else float(args.ratio)):g}x"
+        spec = target
+    else:
+        spec = f"plan[{args.plan}]" if args.plan is not None else (args.method or DEFAULT_METHOD)
+        parse_ours(spec, args.bits)
     model, tok = load_model(args.model)
-    quant, eviction, spec = method_settings(args.method, args.bits, model)
     ids = _text_ids(tok, text)  # checked against the model's positions before the prefill
-    kept = fit_context(ids, model.config, tok, eviction, max_tokens=args.max_tokens, keep=args.keep,
-                       names=("--max-tokens ", "--keep "))
+    if args.ratio is not None:  # the preset sized for this document's length
+        dtype = next(model.parameters()).dtype
+        limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or len(ids)
+        plan = preset_plan(model.config, target, context_tokens=min(len(ids), limit), dtype=dtype)
+        kept = fit_context(ids, model.config, tok, plan.eviction(), max_tokens=args.max_tokens, keep=args.keep,
+                           names=("--max-tokens ", "--keep "))
+        if len(kept) != min(len(ids), limit):
+            plan = preset_plan(model.config, target, context_tokens=len(kept), dtype=dtype)
+        quant, eviction = plan.quant_config(), plan.eviction()
+        print(plan.describe())
+    else:
+        quant, eviction, spec = method_settings(spec, args.bits, model)
+        kept = fit_context(ids, model.config, tok, eviction, max_tokens=args.max_tokens, keep=args.keep,
+                           names=("--max-tokens ", "--keep "))
     ctx = CompressedContext.build(model, tok, kept, quant=quant, eviction=eviction)
     extra = {"context_tokens": ctx.context_tokens, "model": _model_ref(args.model), "method": spec,
              "document": doc.name}
