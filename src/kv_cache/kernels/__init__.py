@@ -1,4 +1,4 @@
-"""Compiled CPU kernels over packed KV codes, with a pure-torch fallback.
+"""Kernels over packed KV codes: compiled for the CPU, Triton for CUDA, a pure-torch fallback.
 
 * :func:`quantize_block` - fused quantize + pack of ``[R, N, d]`` into a :class:`QBlock`;
 * :func:`dequantize_block` - fused unpack + dequantize of a :class:`QBlock`;
@@ -9,11 +9,14 @@ The C++ extension (``csrc/kv_kernels.cpp``, C++17 + OpenMP) is compiled on first
 ``$KV_CACHE_HOME/ext/<hash>/`` (default ``~/.cache/kv_cache``) and reused by later
 processes; ``python -m kv_cache.kernels`` builds it ahead of time. Importing this package
 compiles nothing. ``KV_CACHE_KERNELS=torch`` forces :mod:`kv_cache.kernels.reference`; a
-failed build logs one warning and falls back to it too. Formulas:
-``math_dictionary/kv-compression-math.md`` §15.
+failed build logs one warning and falls back to it too. CUDA tensors run the Triton kernels
+(:mod:`kv_cache.kernels.triton`, same contracts) when ``triton`` imports, any other device the
+torch reference; :func:`backend` says which serves a device (:mod:`._select`). Formulas:
+``math_dictionary/kv-compression-math.md`` §15-§16.
 """
 
 from ._build import available, build_dir, isa, load
+from ._select import backend
 from .ops import attend_block, attend_mixed, compact_rows_, dequantize_block, quantize_block
 from .qblock import GROUPINGS, QBlock, uniform_lut
 
@@ -24,6 +27,7 @@ __all__ = [
     "attend_mixed",
     "compact_rows_",
     "available",
+    "backend",
     "build_dir",
     "dequantize_block",
     "isa",

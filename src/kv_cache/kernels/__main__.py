@@ -1,7 +1,7 @@
 """``python -m kv_cache.kernels``: build the compiled kernels now and print where they live.
 
 Exit status 0 when the extension is built (or was already), 1 when the build failed (the
-library then falls back to torch) or ``KV_CACHE_KERNELS=torch`` disables it.
+library then falls back to torch) or ``KV_CACHE_KERNELS=torch`` (or ``triton``) disables it.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from . import _build
 
 
 def main() -> int:
-    if _build.backend() == "torch":
-        print(f"{_build.ENV_BACKEND}=torch: compiled kernels disabled, nothing built")
+    if _build.backend() in ("torch", "triton"):
+        print(f"{_build.ENV_BACKEND}={_build.backend()}: compiled kernels disabled, nothing built")
         return 1
     try:
         module = _build.load(raise_errors=True)

@@ -9,9 +9,12 @@ the built library from there without recompiling. ``KV_CACHE_KERNELS`` selects t
   falling back to torch with one logged warning if the build fails;
 * ``"torch"``: the pure-torch reference only (nothing is compiled);
 * ``"generic"``: the compiled kernels restricted to their portable C++ path;
-* ``"avx2"``: the compiled kernels restricted to AVX2 at most (no AVX-512).
+* ``"avx2"``: the compiled kernels restricted to AVX2 at most (no AVX-512);
+* ``"triton"``: the Triton kernels on every device (nothing is compiled here; CPU tensors then
+  need ``TRITON_INTERPRET=1``, Triton's interpreter: for tests).
 
-The last two exist to test, on one machine, the code paths that other CPUs run.
+``"generic"`` and ``"avx2"`` exist to test, on one machine, the code paths that other CPUs run.
+Which backend serves which device is decided in :mod:`._select`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_BACKEND = "KV_CACHE_KERNELS"
-BACKENDS = ("auto", "torch", "generic", "avx2")
+BACKENDS = ("auto", "torch", "generic", "avx2", "triton")
 _ENV_CACHE_HOME = "KV_CACHE_HOME"  # same variable and default as kv_cache.models
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -137,14 +140,14 @@ def load(*, raise_errors: bool = False) -> ModuleType | None:
     Returns
     -------
     module or None
-        ``None`` when ``KV_CACHE_KERNELS=torch`` or when the build failed.
+        ``None`` when ``KV_CACHE_KERNELS`` is ``torch`` or ``triton``, or when the build failed.
     """
     global _module, _error, _tried
     if _tried and not (raise_errors and _error):  # _tried is set last, after _module
         return _module
     with _lock:
         if not _tried:
-            if backend() != "torch":
+            if backend() not in ("torch", "triton"):
                 directory = build_dir()
                 try:
                     _module = _import_built(directory) or _compile(directory)
@@ -177,7 +180,7 @@ def isa() -> str:
     return module.isa(isa_flag())
 
 
-_ISA_FLAGS = {"auto": 0, "torch": 0, "generic": 1, "avx2": 2}
+_ISA_FLAGS = {"auto": 0, "torch": 0, "generic": 1, "avx2": 2, "triton": 0}
 
 
 def isa_flag() -> int:

@@ -53,8 +53,12 @@ class QuantizeArgs:
     lut: torch.Tensor | None
 
 
-def check_quantize_args(x, bits, grouping, group_size, symmetric, scale_dtype, lut) -> QuantizeArgs:
-    """Validate :func:`~kv_cache.kernels.quantize_block`'s arguments (finiteness is checked later)."""
+def check_quantize_args(x, bits, grouping, group_size, symmetric, scale_dtype, lut, levels: bool = True
+                        ) -> QuantizeArgs:
+    """Validate :func:`~kv_cache.kernels.quantize_block`'s arguments (finiteness is checked later).
+
+    ``levels=False`` leaves the values of ``lut`` to :func:`check_levels` (or to a kernel that
+    checks them on the device: reading them here would synchronize a GPU)."""
     bits = check_bits(bits)
     grouping = check_grouping(grouping)
     if not isinstance(x, torch.Tensor):
@@ -87,10 +91,19 @@ def check_quantize_args(x, bits, grouping, group_size, symmetric, scale_dtype, l
             raise ValueError(
                 f"lut must be float32 of shape [{1 << bits}] for {bits}-bit codes; got {lut.dtype} "
                 f"of shape {tuple(lut.shape)}")
-        if not bool(torch.isfinite(lut).all()) or not bool((lut[1:] > lut[:-1]).all()):
-            raise ValueError("lut (codebook levels) must be finite and strictly increasing")
+        if levels:
+            check_levels(lut)
         lut = lut.to(x.device)
     return QuantizeArgs(x, bits, grouping, group_size, symmetric, scale_dtype, lut)
+
+
+LEVELS_ERROR = "lut (codebook levels) must be finite and strictly increasing"
+
+
+def check_levels(lut: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` unless the codebook ``lut`` (None: uniform levels) is finite and strictly increasing."""
+    if lut is not None and (not bool(torch.isfinite(lut).all()) or not bool((lut[1:] > lut[:-1]).all())):
+        raise ValueError(LEVELS_ERROR)
 
 
 def midpoints(lut: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,10 @@
-"""Public ops on quantized blocks: compiled CPU kernels, or the torch reference.
+"""Public ops on quantized blocks: compiled CPU kernels, Triton kernels on CUDA, or the torch reference.
 
-Each op validates its arguments, then runs the compiled extension (built lazily by
-:mod:`._build`) when it is available and every tensor is on the CPU, else
-:mod:`.reference`. Both give the same results (bit-exact for the (de)quantizers up to the
-documented float rounding; see the tests). Formulas: ``math_dictionary/kv-compression-math.md``
-§15.
+Each op validates its arguments, then runs, by the device of its tensors (:mod:`._select`): the
+compiled extension (built lazily by :mod:`._build`) on the CPU, the Triton kernels
+(:mod:`kv_cache.kernels.triton`) on CUDA, else :mod:`.reference`. All give the same results
+(bit-exact for the (de)quantizers up to the documented float rounding; see the tests).
+Formulas: ``math_dictionary/kv-compression-math.md`` §15.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 
 from ..compression._arrays import raise_non_finite
-from . import _build, reference
+from . import _build, _select, reference
 from ._checks import (
     bad_group_error,
     check_attend_args,
     check_block,
+    check_levels,
     check_mixed_args,
     check_out,
     check_out_dtype,
@@ -31,10 +32,12 @@ _OK, _NON_FINITE, _SCALE_UNREPRESENTABLE = 0, 1, 2
 
 def _compiled(*tensors: torch.Tensor | None):
     """The extension module if it is available and every tensor is on the CPU, else None."""
-    for t in tensors:
-        if t is not None and t.device.type != "cpu":
-            return None
-    return _build.load()
+    return _select.compiled_for(tensors)
+
+
+def _triton(*tensors: torch.Tensor | None):
+    """The Triton backend (:mod:`kv_cache.kernels.triton`) if it serves these tensors, else None."""
+    return _select.triton_for(tensors)
 
 
 def _c(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -97,6 +100,9 @@ def dequantize_block(block: QBlock, out_dtype: torch.dtype = torch.float32, *,
     block = check_block(block, "block")
     out_dtype = check_out_dtype(out_dtype)
     out = check_out(out, block, out_dtype)
+    tri = _triton(block.codes)
+    if tri is not None:
+        return tri.dequantize_block(block, out_dtype, out)
     ext = _compiled(block.codes)
     if ext is None:
         result = reference._dequantize(block, out_dtype)
@@ -170,7 +176,11 @@ def quantize_block(
     >>> b.codes.shape, b.scale.shape, b.zero.dtype
     (torch.Size([1, 128, 32]), torch.Size([1, 1, 64]), torch.int16)
     """
-    a = check_quantize_args(x, bits, grouping, group_size, symmetric, scale_dtype, lut)
+    a = check_quantize_args(x, bits, grouping, group_size, symmetric, scale_dtype, lut, levels=False)
+    tri = _triton(a.x)
+    if tri is not None:  # checks the levels on the device, with the data (no extra host read)
+        return tri.quantize_block(a)
+    check_levels(a.lut)
     ext = _compiled(a.x)
     if ext is None:
         return reference._quantize(a)
@@ -261,6 +271,9 @@ def attend_block(
     """
     a = check_attend_args(q, kblock, vblock, scaling, start, length)
     k, v = a.k, a.v
+    tri = _triton(a.q, k.codes, v.codes)
+    if tri is not None:
+        return tri.attend_block(a, bool(return_logits))
     ext = _compiled(a.q, k.codes, v.codes)
     if ext is None:
         return reference._attend(a, bool(return_logits))
@@ -358,6 +371,9 @@ def attend_mixed(
     tensors = [a.q] + [t for blk in a.dense for t in blk[:2]]
     for p in a.packed:
         tensors += [p.q, p.k.codes, p.v.codes]
+    tri = _triton(*tensors)
+    if tri is not None:
+        return tri.attend_mixed(a)
     ext = _compiled(*tensors)
     if ext is None:
         return reference._attend_mixed(a)

@@ -1,0 +1,289 @@
+"""Attention read straight from the packed codes, on the GPU: :func:`kv_cache.kernels.attend_mixed`
+and :func:`kv_cache.kernels.attend_block` in Triton (math dictionary §15.3-§15.5, §16).
+
+A call splits every block (packed, or full-precision ``[B, H, n, d]``) into chunks of tokens;
+one program takes one (row, chunk, group of queries) and runs an online softmax over its tokens
+in tiles: a packed tile is decoded in registers (``scale * (lut[code] - zero)``, never written
+to memory), scored against the ``G`` queries that share the row (GQA: the KV is never repeated),
+and accumulated into ``(m, l, acc)``. A rotated packed block is scored with its own ``q R`` and
+its accumulator is mapped back by ``R^T`` before it leaves the program (linear, so it commutes
+with the merge). A second kernel merges every chunk of every block by log-sum-exp:
+``M = max m_i``, ``L = sum l_i e^{m_i - M}``, ``out = sum acc_i e^{m_i - M} / L``,
+``lse = M + log L`` (``out = 0``, ``lse = -inf`` for a row with no valid token).
+
+Scores and values are float32 dot products (``input_precision="ieee"``: no TF32), so results
+equal the reference up to float32 summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .._checks import AttendArgs, MixedArgs
+from ._blocks import block_args, check_groups, pow2
+from ._tiles import dequant_tile
+
+BLOCK_N = 32
+"""Tokens per tile."""
+WAVES = 4
+"""Programs per streaming multiprocessor a call aims for when it splits the tokens."""
+
+
+@triton.jit
+def _online(s, vt, m, l, acc):
+    """One tile of the online softmax: scores ``s`` ``[BG, BN]`` (masked ``-inf``), values ``vt`` ``[BN, DVP]``."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+    return m_new, l, acc
+
+
+@triton.jit
+def _store_partial(pm_ptr, pl_ptr, pa_ptr, r, item, NI, gs, gmask, G, dv, m, l, acc, inv_ptr, inv_H,
+                   HAS_INV: tl.constexpr, DVP: tl.constexpr, BJ: tl.constexpr):
+    """Write one item's ``(m, l, acc)``; a rotated block's ``acc`` times ``inverse[r % H]`` first."""
+    base = (r * NI + item) * G
+    tl.store(pm_ptr + base + gs, m, mask=gmask)
+    tl.store(pl_ptr + base + gs, l, mask=gmask)
+    a_ptr = pa_ptr + (base + gs[:, None]) * dv
+    if HAS_INV:
+        i = tl.arange(0, DVP)
+        inv_base = inv_ptr + (r % inv_H) * dv * dv
+        for j0 in tl.static_range(0, DVP, BJ):
+            j = j0 + tl.arange(0, BJ)
+            mat = tl.load(inv_base + i[:, None] * dv + j[None, :], mask=(i[:, None] < dv) & (j[None, :] < dv),
+                          other=0.0)
+            tl.store(a_ptr + j[None, :], tl.dot(acc, mat, input_precision="ieee"),
+                     mask=gmask[:, None] & (j[None, :] < dv))
+    else:
+        j = tl.arange(0, DVP)
+        tl.store(a_ptr + j[None, :], acc, mask=gmask[:, None] & (j[None, :] < dv))
+
+
+@triton.jit
+def _attend_packed(q_ptr, q_s0, q_s1, start_ptr, length_ptr, logit_ptr, lg_s0, lg_s1,
+                   pm_ptr, pl_ptr, pa_ptr, item0, NI, inv_ptr, inv_H,
+                   N, G, d, dv, chunk, scaling, kP, vP,
+                   kc, kc0, kc1, klut, ks, ks0, ks1, kz, kz0, kz1, kg, kg0, kg1, ktab, kGS,
+                   vc, vc0, vc1, vlut, vs, vs0, vs1, vz, vz0, vz1, vg, vg0, vg1, vtab, vGS,
+                   K_BITS: tl.constexpr, K_TOKEN: tl.constexpr, K_ZERO: tl.constexpr, K_GID: tl.constexpr,
+                   K_CODED: tl.constexpr, V_BITS: tl.constexpr, V_TOKEN: tl.constexpr, V_ZERO: tl.constexpr,
+                   V_GID: tl.constexpr, V_CODED: tl.constexpr, HAS_START: tl.constexpr, HAS_LENGTH: tl.constexpr,
+                   HAS_INV: tl.constexpr, LOGITS: tl.constexpr,
+                   BN: tl.constexpr, BG: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, BJ: tl.constexpr):
+    """Program = (row, chunk of ``chunk`` tokens, ``BG`` queries) of a packed block."""
+    r = tl.program_id(0).to(tl.int64)
+    ci = tl.program_id(1)
+    gs = tl.program_id(2) * BG + tl.arange(0, BG)
+    gmask = gs < G
+    c = tl.arange(0, DP)
+    cv = tl.arange(0, DVP)
+    q = tl.load(q_ptr + r * q_s0 + gs[:, None] * q_s1 + c[None, :], mask=gmask[:, None] & (c[None, :] < d), other=0.0)
+    lo = ci * chunk
+    hi = tl.minimum(lo + chunk, N)
+    first = 0
+    last = N
+    if HAS_START:
+        first = tl.load(start_ptr + r)
+    if HAS_LENGTH:
+        last = tl.load(length_ptr + r)
+    begin = lo
+    end = hi
+    if not LOGITS:  # only tiles with valid tokens (every score is written when LOGITS)
+        begin = tl.maximum(lo, tl.minimum(first, hi))
+        end = tl.maximum(begin, tl.minimum(hi, last))
+    m = tl.full((BG,), -float("inf"), tl.float32)
+    l = tl.zeros((BG,), tl.float32)
+    acc = tl.zeros((BG, DVP), tl.float32)
+    for t0 in range(begin, end, BN):
+        t = t0 + tl.arange(0, BN)
+        tin = t < end
+        valid = tin & (t >= first) & (t < last)
+        kt = dequant_tile(t[:, None], c[None, :], tin[:, None] & (c[None, :] < d), r, kP,
+                          kc, kc0, kc1, klut, ks, ks0, ks1, kz, kz0, kz1, kg, kg0, kg1, ktab, kGS,
+                          K_BITS, K_TOKEN, K_ZERO, K_GID, K_CODED)
+        s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scaling
+        s = tl.where(valid[None, :], s, -float("inf"))
+        if LOGITS:
+            tl.store(logit_ptr + r * lg_s0 + gs[:, None] * lg_s1 + t[None, :], s, mask=gmask[:, None] & tin[None, :])
+        vt = dequant_tile(t[:, None], cv[None, :], tin[:, None] & (cv[None, :] < dv), r, vP,
+                          vc, vc0, vc1, vlut, vs, vs0, vs1, vz, vz0, vz1, vg, vg0, vg1, vtab, vGS,
+                          V_BITS, V_TOKEN, V_ZERO, V_GID, V_CODED)
+        m, l, acc = _online(s, vt, m, l, acc)
+    _store_partial(pm_ptr, pl_ptr, pa_ptr, r, item0 + ci, NI, gs, gmask, G, dv, m, l, acc, inv_ptr, inv_H,
+                   HAS_INV, DVP, BJ)
+
+
+@triton.jit
+def _attend_dense(q_ptr, q_s0, q_s1, start_ptr, pm_ptr, pl_ptr, pa_ptr, item0, NI,
+                  k_ptr, k_sb, k_sh, k_st, v_ptr, v_sb, v_sh, v_st, H,
+                  n, G, d, dv, chunk, scaling,
+                  HAS_START: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr, DP: tl.constexpr,
+                  DVP: tl.constexpr):
+    """Program = (row, chunk, ``BG`` queries) of a full-precision block ``[B, H, n, d]`` (any float dtype)."""
+    r = tl.program_id(0).to(tl.int64)
+    ci = tl.program_id(1)
+    gs = tl.program_id(2) * BG + tl.arange(0, BG)
+    gmask = gs < G
+    c = tl.arange(0, DP)
+    cv = tl.arange(0, DVP)
+    q = tl.load(q_ptr + r * q_s0 + gs[:, None] * q_s1 + c[None, :], mask=gmask[:, None] & (c[None, :] < d), other=0.0)
+    k_row = k_ptr + (r // H) * k_sb + (r % H) * k_sh
+    v_row = v_ptr + (r // H) * v_sb + (r % H) * v_sh
+    lo = ci * chunk
+    hi = tl.minimum(lo + chunk, n)
+    begin = lo
+    if HAS_START:
+        begin = tl.maximum(lo, tl.minimum(tl.load(start_ptr + r), hi))
+    m = tl.full((BG,), -float("inf"), tl.float32)
+    l = tl.zeros((BG,), tl.float32)
+    acc = tl.zeros((BG, DVP), tl.float32)
+    for t0 in range(begin, hi, BN):
+        t = t0 + tl.arange(0, BN)
+        tin = t < hi
+        kt = tl.load(k_row + t[:, None] * k_st + c[None, :], mask=tin[:, None] & (c[None, :] < d), other=0.0)
+        s = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision="ieee") * scaling
+        s = tl.where(tin[None, :], s, -float("inf"))
+        vt = tl.load(v_row + t[:, None] * v_st + cv[None, :], mask=tin[:, None] & (cv[None, :] < dv), other=0.0)
+        m, l, acc = _online(s, vt.to(tl.float32), m, l, acc)
+    _store_partial(pm_ptr, pl_ptr, pa_ptr, r, item0 + ci, NI, gs, gmask, G, dv, m, l, acc, pm_ptr, 1,
+                   False, DVP, DVP)
+
+
+@triton.jit
+def _merge(pm_ptr, pl_ptr, pa_ptr, out_ptr, lse_ptr, NI, G, dv, BG: tl.constexpr, DVP: tl.constexpr):
+    """Program = (row, ``BG`` queries): the log-sum-exp merge of the row's ``NI`` items."""
+    r = tl.program_id(0).to(tl.int64)
+    gs = tl.program_id(1) * BG + tl.arange(0, BG)
+    gmask = gs < G
+    j = tl.arange(0, DVP)
+    amask = gmask[:, None] & (j[None, :] < dv)
+    big = tl.full((BG,), -float("inf"), tl.float32)
+    for i in range(NI):
+        big = tl.maximum(big, tl.load(pm_ptr + (r * NI + i) * G + gs, mask=gmask, other=-float("inf")))
+    safe = tl.where(big == -float("inf"), 0.0, big)
+    total = tl.zeros((BG,), tl.float32)
+    acc = tl.zeros((BG, DVP), tl.float32)
+    for i in range(NI):
+        base = (r * NI + i) * G
+        w = tl.exp(tl.load(pm_ptr + base + gs, mask=gmask, other=-float("inf")) - safe)
+        total += w * tl.load(pl_ptr + base + gs, mask=gmask, other=0.0)
+        acc += w[:, None] * tl.load(pa_ptr + (base + gs[:, None]) * dv + j[None, :], mask=amask, other=0.0)
+    ok = total > 0
+    out = acc / tl.where(ok, total, 1.0)[:, None]
+    tl.store(out_ptr + (r * G + gs[:, None]) * dv + j[None, :], tl.where(ok[:, None], out, 0.0), mask=amask)
+    tl.store(lse_ptr + r * G + gs, tl.where(ok, safe + tl.log(tl.where(ok, total, 1.0)), -float("inf")), mask=gmask)
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(device: str) -> int:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    return 1  # Triton's interpreter (CPU tensors) runs programs one by one: few chunks
+
+
+def _chunking(n: int, R: int, G_blocks: int, device: torch.device, splits: int | None) -> tuple[int, int]:
+    """``(chunk, chunks)``: tokens per program and programs per row for a block of ``n`` tokens."""
+    if splits is None:
+        splits = max(1, -(-WAVES * _multiprocessors(str(device)) // max(1, R * G_blocks)))
+    chunk = max(BLOCK_N, -(-n // (splits * BLOCK_N)) * BLOCK_N)
+    return chunk, -(-n // chunk)
+
+
+def _bg(G: int) -> int:
+    """Queries per program: a power of two >= 16 (``tl.dot``'s smallest tile), at most 64."""
+    return max(16, min(64, pow2(G)))
+
+
+def _rows3(t: torch.Tensor) -> torch.Tensor:
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _run(q: torch.Tensor, packed: list, dense: list, scaling: float, *, length=None, logits=None,
+         splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch every block's programs, then the merge. ``packed``: ``(AttendArgs, inverse)``;
+    ``dense``: ``(keys, values, start)``. Returns ``(out [R, G, dv], lse [R, G])`` float32."""
+    R, G, d = q.shape
+    dv = packed[0][0].v.head_dim if packed else dense[0][1].shape[-1]
+    dev = q.device
+    BG = _bg(G)
+    gblocks = -(-G // BG)
+    DP, DVP = max(16, pow2(d)), max(16, pow2(dv))
+    plans, NI = [], 0
+    for p, inv in packed:
+        n = p.k.codes.shape[1]
+        chunk, chunks = _chunking(n, R, gblocks, dev, splits) if n else (BLOCK_N, 0)
+        plans.append(("packed", p, inv, n, chunk, chunks, NI))
+        NI += chunks
+    for k, v, st in dense:
+        n = k.shape[2]
+        chunk, chunks = _chunking(n, R, gblocks, dev, splits) if n else (BLOCK_N, 0)
+        plans.append(("dense", (k, v, st), None, n, chunk, chunks, NI))
+        NI += chunks
+    out = torch.empty((R, G, dv), dtype=torch.float32, device=dev)
+    lse = torch.empty((R, G), dtype=torch.float32, device=dev)
+    if R == 0 or G == 0:
+        return out, lse
+    pm = torch.empty((R, max(NI, 1), G), dtype=torch.float32, device=dev)
+    pl = torch.empty_like(pm)
+    pa = torch.empty((R, max(NI, 1), G, dv), dtype=torch.float32, device=dev)
+    for kind, blk, inv, n, chunk, chunks, item0 in plans:
+        if not chunks:
+            continue
+        grid = (R, chunks, gblocks)
+        if kind == "packed":
+            p = blk
+            check_groups(p.k)
+            check_groups(p.v)
+            qp = _rows3(p.q)
+            kt, kf = block_args(p.k)
+            vt, vf = block_args(p.v)
+            flags = {f"K_{key}": val for key, val in kf.items()} | {f"V_{key}": val for key, val in vf.items()}
+            lg = logits if logits is not None else pm
+            _attend_packed[grid](qp, qp.stride(0), qp.stride(1), p.start if p.start is not None else pm,
+                                 length if length is not None else pm, lg, lg.stride(0), lg.stride(1),
+                                 pm, pl, pa, item0, NI, inv.contiguous() if inv is not None else pm,
+                                 1 if inv is None else inv.shape[0],
+                                 n, G, d, dv, chunk, scaling, p.k.codes.shape[2], p.v.codes.shape[2],
+                                 *kt, *vt, **flags, HAS_START=p.start is not None, HAS_LENGTH=length is not None,
+                                 HAS_INV=inv is not None, LOGITS=logits is not None,
+                                 BN=BLOCK_N, BG=BG, DP=DP, DVP=DVP, BJ=min(DVP, 32))
+        else:
+            k, v, st = blk
+            k, v = _rows3(k), _rows3(v)
+            qd = _rows3(q)
+            _attend_dense[grid](qd, qd.stride(0), qd.stride(1), st if st is not None else pm, pm, pl, pa, item0, NI,
+                                k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
+                                k.shape[1], n, G, d, dv, chunk, scaling,
+                                HAS_START=st is not None, BN=BLOCK_N, BG=BG, DP=DP, DVP=DVP)
+    _merge[(R, gblocks)](pm, pl, pa, out, lse, NI, G, dv, BG=BG, DVP=DVP)
+    return out, lse
+
+
+def attend_block(a: AttendArgs, return_logits: bool, *, splits: int | None = None):
+    """:func:`kv_cache.kernels.attend_block` of validated arguments: ``(out [R, G, d_v], lse [R, G],
+    logits [R, G, N] or None)``, float32, on the device of ``a.q``.
+
+    ``splits``: programs per row over the tokens (None: enough to fill the GPU; tests set it)."""
+    R, G, _ = a.q.shape
+    logits = None
+    if return_logits:
+        logits = torch.empty((R, G, a.k.codes.shape[1]), dtype=torch.float32, device=a.q.device)
+    out, lse = _run(a.q, [(a, None)], [], a.scaling, length=a.length, logits=logits, splits=splits)
+    return out, lse, logits
+
+
+def attend_mixed(a: MixedArgs, *, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kv_cache.kernels.attend_mixed` of validated arguments: ``(out [R, G, d_v], lse [R, G])``
+    float32 over every packed and full-precision block in one softmax (§16)."""
+    return _run(a.q, list(zip(a.packed, a.inverses)), list(a.dense), a.scaling, splits=splits)
+
+
+__all__ = ["BLOCK_N", "attend_block", "attend_mixed"]
