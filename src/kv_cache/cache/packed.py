@@ -113,7 +113,13 @@ def _hadamard(dim: int, device: str) -> torch.Tensor:
     A constant of the code like a codebook's levels: the data-dependent part of a rotation is
     the per-head signs, which the cache holds (and counts)."""
     rh = RandomizedHadamard(dim)
-    return rh.signs()[:, None] * rh.matrix()  # R = diag(s) H, so H = diag(s) R
+    return (rh.signs()[:, None] * rh.matrix()).to(device)  # R = diag(s) H, so H = diag(s) R
+
+
+@functools.lru_cache(maxsize=16)
+def _lloyd_max(bits: int, device: str) -> torch.Tensor:
+    """Lloyd-Max levels on ``device``, made once (a copy to a GPU per flush would wait for it)."""
+    return lloyd_max_gaussian(bits).to(device)
 
 
 class Rotation:
@@ -286,7 +292,7 @@ class PackedKV:
 
     def _lut(self, bits: int, device) -> torch.Tensor | None:
         """Lloyd-Max levels, or None for uniform levels (the kernels build those)."""
-        return lloyd_max_gaussian(bits).to(device) if self.quant.levels == "lloyd_max" else None
+        return _lloyd_max(bits, str(device)) if self.quant.levels == "lloyd_max" else None
 
     def _levels(self, bits: int, codebook: bool) -> torch.Tensor:
         """The levels the codes index: a constant of the layout (like the formula), not held."""
