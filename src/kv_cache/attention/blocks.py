@@ -17,6 +17,7 @@ with row ``g * L + i`` = query head ``j * G + g`` of KV head ``j`` at query posi
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,13 +157,11 @@ class RaggedBlock:
         for r, blocks in enumerate(self.rows):
             b, h = divmod(r, H)
             qr = q[b:b + 1, h:h + 1]
-            local = 0 if start is None else int(start[b, h]) - (L - self.lengths[r])
             parts, ps, off = [], [], 0
             for blk in blocks:
-                st = None
-                if local > off:
-                    st = torch.full((1, 1), min(local - off, blk.length), dtype=torch.int32, device=q.device)
-                o, l, p = blk.attend(qr, scaling, st, stat_rows)
+                # leading padding of this sub-block: the row's start past its virtual padding and the blocks before
+                st = _row_start(start, r, off + L - self.lengths[r], blk.length, q.device)
+                o, l, p = blk.attend(qr, scaling, None if st is None else st.reshape(1, 1), stat_rows)
                 parts.append((o, l))
                 ps.append(p)
                 off += blk.length
@@ -201,13 +200,27 @@ def join_new_token(view: list) -> list:
     return out
 
 
+_SAME_SPACE: dict = {}
+"""``(id(a), id(b)) -> (weakref a, weakref b, equal)``: :func:`_same_rotation`'s answers. A rotation's
+tensors are never written in place (the cache holds them as made), so the comparison, a host read
+of GPU tensors, runs once per pair of rotations instead of at every decoding step."""
+
+
 def _same_rotation(a: Any, b: Any) -> bool:
     """Whether two packed blocks are stored in the same space (one query, one inverse for both)."""
     if a is b or a is None or b is None:
         return a is b
+    hit = _SAME_SPACE.get((id(a), id(b)))
+    if hit is not None and hit[0]() is a and hit[1]() is b:
+        return hit[2]
     if a.matrices is not None or b.matrices is not None:
-        return a.matrices is not None and b.matrices is not None and torch.equal(a.matrices, b.matrices)
-    return torch.equal(a.signs, b.signs)
+        same = a.matrices is not None and b.matrices is not None and torch.equal(a.matrices, b.matrices)
+    else:
+        same = torch.equal(a.signs, b.signs)
+    if len(_SAME_SPACE) >= 256:
+        _SAME_SPACE.clear()
+    _SAME_SPACE[(id(a), id(b))] = (weakref.ref(a), weakref.ref(b), same)
+    return same
 
 
 def _one_call(blocks: list, q: torch.Tensor, scaling: float, starts: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,20 +288,18 @@ def _fused_rows(view: list, q: torch.Tensor, scaling: float, starts: torch.Tenso
         b, h = divmod(r, H)
         blocks, row_starts, offset = [], [], 0
         for blk in view:
-            start = 0 if starts is None else int(starts[b, h]) - offset
-            offset += blk.length
             if isinstance(blk, FullBlock):
                 blocks.append(FullBlock(blk.keys[b:b + 1, h:h + 1], blk.values[b:b + 1, h:h + 1]))
-                row_starts.append(torch.tensor([min(max(start, 0), blk.length)], dtype=torch.int32)
-                                  if start > 0 else None)
+                row_starts.append(_row_start(starts, r, offset, blk.length, q.device))
+                offset += blk.length
                 continue
-            local, inner = start - (blk.length - blk.lengths[r]), 0  # virtual padding first
+            inner = offset + blk.length - blk.lengths[r]  # virtual padding first
+            offset += blk.length
             for sub in blk.rows[r]:
                 if not isinstance(sub, (FullBlock, QuantBlock)):
                     return None
                 blocks.append(sub)
-                row_starts.append(torch.tensor([min(local - inner, sub.length)], dtype=torch.int32)
-                                  if local > inner else None)
+                row_starts.append(_row_start(starts, r, inner, sub.length, q.device))
                 inner += sub.length
         if not blocks:
             return None
@@ -296,6 +307,22 @@ def _fused_rows(view: list, q: torch.Tensor, scaling: float, starts: torch.Tenso
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, dim=0).reshape(B, H, *outs[0].shape[2:]), torch.cat(lses, dim=0).reshape(B, H, -1)
+
+
+def _row_start(starts: torch.Tensor | None, r: int, offset: int, length: int, device: torch.device
+               ) -> torch.Tensor | None:
+    """Leading padding slots of row ``r`` in a block of ``length`` slots that begins ``offset``
+    slots into the view: ``clamp(starts[r] - offset, 0, length)`` as int32 ``[1]`` (None: no padding).
+
+    Starts held on the host are read there (free) and the tensor is filled on ``device``; starts
+    held on a GPU stay there (no host read: a decoding step never waits for the device)."""
+    if starts is None:
+        return None
+    flat = starts.reshape(-1)
+    if flat.device.type == "cpu":
+        value = min(int(flat[r]) - offset, length)
+        return torch.full((1,), value, dtype=torch.int32, device=device) if value > 0 else None
+    return (flat[r:r + 1] - offset).clamp(0, length).to(device=device, dtype=torch.int32)
 
 
 def attend_new(

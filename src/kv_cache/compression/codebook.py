@@ -311,7 +311,7 @@ def encode_log_scale(scale: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"scale must be a floating torch.Tensor; got {getattr(scale, 'dtype', type(scale).__name__)}")
     s = scale.double()
     lo, hi = log_scale_range()
-    low, top = (float(v) for v in torch.aminmax(s)) if s.numel() else (0.0, 0.0)  # one pass (NaN propagates)
+    low, top = torch.stack(torch.aminmax(s)).tolist() if s.numel() else (0.0, 0.0)  # one pass, one host read
     if not (math.isfinite(low) and math.isfinite(top)):
         raise_non_finite(scale, "scale")
     if low < 0:

@@ -49,13 +49,14 @@ def expand_meta(block: QBlock, meta: torch.Tensor | None) -> torch.Tensor | None
         return meta.repeat_interleave(block.group_size, dim=-1)
     ng = meta.shape[1]
     if block.gid is None:
-        idx = torch.arange(N, device=meta.device) // block.group_size
-        if N and int(idx[-1]) >= ng:
+        if N and (N - 1) // block.group_size >= ng:  # the last token's group (no device read)
             raise bad_group_error()
-        return meta.index_select(1, idx)
+        return meta.index_select(1, torch.arange(N, device=meta.device) // block.group_size)
     gid = block.gid.long()
-    if gid.numel() and (int(gid.min()) < 0 or int(gid.max()) >= ng):
-        raise bad_group_error()
+    if gid.numel():
+        lo, hi = torch.stack(torch.aminmax(gid)).tolist()  # one host read
+        if lo < 0 or hi >= ng:
+            raise bad_group_error()
     return torch.gather(meta, 1, gid.unsqueeze(-1).expand(R, N, d))
 
 
