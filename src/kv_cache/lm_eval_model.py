@@ -41,7 +41,6 @@ hub id) is loaded by HFLM exactly as ``--model hf`` loads it.
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -215,12 +214,11 @@ class KVCacheLM(HFLM):
         return out
 
 
-def cli_main(argv: list[str] | None = None) -> None:
-    """``kvcache-lm-eval``: lm-eval's command line with the ``kv_cache`` model registered."""
+def cli_main() -> None:
+    """``kvcache-lm-eval``: lm-eval's command line (``sys.argv``) with the ``kv_cache`` model
+    registered (importing this module registered it)."""
     from lm_eval.__main__ import cli_evaluate
 
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
     cli_evaluate()
 
 
