@@ -3,8 +3,10 @@
 * :func:`parse_chat` checks a ``POST /v1/chat/completions`` body (OpenAI's fields, plus
   ``context_id``: the stored compressed context the answer starts from);
 * :func:`parse_context` checks a ``POST /v1/contexts`` body: the document and how to compress it,
-  as a ``method`` spec of ``kvcache eval`` (ours), a ``preset`` (:data:`PRESETS`), or a ``plan``
-  (the bits-per-layer profile ``kvcache allocate`` writes, applied to ``method``'s quantization).
+  as one of a ``method`` spec of ``kvcache eval`` (ours), a ``preset`` (a size: ``"4x"``,
+  ``"8x"``, ``"16x"`` or any ``"<ratio>x"``, the preset plan of :func:`kv_cache.plan.preset_plan`
+  sized for the document, as ``kvcache compress --ratio``) or a ``plan`` (the JSON object
+  ``kvcache plan`` writes, :class:`kv_cache.plan.CachePlan`, as ``kvcache compress --plan``).
 
 Every bad value is an :class:`~kv_cache.serve.errors.ApiError` (400) naming the field, what is
 allowed and what was received. Fields OpenAI defines that this server does not implement are
@@ -24,13 +26,6 @@ from .errors import ApiError, bad_param
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOPS = 4  # as OpenAI
 DEFAULT_METHOD = "kvzip@0.3"  # `kvcache compress`'s default
-PRESETS: dict[str, str] = {
-    # name -> method spec; the figures are the README's (SmolLM2, 4K needle / 2K perplexity)
-    "full": "full",  # the uncompressed cache
-    "q4": "q4d",  # QuantConfig(bits=4): 3.87x fewer bytes than fp16, +0.6% perplexity
-    "kvzip": "kvzip@0.5",  # half the tokens, the full cache's needle scores
-    "q4-kvzip": "q4+kvzip@0.3",  # 8.07x fewer bytes than fp16, 90% / 55% needle
-}
 KEEP = ("head", "tail")
 UNSUPPORTED_CHAT = {  # field -> the value that asks for nothing
     "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "logprobs": False, "top_logprobs": None,
@@ -53,7 +48,8 @@ class ChatRequest:
 @dataclass(frozen=True)
 class ContextRequest:
     document: str
-    method: str
+    method: str | None = None  # one of method / preset / plan
+    preset: str | None = None  # "<ratio>x"
     plan: dict[str, Any] | None = field(default=None, hash=False)
     max_tokens: int | None = None
     keep: str | None = None
@@ -173,10 +169,10 @@ def parse_chat(body: Any, served_model: str) -> ChatRequest:
 
 
 def parse_context(body: Any) -> ContextRequest:
-    """Check a ``POST /v1/contexts`` body: ``document`` (text), one of ``method`` / ``preset``
-    (default ``method`` :data:`DEFAULT_METHOD`), an optional ``plan``, and ``max_tokens`` /
-    ``keep`` as ``kvcache compress --max-tokens / --keep``. The method's grammar is checked when
-    the job runs (it needs the model for a plan)."""
+    """Check a ``POST /v1/contexts`` body: ``document`` (text), at most one of ``method`` /
+    ``preset`` / ``plan`` (default: ``method`` :data:`DEFAULT_METHOD`), and ``max_tokens`` /
+    ``keep`` as ``kvcache compress --max-tokens / --keep``. A method's grammar and a plan's
+    content are checked when the job runs (against the model)."""
     body = _require_object(body)
     doc = body.get("document")
     if not isinstance(doc, str):
@@ -190,26 +186,29 @@ def parse_context(body: Any) -> ContextRequest:
         raise ApiError("invalid_document", f"document holds a NUL character at offset {nul}: binary data, not text",
                        param="document")
     method, preset, plan = body.get("method"), body.get("preset"), body.get("plan")
-    if method is not None and preset is not None:
-        raise ApiError("invalid_method", f"give method or preset, not both; got method={method!r} and "
-                                         f"preset={preset!r}", param="preset")
-    if preset is not None:
-        if preset not in PRESETS:
-            raise ApiError("invalid_method", f"preset must be one of {list(PRESETS)}; got {preset!r}", param="preset")
-        method = PRESETS[preset]
-    if method is None:
+    given = [k for k, v in (("method", method), ("preset", preset), ("plan", plan)) if v is not None]
+    if len(given) > 1:
+        raise ApiError("invalid_method", f"give one of method, preset or plan; got {' and '.join(given)}",
+                       param=given[1])
+    if method is None and preset is None and plan is None:
         method = DEFAULT_METHOD
-    if not isinstance(method, str) or not method.strip():
+    if method is not None and (not isinstance(method, str) or not method.strip()):
         raise ApiError("invalid_method", f"method must be a method spec string (e.g. {DEFAULT_METHOD!r}); "
                                          f"got {method!r}", param="method")
+    if preset is not None:
+        from ..plan import PRESETS, parse_target
+
+        try:
+            preset = f"{parse_target(preset):g}x"
+        except ValueError as exc:
+            raise ApiError("invalid_method", f"preset: {exc} (presets: {list(PRESETS)})", param="preset") from None
     if plan is not None and not isinstance(plan, dict):
-        raise ApiError("invalid_method", "plan must be a bit profile object as `kvcache allocate` writes it "
-                                         f"({{\"format\", \"format_version\", \"layer_bits\"}}); got "
-                                         f"{type(plan).__name__}", param="plan")
+        raise ApiError("invalid_method", "plan must be the JSON object `kvcache plan` writes (a kv_cache.cache_plan); "
+                                         f"got {type(plan).__name__}", param="plan")
     max_tokens = _int(body, "max_tokens", 1)
     keep = body.get("keep")
     if keep is not None and keep not in KEEP:
         raise bad_param("keep", f"keep must be one of {list(KEEP)}; got {keep!r}")
     if keep is not None and max_tokens is None:
         raise bad_param("keep", "keep says which tokens max_tokens keeps; give max_tokens as well")
-    return ContextRequest(doc, method.strip(), plan, max_tokens, keep)
+    return ContextRequest(doc, method.strip() if method is not None else None, preset, plan, max_tokens, keep)

@@ -16,10 +16,8 @@ tokens plus the rendered messages (``prompt_tokens_details.cached_tokens``: the 
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,24 +53,6 @@ def _eos(tokenizer: Any, model: Any) -> set[int]:
     return {i for i in out if isinstance(i, int)}
 
 
-def _load_profile(plan: dict[str, Any]) -> dict[int, tuple[int, int]]:
-    """The ``{layer: (key_bits, value_bits)}`` of a ``plan`` (a `kvcache allocate` profile
-    object), checked by the same reader as the files."""
-    import json
-
-    try:  # where the profile reader lives in this tree
-        from ..plan.bit_allocation import load_bit_profile
-    except ImportError:  # pragma: no cover - older layout
-        from ..compression.bit_allocation import load_bit_profile
-    fd, path = tempfile.mkstemp(suffix=".json")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(plan, f)
-        return load_bit_profile(path)
-    finally:
-        os.unlink(path)
-
-
 @dataclass
 class Service:
     """The model, its tokenizer, the context store and the server's limits."""
@@ -84,35 +64,42 @@ class Service:
     max_document_tokens: int | None = None  # None: what the model's positions allow
 
     # ----------------------------------------------------------------- POST /v1/contexts
-    def settings(self, req: ContextRequest) -> tuple[Any, Any, str]:
-        """``(quant, eviction, spec)`` of the request's method (and plan); ``invalid_method``."""
+    def settings(self, req: ContextRequest, tokens: int) -> tuple[Any, Any, str]:
+        """``(quant, eviction, name)`` of the request's method, preset (sized for ``tokens``) or plan;
+        ``invalid_method`` when it does not parse or does not fit this model."""
         from ..cli_context import method_settings
+        from ..plan import CachePlan, preset_plan
 
         try:
-            quant, eviction, spec = method_settings(req.method, None, self.model)
+            if req.preset is not None:
+                limit = max_positions(self.model.config) or tokens
+                plan = preset_plan(self.model.config, req.preset, context_tokens=min(tokens, limit),
+                                   dtype=next(self.model.parameters()).dtype)
+                return plan.quant_config(), plan.eviction(), req.preset
             if req.plan is not None:
-                if quant is None:
-                    raise ValueError(f"a plan sets bits per layer of a quantized cache; method {req.method!r} has "
-                                     "no quantization part (e.g. q3htc64l, q4d+kvzip@0.3)")
-                quant = dataclasses.replace(quant, layer_bits=_load_profile(req.plan))
-                spec += " with plan"
-        except (ValueError, RuntimeError) as exc:
-            raise ApiError("invalid_method", str(exc), param="plan" if req.plan is not None else "method") from None
-        return quant, eviction, spec
+                plan = CachePlan.from_json(json.dumps(req.plan), "plan")
+                plan.check_model(self.model.config)
+                return plan.quant_config(), plan.eviction(), f"plan {plan.name} ({plan.fingerprint})"
+            return method_settings(req.method, None, self.model)
+        except (ValueError, TypeError, RuntimeError) as exc:  # RuntimeError: a peer whose package is missing
+            param = "preset" if req.preset is not None else "plan" if req.plan is not None else "method"
+            raise ApiError("invalid_method", str(exc), param=param) from None
 
     def compress(self, req: ContextRequest, job: Job) -> dict[str, Any]:
-        quant, eviction, spec = self.settings(req)
         ids = _text_ids(self.tokenizer, req.document)
         limit = self.max_document_tokens
         if limit is not None and len(ids) > limit:
             raise ApiError("document_too_long", f"the document is {len(ids):,} tokens; this server takes at most "
                                                 f"{limit:,} (kvcache serve --max-document-tokens)", param="document")
+        quant, eviction, spec = self.settings(req, len(ids))
         try:
             kept = fit_context(ids, self.model.config, self.tokenizer, eviction, max_tokens=req.max_tokens,
                                keep=req.keep)
         except ValueError as exc:
             raise ApiError("document_too_long", str(exc), param="max_tokens" if req.max_tokens else "document"
                            ) from None
+        if req.preset is not None and len(kept) < len(ids):  # a preset is sized for what is compressed
+            quant, eviction, spec = self.settings(req, len(kept))
         job.check()
         ctx = CompressedContext.build(self.model, self.tokenizer, kept, quant=quant, eviction=eviction)
         ctx.document_tokens = len(ids)
