@@ -346,26 +346,25 @@ def test_cache_on_cuda_counts_device_bytes_like_the_cpu():
 
 @pytest.mark.cuda
 def test_decoding_step_reads_nothing_back_from_the_gpu():
-    """A decoding step that flushes nothing (the default layout's residual not full) runs its
-    storage update and its attention without one host synchronisation."""
+    """A decoding step that flushes nothing (the default layout's residual not yet full) runs its
+    storage update and its one-call attention without a single host synchronisation."""
     model = _tiny_llama().cuda()
-    cache = CompressedCache(model.config, quant=QuantConfig(bits=4))
-    ids = torch.randint(3, 128, (1, 21), device="cuda")
+    cache = CompressedCache(model.config, quant=QuantConfig(bits=4))  # 4 sinks, flushes of 4 tokens
     with torch.no_grad(), compress(model, cache):
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
-    layer = cache.layers[0]
-    st = layer.storage
-    while st.keys.shape[2] + 1 >= max(st.quant.residual_length, st.quant.group_size):  # next append would flush
-        st.append(*(torch.randn(1, 2, 1, 32, device="cuda"),) * 2)
-    k, v, q = (torch.randn(1, 2, 1, 32, device="cuda") for _ in range(3))
-    view = st.attention_update(k, v)  # warm-up: compile the kernels for this view
-    fused_decode(view, torch.randn(1, 2, 2, 32, device="cuda"), 0.2, None)
-    st.gather(torch.arange(st.length - 1, device="cuda").expand(1, 2, -1))  # back to a residual with room
+        model(input_ids=torch.randint(3, 128, (1, 21), device="cuda"), past_key_values=cache, use_cache=True)
+    st = cache.layers[0].storage
+    assert st.keys.shape[2] == 1  # 21 = 4 sinks + 16 packed + 1 in the residual
+
+    def step():
+        k, v = torch.randn(1, 2, 1, 32, device="cuda"), torch.randn(1, 2, 1, 32, device="cuda")
+        view = st.attention_update(k, v)  # the residual grows to 2, then 3: no flush
+        return fused_decode(view, torch.randn(1, 2, 2, 32, device="cuda"), 0.2, None)
+
+    step()  # compiles the kernels for this view
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        view = st.attention_update(k, v)
-        out, lse = fused_decode(view, torch.randn(1, 2, 2, 32, device="cuda"), 0.2, None)
+        out, lse = step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.shape == (1, 2, 2, 32) and bool(torch.isfinite(lse).all())
