@@ -152,7 +152,7 @@ def parse_chat(body: Any, served_model: str) -> ChatRequest:
     else:
         raise bad_param("stop", f"stop must be a string or a list of at most {MAX_STOPS} strings; got {stop!r}")
     if any(not s for s in stops):
-        raise bad_param("stop", "stop strings must not be empty")
+        raise bad_param("stop", f"stop strings must not be empty; got {list(stops)!r}")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
