@@ -361,6 +361,7 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         fields.setdefault("scaling", 1.0)
         for name in ("keys", "query", "key_valid"):
             fields.setdefault(name, None)
+        fields.setdefault("device", self.device)
         return ScoreInputs(shape=tuple(shape), state=self.state, **fields)
 
     def _evict(self, inputs: ScoreInputs, valid: torch.Tensor | None, before_attention: bool = False) -> None:
@@ -413,7 +414,7 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         every layer (``scope="model"``): ``budget`` tokens per head on average (math dictionary §19)."""
         pol = self.policy
         B, H, T = scores.shape
-        valid = torch.ones(B, H, T, dtype=torch.bool) if valid is None else valid.expand(B, H, T)
+        valid = torch.ones(B, H, T, dtype=torch.bool, device=scores.device) if valid is None else valid.expand(B, H, T)
         forced = forced_mask(valid, sink_tokens=pol.sink_tokens, recent_window=window)
         forced[..., :lead] |= valid[..., :lead]
         if trail:

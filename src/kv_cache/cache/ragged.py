@@ -65,8 +65,10 @@ class RaggedStorage(LayerStorage):
     def starts(self) -> torch.Tensor | None:
         """``[batch, heads]`` int32: the first valid slot of each right-aligned row (None: 0 everywhere)."""
         L = self.length
-        s = torch.tensor([L - n + p for n, p in zip(self.row_lengths, self.lead)], dtype=torch.int32)
-        return s.reshape(self._batch, self._heads) if bool(s.any()) else None
+        s = [L - n + p for n, p in zip(self.row_lengths, self.lead)]
+        if not any(s):  # decided on the host: no read back from the device
+            return None
+        return torch.tensor(s, dtype=torch.int32, device=self.rows[0].keys.device).reshape(self._batch, self._heads)
 
     # ------------------------------------------------------------------ the contract
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
