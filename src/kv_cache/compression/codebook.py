@@ -104,7 +104,7 @@ def lloyd_max_gaussian(bits: int) -> torch.Tensor:
     """
     half = _lloyd_levels(_check_bits(bits))
     levels = [-v for v in reversed(half)] + list(half)
-    return torch.tensor(levels, dtype=torch.float64).to(torch.float32)
+    return torch.tensor(levels, dtype=torch.float64, device="cpu").to(torch.float32)
 
 
 @functools.lru_cache(maxsize=None)

@@ -206,7 +206,8 @@ class RandomizedHadamard:
             blocks = tuple(check_int(b, "blocks[i]", minimum=1) for b in self.blocks)
             if not all(_is_pow2(b) and b >= 2 for b in blocks) or sum(blocks) != dim:
                 raise ValueError(f"blocks must be powers of two >= 2 summing to dim={dim}; got {blocks}")
-        signs = torch.randint(0, 2, (dim,), generator=torch.Generator().manual_seed(seed), dtype=torch.int64)
+        signs = torch.randint(0, 2, (dim,), generator=torch.Generator().manual_seed(seed), dtype=torch.int64,
+                              device="cpu")  # the generator's device; signs() moves them
         object.__setattr__(self, "dim", dim)
         object.__setattr__(self, "seed", seed)
         object.__setattr__(self, "blocks", blocks)
@@ -284,7 +285,7 @@ class RandomizedHadamard:
         """
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {_FLOAT_NAMES}; got {dtype!r}")
-        eye = torch.eye(self.dim, dtype=torch.float64)
+        eye = torch.eye(self.dim, dtype=torch.float64, device="cpu")  # built on the host, moved below
         return self.forward(eye).to(dtype=dtype, device=device)
 
 

@@ -109,7 +109,7 @@ def dequantize_block(block: QBlock, out_dtype: torch.dtype = torch.float32, *,
         return result if out is None else out.copy_(result)
     R, N, _ = block.codes.shape
     if out is None:
-        out = torch.empty((R, N, block.head_dim), dtype=out_dtype)
+        out = torch.empty((R, N, block.head_dim), dtype=out_dtype, device=block.codes.device)
     ext.dequantize(block.codes.contiguous(), block.bits, block.lut.contiguous(), _GROUPING_ID[block.grouping],
                    block.scale.contiguous(), _c(block.zero), _c(block.gid), block.group_size, out,
                    _build.isa_flag(), _c(block.scale_table))
@@ -188,10 +188,10 @@ def quantize_block(
     R, N, d = x.shape
     gs = a.group_size
     meta_shape = (R, N // gs, d) if a.grouping == "channel" else (R, N, d // gs)
-    codes = torch.empty((R, N, d * a.bits // 8), dtype=torch.uint8)
-    scale = torch.empty(meta_shape, dtype=a.scale_dtype)
+    codes = torch.empty((R, N, d * a.bits // 8), dtype=torch.uint8, device=x.device)
+    scale = torch.empty(meta_shape, dtype=a.scale_dtype, device=x.device)
     uniform = a.lut is None
-    zero = torch.empty(meta_shape, dtype=torch.int16) if uniform and not a.symmetric else None
+    zero = torch.empty(meta_shape, dtype=torch.int16, device=x.device) if uniform and not a.symmetric else None
     mids = None if uniform else midpoints(a.lut)
     status = ext.quantize(x, a.bits, _GROUPING_ID[a.grouping], gs, a.symmetric, mids, codes, scale, zero,
                           _build.isa_flag())
@@ -201,7 +201,7 @@ def quantize_block(
         raise ValueError(
             f"scale_dtype={a.scale_dtype} cannot represent the scales of x "
             f"(max |x| = {float(x.abs().max()):.3g}); use a wider scale_dtype")
-    lut_out = uniform_lut(a.bits, a.symmetric) if uniform else a.lut.contiguous()
+    lut_out = uniform_lut(a.bits, a.symmetric, x.device) if uniform else a.lut.contiguous()
     return QBlock(codes, a.bits, lut_out, a.grouping, scale, zero, gs)
 
 
@@ -279,9 +279,10 @@ def attend_block(
         return reference._attend(a, bool(return_logits))
     R, G, _ = a.q.shape
     N = k.codes.shape[1]
-    out = torch.empty((R, G, v.head_dim), dtype=torch.float32)
-    lse = torch.empty((R, G), dtype=torch.float32)
-    logits = torch.empty((R, G, N), dtype=torch.float32) if return_logits else None
+    dev = a.q.device
+    out = torch.empty((R, G, v.head_dim), dtype=torch.float32, device=dev)
+    lse = torch.empty((R, G), dtype=torch.float32, device=dev)
+    logits = torch.empty((R, G, N), dtype=torch.float32, device=dev) if return_logits else None
     try:
         ext.attend(a.q.contiguous(),
                    _p(k.codes), k.bits, k.lut.contiguous(), _GROUPING_ID[k.grouping],
@@ -387,10 +388,10 @@ def attend_mixed(
     dv_list = [_rows(blk[1]) for blk in a.dense]
     dense_start = None
     if any(blk[2] is not None for blk in a.dense):
-        dense_start = torch.stack([torch.zeros(R, dtype=torch.int32) if blk[2] is None else blk[2]
+        dense_start = torch.stack([torch.zeros(R, dtype=torch.int32, device=a.q.device) if blk[2] is None else blk[2]
                                    for blk in a.dense]).contiguous()
-    out = torch.empty((R, G, v.head_dim), dtype=torch.float32)
-    lse = torch.empty((R, G), dtype=torch.float32)
+    out = torch.empty((R, G, v.head_dim), dtype=torch.float32, device=a.q.device)
+    lse = torch.empty((R, G), dtype=torch.float32, device=a.q.device)
     try:
         ext.attend(qp,
                    _p(k.codes), k.bits, k.lut.contiguous(), _GROUPING_ID[k.grouping],

@@ -43,6 +43,9 @@ class ScoreInputs:
         the reference path, where the policy computes them from ``query`` and ``keys``.
     attention_queries : int
         ``n``, the number of queries summed into ``attention``.
+    device : torch.device or None
+        Where the layer's tensors live: scores made from nothing but positions go there (None:
+        the CPU).
     """
 
     shape: tuple[int, int, int]
@@ -53,6 +56,7 @@ class ScoreInputs:
     state: dict
     attention: torch.Tensor | None = None
     attention_queries: int = 0
+    device: torch.device | None = None
 
 
 SCOPES = ("head", "layer", "model")

@@ -28,4 +28,4 @@ class StreamingLLM(EvictionPolicy):
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         b, h, T = inputs.shape
-        return torch.arange(T, dtype=torch.float32).expand(b, h, T)
+        return torch.arange(T, dtype=torch.float32, device=inputs.device).expand(b, h, T)
