@@ -53,8 +53,8 @@ def forward_at(model: torch.nn.Module, cache: Any, ids: torch.Tensor, pos: int, 
     past = cache.get_seq_length()
     extra = {"logits_to_keep": 1} if last_only else {}
     out = model(input_ids=ids, past_key_values=cache, use_cache=True,
-                position_ids=torch.arange(pos, pos + q).unsqueeze(0),
-                cache_position=torch.arange(past, past + q), **extra)
+                position_ids=torch.arange(pos, pos + q, device=ids.device).unsqueeze(0),
+                cache_position=torch.arange(past, past + q, device=ids.device), **extra)
     return out.logits.float()
 
 
