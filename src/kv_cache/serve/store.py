@@ -17,7 +17,8 @@ an unknown context (never a path).
   another model, is listed with ``status: "corrupted"`` and its error; using it raises
   :class:`ContextCorrupted` (the server answers 422); deleting it works.
 
-Thread-safe: one lock guards the index and the LRU (file reads happen outside it).
+Thread-safe: one lock guards the index and the LRU (file reads happen outside it). One server
+per folder: a second one opening it would remove the first one's writes in progress.
 """
 
 from __future__ import annotations
