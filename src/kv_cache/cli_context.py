@@ -50,6 +50,8 @@ def add_parsers(sub) -> None:
                         "[the whole document, refused if it does not fit]")
     c.add_argument("--keep", choices=KEEP, default=None,
                    help="which tokens --max-tokens keeps: the first (head) or the last (tail) [head]")
+    c.add_argument("--raw-text", action="store_true",
+                   help="append questions to the document as raw text, not through the tokenizer's chat template")
     c.set_defaults(_run=run_compress)
 
     a = sub.add_parser("ask", help="answer questions from a .kvc file written by `kvcache compress`",
@@ -153,9 +155,14 @@ def run_compress(args: argparse.Namespace) -> int:
         quant, eviction, spec = method_settings(spec, args.bits, model)
         kept = fit_context(ids, model.config, tok, eviction, max_tokens=args.max_tokens, keep=args.keep,
                            names=("--max-tokens ", "--keep "))
-    ctx = CompressedContext.build(model, tok, kept, quant=quant, eviction=eviction)
+    if not args.raw_text and len(kept) == len(ids):  # the whole document: through the chat template if any
+        ctx = CompressedContext.build(model, tok, text, quant=quant, eviction=eviction)
+    else:  # raw text, or the tokens --max-tokens kept
+        ctx = CompressedContext.build(model, tok, kept, quant=quant, eviction=eviction)
     extra = {"context_tokens": ctx.context_tokens, "model": _model_ref(args.model), "method": spec,
              "document": doc.name}
+    if ctx.question_suffix is not None:  # questions follow the chat template (kv_cache.chat)
+        extra["question_suffix"] = ctx.question_suffix
     if len(kept) < len(ids):
         extra.update(document_tokens=len(ids), keep=args.keep or "head")
     written = save_cache(ctx.cache, args.out, model_config=model.config, extra=extra)

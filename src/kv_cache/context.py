@@ -295,8 +295,11 @@ class CompressedContext:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, cache: CompressedCache, context_tokens: int,
                  last_logits: torch.Tensor | None = None, stats: PrefillStats | None = None,
-                 document_tokens: int | None = None):
+                 document_tokens: int | None = None, question_suffix: str | None = None):
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
+        # None: raw text (a question follows the document as is); else the chat template's tail
+        # after the user's text (kv_cache.chat), appended to every question
+        self.question_suffix = question_suffix
         self.context_tokens = context_tokens
         # tokens of the whole document (more than context_tokens when build cut it)
         self.document_tokens = context_tokens if document_tokens is None else document_tokens
@@ -305,8 +308,8 @@ class CompressedContext:
 
     @classmethod
     def build(cls, model: torch.nn.Module, tokenizer: Any, text_or_ids: str | Sequence[int] | torch.Tensor, *,
-              quant=None, eviction=None, max_tokens: int | None = None, keep: str | None = None
-              ) -> "CompressedContext":
+              quant=None, eviction=None, max_tokens: int | None = None, keep: str | None = None,
+              chat: bool | None = None, plan=None) -> "CompressedContext":
         """Prefill and compress a document (text, or token ids with their BOS if the model wants one).
 
         The document must fit the model's positions (``max_position_embeddings``; with
@@ -322,8 +325,23 @@ class CompressedContext:
         (``ValueError`` naming its tokens, the model's positions, what fits and the options).
         ``document_tokens`` of the result is the document's length, ``context_tokens`` what was
         kept. Questions need positions after the context too (:meth:`ask` checks them).
+
+        ``chat``: follow the tokenizer's chat template (:mod:`kv_cache.chat`): the template's head
+        and the document are compressed, and each question comes with the template's tail. The
+        default (None) uses it for a text when the tokenizer has one; False keeps the raw text.
+        ``plan``: a :class:`kv_cache.plan.CachePlan` instead of ``quant`` / ``eviction``.
         """
-        if isinstance(text_or_ids, str):
+        from .chat import has_chat_template, split_chat
+
+        if chat not in (None, True, False):
+            raise ValueError(f"chat must be None (automatic), True or False; got {chat!r}")
+        suffix = None
+        if chat and not isinstance(text_or_ids, str):
+            raise ValueError("chat=True applies the chat template to a text; token ids are compressed as given")
+        if isinstance(text_or_ids, str) and (chat or (chat is None and has_chat_template(tokenizer))):
+            head, suffix = split_chat(tokenizer, check_text(text_or_ids))
+            ids = _ids(tokenizer, head)  # the template holds the special tokens it wants
+        elif isinstance(text_or_ids, str):
             ids = _text_ids(tokenizer, check_text(text_or_ids))
         else:
             t = torch.as_tensor(text_or_ids)
@@ -337,11 +355,16 @@ class CompressedContext:
             raise ValueError(f"token ids must be in [0, {vocab}) (the model's vocab_size); got {bad[0]} "
                              f"({len(bad)} such ids)")
         document_tokens = len(ids)
+        if plan is not None:
+            if quant is not None or eviction is not None:
+                raise ValueError("pass either plan= or quant=/eviction=, not both (a plan holds both)")
+            eviction = plan.eviction()
         ids = fit_context(ids, model.config, tokenizer, eviction, max_tokens=max_tokens, keep=keep)
-        cache = CompressedCache(model.config, quant=quant, eviction=eviction)
+        cache = (CompressedCache(model.config, plan=plan) if plan is not None
+                 else CompressedCache(model.config, quant=quant, eviction=eviction))
         logits, stats = prefill(model, cache, torch.tensor([ids], dtype=torch.long), tokenizer=tokenizer,
                                 last_only=True)
-        return cls(model, tokenizer, cache, len(ids), logits[0, -1].float(), stats, document_tokens)
+        return cls(model, tokenizer, cache, len(ids), logits[0, -1].float(), stats, document_tokens, suffix)
 
     def question_ids(self, question: str | Sequence[int], max_new_tokens: int) -> list[int]:
         """The token ids of ``question``, once it is checked to fit with its answer.
@@ -351,7 +374,16 @@ class CompressedContext:
         (``max_position_embeddings``). ``ValueError`` for an empty question, ``max_new_tokens``
         not an int >= 1, or a question or an answer that would run past the positions (the
         message says how many tokens fit)."""
-        ids = _ids(self.tokenizer, question) if isinstance(question, str) else list(question)
+        if isinstance(question, str):
+            if not question.strip():
+                raise ValueError("the question is empty")
+            if self.question_suffix is not None:
+                from .chat import question_text
+
+                question = question_text(question, self.question_suffix)
+            ids = _ids(self.tokenizer, question)
+        else:
+            ids = list(question)
         if not ids:
             raise ValueError("the question is empty")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -374,31 +406,26 @@ class CompressedContext:
             ) -> str:
         """Greedy answer to ``question`` (text appended after the context, or token ids), checked
         first by :meth:`question_ids`."""
+        from .generation import SamplingParams, generate_tokens
+
         ids = self.question_ids(question, max_new_tokens)
         eos = set(eos_token_ids if eos_token_ids is not None else
                   [t for t in [getattr(self.tokenizer, "eos_token_id", None)] if isinstance(t, int)])
-        out: list[int] = []
         with compress(self.model, self.cache), self.cache.session(), torch.no_grad():
             pos = self.context_tokens
-            logits = forward_at(self.model, self.cache, torch.tensor([ids]), pos)
-            pos += len(ids)
-            for _ in range(max_new_tokens):
-                nxt = int(logits[0, -1].argmax())
-                if nxt in eos:
-                    break
-                out.append(nxt)
-                if len(out) == max_new_tokens:
-                    break  # the last token is not fed: it would only predict a token nobody reads
-                logits = forward_at(self.model, self.cache, torch.tensor([[nxt]]), pos)
-                pos += 1
+            logits = forward_at(self.model, self.cache, torch.tensor([ids]), pos)[0, -1]
+            out = list(generate_tokens(self.model, self.cache, logits, pos + len(ids), max_new_tokens=max_new_tokens,
+                                       params=SamplingParams(), eos=eos))
         return self.tokenizer.decode(out, skip_special_tokens=True)
 
     def save(self, path) -> int:
         """Write the compressed context to ``path`` (:mod:`kv_cache.cache.serialize`); returns bytes written."""
         from .cache.serialize import save_cache
 
-        return save_cache(self.cache, path, model_config=self.model.config,
-                          extra={"context_tokens": self.context_tokens})
+        extra = {"context_tokens": self.context_tokens}
+        if self.question_suffix is not None:
+            extra["question_suffix"] = self.question_suffix
+        return save_cache(self.cache, path, model_config=self.model.config, extra=extra)
 
     @classmethod
     def load(cls, path, model: torch.nn.Module, tokenizer: Any) -> "CompressedContext":
@@ -407,4 +434,4 @@ class CompressedContext:
 
         device = next(model.parameters()).device  # the cache's tensors go where the model is
         cache, extra = load_cache(path, model_config=model.config, device=device)
-        return cls(model, tokenizer, cache, int(extra["context_tokens"]))
+        return cls(model, tokenizer, cache, int(extra["context_tokens"]), question_suffix=extra.get("question_suffix"))
