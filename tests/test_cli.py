@@ -59,7 +59,8 @@ def test_eval_end_to_end_schema_table_plot_and_resume(tmp_path, capsys):
 
     # A method whose settings changed since (e.g. a new default) is recomputed, the others reused.
     doc = json.loads(before)
-    doc["methods"]["h2o@0.5"]["resolved"] = "kv_cache eviction=H2O(recent_window=32)"
+    assert all(len(doc["methods"][m]["plan"]) == 16 for m in ("q4", "h2o@0.5"))  # ours resume by plan fingerprint
+    doc["methods"]["h2o@0.5"]["plan"] = "0" * 16
     for task in doc["methods"]["h2o@0.5"]["tasks"].values():
         for s in task["samples"]:
             s["nll" if "nll" in s else "score"] = -1.0

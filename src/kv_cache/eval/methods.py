@@ -277,9 +277,14 @@ def _preset(spec: str, m: re.Match[str]) -> Method:
     from ..plan import parse_target, preset_plan
 
     ratio = parse_target(m.string)  # validates (> 1)
+    made: dict = {}  # one plan per model (sizing it runs dry runs of the storage), not one per sample
 
     def get(model):
-        return preset_plan(model.config, m.string, dtype=next(model.parameters()).dtype)
+        key = (id(model), next(model.parameters()).dtype)
+        if key not in made:
+            made.clear()
+            made[key] = preset_plan(model.config, m.string, dtype=key[1])
+        return made[key]
 
     return _planned(spec, m.string, get, f"kv_cache preset {ratio:g}x")
 

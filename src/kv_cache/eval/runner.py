@@ -328,14 +328,20 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
 
     for method in methods:
         entry = doc["methods"].get(method.spec)
-        if entry is not None and entry.get("resolved") != method.resolved:
-            log.info("%s: settings changed (%s -> %s); its saved samples are not reused",
-                     method.spec, entry.get("resolved"), method.resolved)
+        plan = _plan_fingerprint(model, method)
+        if entry is not None and plan is not None and "plan" in entry:
+            same, was, now = entry["plan"] == plan, f"plan {entry['plan']}", f"plan {plan}"
+        elif entry is not None:  # a peer, or a row saved before plans: by its resolved settings
+            same, was, now = entry.get("resolved") == method.resolved, entry.get("resolved"), method.resolved
+        if entry is not None and not same:
+            log.info("%s: settings changed (%s -> %s); its saved samples are not reused", method.spec, was, now)
             entry = None
         if entry is None:
             entry = doc["methods"][method.spec] = {
                 "spec": method.spec, "family": method.family, "bits": method.bits, "budget": method.budget,
                 "resolved": method.resolved, "tasks": {}}
+            if plan is not None:
+                entry["plan"] = plan
         entry.pop("error", None)
         for task in tasks:
             tentry = entry["tasks"].setdefault(task, {"metric": "ppl" if task == "ppl" else "accuracy",
@@ -390,6 +396,22 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
     _atomic_write(results_path, json.dumps(doc, indent=1))
     log.info("%d/%d samples done", done_count, total)
     return doc
+
+
+def _plan_fingerprint(model, method: Method) -> str | None:
+    """The fingerprint of the cache plan one of our methods builds for this model
+    (:class:`kv_cache.plan.CachePlan`): a run resumes a method's saved samples only when it is
+    unchanged. None for peers and the reference (they resume by ``Method.resolved``)."""
+    from ..cache import CompressedCache
+    from ..plan import CachePlan
+
+    if method.family != "ours" or method.is_reference:
+        return None
+    cache, _ = method.make(model)
+    if not isinstance(cache, CompressedCache):
+        return None
+    plan = cache.plan if cache.plan is not None else CachePlan.uniform(model.config, cache.quant, cache.eviction)
+    return plan.fingerprint
 
 
 def _mean(xs: list[float]) -> float | None:
