@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -84,6 +85,43 @@ def _keep_masks(T: int, lead: int, trail: int, counts: list[int]) -> torch.Tenso
     return torch.stack(rows)[None]
 
 
+class _DryRun:
+    """The plan's layers after holding ``T`` random tokens each (quantized once), from which any
+    budget's bytes follow by a copy and an eviction (:meth:`bytes`)."""
+
+    def __init__(self, config: Any, plan: CachePlan, T: int, dtype: torch.dtype, seed: int = 0):
+        plan.check_model(config)
+        g = kv_geometry(config)
+        quant = plan.quant_config()
+        gen = torch.Generator().manual_seed(seed)
+        self.heads, self.T, self.layers = g.kv_heads, T, []
+        for i, window in enumerate(layer_windows(config)):
+            q = quant if window is None or quant is None else quant.sliding_config()
+            layer = CompressedLayer(i, q, None, window)
+            n = T if window is None else min(T, window - 1)
+            k = torch.randn(1, g.kv_heads, n, g.head_dim, generator=gen).to(dtype)
+            v = torch.randn(1, g.kv_heads, n, g.head_dim, generator=gen).to(dtype)
+            layer.update(k, v)
+            self.layers.append(layer)
+
+    def bytes(self, policy: Any) -> int:
+        """Bytes held once ``policy`` (None: keep all) kept its budget in every full layer."""
+        total = 0
+        for layer in self.layers:
+            if layer.window is None and policy is not None:
+                n = self.T
+                budget = resolve_budget(policy.budget, n) if isinstance(policy.budget, float) else min(policy.budget, n)
+                if budget < n:
+                    layer = copy.deepcopy(layer)
+                    lead, trail = layer.storage.protected()
+                    H = self.heads
+                    uneven = policy.scope != "head" and H > 1
+                    counts = [budget + (((-1) ** h) if uneven and h < H - (H % 2) else 0) for h in range(H)]
+                    layer.apply_keep_masks(_keep_masks(n, lead, trail, counts))
+            total += sum(layer.nbytes_by_category().values())
+        return total
+
+
 def predict_bytes(config: Any, plan: CachePlan, context_tokens: int, *, dtype: torch.dtype = torch.float32,
                   seed: int = 0) -> int:
     """Bytes a cache of ``plan`` holds after prefilling ``context_tokens`` tokens (batch 1).
@@ -99,28 +137,7 @@ def predict_bytes(config: Any, plan: CachePlan, context_tokens: int, *, dtype: t
     """
     if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 1:
         raise ValueError(f"context_tokens must be an int >= 1; got {context_tokens!r}")
-    plan.check_model(config)
-    g = kv_geometry(config)
-    quant, policy = plan.quant_config(), plan.eviction()
-    gen = torch.Generator().manual_seed(seed)
-    total = 0
-    for i, window in enumerate(layer_windows(config)):
-        q = quant if window is None or quant is None else quant.sliding_config()
-        layer = CompressedLayer(i, q, None, window)
-        n = context_tokens if window is None else min(context_tokens, window - 1)
-        k = torch.randn(1, g.kv_heads, n, g.head_dim, generator=gen).to(dtype)
-        v = torch.randn(1, g.kv_heads, n, g.head_dim, generator=gen).to(dtype)
-        layer.update(k, v)
-        if window is None and policy is not None:
-            budget = resolve_budget(policy.budget, n) if isinstance(policy.budget, float) else min(policy.budget, n)
-            if budget < n:
-                lead, trail = layer.storage.protected()
-                H = g.kv_heads
-                uneven = policy.scope != "head" and H > 1
-                counts = [budget + (((-1) ** h) if uneven and h < H - (H % 2) else 0) for h in range(H)]
-                layer.apply_keep_masks(_keep_masks(n, lead, trail, counts))
-        total += sum(layer.nbytes_by_category().values())
-    return total
+    return _DryRun(config, plan, context_tokens, dtype, seed).bytes(plan.eviction())
 
 
 def _with_prediction(config: Any, plan: CachePlan, context_tokens: int, dtype: torch.dtype, **extra) -> CachePlan:
@@ -140,17 +157,19 @@ def _largest_budget(config: Any, layout: QuantConfig, ratio: float, context_toke
     def plan_at(rho: float | None) -> CachePlan:
         return CachePlan.uniform(config, layout, None if rho is None else KVzip(budget=rho), name=name)
 
-    if fp16 / predict_bytes(config, plan_at(None), context_tokens, dtype=dtype) >= ratio:
+    run = _DryRun(config, plan_at(None), context_tokens, dtype)  # quantized once; budgets evict copies
+
+    def reaches(k: int | None) -> bool:
+        return fp16 / run.bytes(None if k is None else KVzip(budget=round(k * BUDGET_STEP, 4))) >= ratio
+
+    if reaches(None):
         return _with_prediction(config, plan_at(None), context_tokens, dtype)
-    lo, hi = 1, int(round(1 / BUDGET_STEP)) - 1  # search the largest k with ratio(k * step) >= target
-    if fp16 / predict_bytes(config, plan_at(lo * BUDGET_STEP), context_tokens, dtype=dtype) < ratio:
+    lo, hi = 1, int(round(1 / BUDGET_STEP)) - 1  # the largest k with ratio(k * step) >= target
+    if not reaches(lo):
         return None
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if fp16 / predict_bytes(config, plan_at(round(mid * BUDGET_STEP, 4)), context_tokens, dtype=dtype) >= ratio:
-            lo = mid
-        else:
-            hi = mid - 1
+        lo, hi = (mid, hi) if reaches(mid) else (lo, mid - 1)
     return _with_prediction(config, plan_at(round(lo * BUDGET_STEP, 4)), context_tokens, dtype)
 
 
