@@ -72,6 +72,12 @@ def _to_device(blk):
                         for f in blk.__dataclass_fields__})
 
 
+def cuda_only(fn):
+    """A check of the compiled kernels on a CUDA device (marker ``cuda``); never in the interpreter child."""
+    fn = pytest.mark.skipif(INTERPRET, reason="CUDA-only: runs compiled (pytest -m cuda), not in the interpreter")(fn)
+    return pytest.mark.cuda(fn)
+
+
 @pytest.fixture
 def triton_backend(monkeypatch):
     """The public ops routed to Triton on every device (the child's CPU tensors included)."""
@@ -331,7 +337,7 @@ def test_decode_logits_match_the_reference_path(monkeypatch, quant):
 
 
 # ----------------------------------------------------------------------------- CUDA only
-@pytest.mark.cuda
+@cuda_only
 def test_cache_on_cuda_counts_device_bytes_like_the_cpu():
     """The same cache on CUDA (default selection: Triton) and on the CPU (compiled): close logits,
     and the memory report counts the same bytes (device tensors' nbytes, nothing copied to the host)."""
@@ -344,7 +350,7 @@ def test_cache_on_cuda_counts_device_bytes_like_the_cpu():
                if t is not None)
 
 
-@pytest.mark.cuda
+@cuda_only
 def test_decoding_step_reads_nothing_back_from_the_gpu():
     """A decoding step that flushes nothing (the default layout's residual not yet full) runs its
     storage update and its one-call attention without a single host synchronisation."""
