@@ -1,0 +1,216 @@
+"""``kvcache serve`` under load: N concurrent clients x M questions about one 4K-token document.
+
+Three ways to answer the same questions about the same document, each in a fresh
+``kvcache serve`` process (SmolLM2-135M-Instruct, float32, CPU):
+
+* ``re-prefill``: what a plain server does; every request carries the whole document in its
+  message, so every question prefills the 4K tokens again;
+* ``full``: the document is prefilled once (``POST /v1/contexts`` with ``method=full``) and every
+  question starts from the stored, uncompressed cache (``context_id``);
+* a compressed method (default ``q4+kvzip@0.3``): the same, from the compressed cache.
+
+Each client asks its questions one after the other through the ``openai`` client, streaming
+(time to first token = until the first content chunk; latency = until ``[DONE]``). Reported
+per configuration: throughput (answers/s and generated tokens/s over the wall time of the whole
+load), p50 / p95 TTFT and latency, the context's KV bytes and its one-time prefill seconds, and
+the server's resident memory (Linux ``VmRSS`` after the load, ``VmHWM`` peak over the process's
+life, model loading included). One warm-up question per configuration is not counted. Every
+server runs with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``, as
+``bench_generate.py``) so resident memory reflects live buffers. Greedy answers, ``max_tokens``
+16 by default.
+
+Run: ``python benchmarks/bench_serve.py [--clients 4] [--questions 2] [--context 4096]
+[--method q4+kvzip@0.3] [--model smollm2] [--out benchmarks/results/]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+DOCUMENT = "gutenberg/pg1342.txt"  # Pride and Prejudice
+QUESTIONS = [
+    "Who is the author of this book?", "What is the name of the eldest Bennet daughter?",
+    "Who rents Netherfield Park?", "How many daughters do Mr. and Mrs. Bennet have?",
+    "What does Mrs. Bennet want for her daughters?", "Who is Mr. Darcy's friend?",
+    "Where do the Bennets live?", "How does Elizabeth first judge Mr. Darcy?",
+]
+MMAP_THRESHOLD = 1 << 20
+KEY = "bench"
+
+
+def _status(pid: int) -> dict[str, float]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            out[line.split(":")[0]] = int(line.split()[1]) / 1024
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def _document(model: str, tokens: int) -> str:
+    from kv_cache.models import load_model, shared_data_dir
+
+    _, tok = load_model(model)
+    text = (shared_data_dir() / DOCUMENT).read_text(encoding="utf-8")
+    start = text.find("Chapter 1")
+    ids = tok(text[max(start, 0):], add_special_tokens=False).input_ids[:tokens]
+    return tok.decode(ids)
+
+
+def run_config(name: str, method: str | None, doc: str, args: argparse.Namespace, store: Path) -> dict:
+    import httpx
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))}
+    cmd = [sys.executable, "-m", "kv_cache.cli", "serve", "--model", args.model, "--store", str(store / name),
+           "--port", str(port), "--api-key", KEY, "--request-timeout", "1200", "--log-level", "warning"]
+    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"{name}: the server exited: {server.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: the server did not start in 300 s")
+            time.sleep(0.3)
+        row: dict = {"config": name, "method": method or "(document in every request)"}
+        cid = None
+        if method is not None:
+            t0 = time.perf_counter()
+            r = httpx.post(base + "/v1/contexts", headers={"Authorization": f"Bearer {KEY}"}, timeout=1200,
+                           json={"document": doc, "method": method})
+            r.raise_for_status()
+            desc = r.json()
+            cid = desc["id"]
+            row.update(context_tokens=desc["tokens"], kv_bytes=desc["bytes"], fp16_bytes=desc["fp16_bytes"],
+                       ratio=desc["ratio"], prefill_s=desc["prefill_seconds"],
+                       compress_request_s=time.perf_counter() - t0)
+
+        def ask(client, question: str) -> dict:
+            content = question if cid else f"{doc}\n\n{question}"
+            t0 = time.perf_counter()
+            first, tokens, text = None, 0, []
+            stream = client.chat.completions.create(
+                model=args.model, messages=[{"role": "user", "content": content}], temperature=0,
+                max_tokens=args.max_tokens, stream=True, stream_options={"include_usage": True},
+                extra_body={"context_id": cid} if cid else None)
+            for ch in stream:
+                if ch.choices and ch.choices[0].delta.content:
+                    if first is None:
+                        first = time.perf_counter() - t0
+                    text.append(ch.choices[0].delta.content)
+                if ch.usage is not None:
+                    tokens = ch.usage.completion_tokens
+                    prompt = ch.usage.prompt_tokens
+            done = time.perf_counter() - t0
+            return {"ttft": first if first is not None else done, "latency": done, "tokens": tokens,
+                    "prompt_tokens": prompt, "answer": "".join(text)}
+
+        warm = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=1200)
+        ask(warm, QUESTIONS[0])
+        results: list[dict] = []
+        lock = threading.Lock()
+
+        def client_loop(i: int) -> None:
+            c = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=1200)
+            for k in range(args.questions):
+                res = ask(c, QUESTIONS[(i * args.questions + k) % len(QUESTIONS)])
+                with lock:
+                    results.append(res)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(args.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        mem = _status(server.pid)
+        ttft, lat = [r["ttft"] for r in results], [r["latency"] for r in results]
+        row.update(answers=len(results), wall_s=wall, answers_per_s=len(results) / wall,
+                   tokens_per_s=sum(r["tokens"] for r in results) / wall,
+                   prompt_tokens=statistics.mean(r["prompt_tokens"] for r in results),
+                   ttft_p50=_pct(ttft, 0.5), ttft_p95=_pct(ttft, 0.95), latency_p50=_pct(lat, 0.5),
+                   latency_p95=_pct(lat, 0.95), rss_mib=mem.get("VmRSS"), peak_rss_mib=mem.get("VmHWM"),
+                   sample_answer=results[0]["answer"])
+        return row
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        server.stderr.close()
+
+
+def table(rows: list[dict], args: argparse.Namespace) -> str:
+    head = ("| configuration | method | context KV bytes (vs fp16) | one-time prefill s | answers/s | tokens/s | "
+            "TTFT p50 / p95 s | latency p50 / p95 s | RSS / peak MiB |")
+    lines = [f"# kvcache serve: {args.clients} clients x {args.questions} questions, {args.model}, "
+             f"{args.context}-token document ({DOCUMENT}), max_tokens {args.max_tokens}, greedy, streaming", "",
+             head, "|" + "---|" * 9]
+    for r in rows:
+        kv = (f"{r['kv_bytes'] / 2**20:.1f} MiB ({r['ratio']:.2f}x smaller)" if "kv_bytes" in r else "none stored")
+        pre = f"{r['prefill_s']:.2f}" if "prefill_s" in r else "every request"
+        lines.append(f"| {r['config']} | `{r['method']}` | {kv} | {pre} | {r['answers_per_s']:.2f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['ttft_p50']:.2f} / {r['ttft_p95']:.2f} | "
+                     f"{r['latency_p50']:.2f} / {r['latency_p95']:.2f} | {r['rss_mib']:.0f} / "
+                     f"{r['peak_rss_mib']:.0f} |")
+    lines += ["", "Requests run one at a time on the server's single model worker; the clients queue. Ratios "
+              "are against an fp16 cache of the same tokens (the model runs float32, so the full cache holds "
+              "2x). Peak RSS includes loading the model and, for stored contexts, compressing the document."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--context", type=int, default=4096, help="document tokens [4096]")
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--questions", type=int, default=2, help="questions per client [2]")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--method", default="q4+kvzip@0.3", help="the compressed configuration [q4+kvzip@0.3]")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args()
+    import tempfile
+
+    doc = _document(args.model, args.context)
+    rows = []
+    with tempfile.TemporaryDirectory() as store:
+        for name, method in (("re-prefill", None), ("full cache", "full"), ("compressed", args.method)):
+            print(f"== {name} ...", flush=True)
+            rows.append(run_config(name, method, doc, args, Path(store)))
+            print(json.dumps(rows[-1], indent=1), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_serve_{args.model}_ctx{args.context}_n{args.clients}_m{args.questions}"
+    (out / f"{stem}.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    md = table(rows, args)
+    (out / f"{stem}.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
