@@ -174,6 +174,21 @@ def test_preset_sized_for_the_document(http):
     assert desc["method"] == "4x" and desc["ratio"] >= 3.0
 
 
+def test_plan_object_as_kvcache_plan_writes_it(http, client, stories):
+    from kv_cache import KVzip, QuantConfig
+    from kv_cache.plan import CachePlan
+
+    model, _ = stories
+    plan = CachePlan.uniform(model.config, QuantConfig(bits=4), KVzip(budget=0.5), name="test-plan")
+    desc = create(http, plan=json.loads(plan.to_json()))
+    assert desc["method"] == f"plan test-plan ({plan.fingerprint})" and desc["ratio"] > 1
+    assert ask(client, desc["id"]).choices[0].message.content
+    other = CachePlan.from_json(plan.to_json())
+    doc = json.loads(other.to_json())
+    doc["layers"] = doc["layers"][:-1]  # edited by hand: its fingerprint no longer matches
+    error(http.post("/v1/contexts", json={"document": DOC, "plan": doc}), 400, "invalid_method")
+
+
 def test_document_too_long_or_not_text_400(http, stories):
     _, tok = stories
     long_doc = "Lily and Tom played in the park with the big red ball. " * 30
