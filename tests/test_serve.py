@@ -343,3 +343,26 @@ def test_eight_concurrent_clients(srv, http):
     assert len(set(alone.values())) > 1
 
 
+
+
+# ------------------------------------------------------------------------------ a chat template
+@pytest.mark.slow
+def test_chat_template_context_answers_as_compressed_context(tmp_path):
+    """SmolLM2 has a chat template: the stored context is the template's head + the document, a
+    question comes with the template's tail (kv_cache.chat), as CompressedContext.build does."""
+    from kv_cache import QuantConfig
+    from kv_cache.models import load_model
+
+    model, tok = load_model("smollm2")
+    with serving(model, tok, tmp_path) as server:
+        with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=120) as h:
+            desc = create(h, method="q4d")
+        c = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        out = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What did Lily find?"}],
+                                        temperature=0, max_tokens=12, extra_body={"context_id": desc["id"]})
+    ref = CompressedContext.build(model, tok, DOC, quant=QuantConfig(bits=4))
+    assert ref.question_suffix and desc["tokens"] == ref.context_tokens
+    stored = CompressedContext.load(tmp_path / f"{desc['id']}.kvc", model, tok)
+    assert stored.question_suffix == ref.question_suffix
+    assert out.choices[0].message.content == ref.ask("What did Lily find?", max_new_tokens=12)
+    assert out.usage.prompt_tokens == ref.context_tokens + len(ref.question_ids("What did Lily find?", 12))

@@ -2,13 +2,16 @@
 
 Both run on the worker thread of :class:`~kv_cache.serve.engine.Engine`, under its model lock.
 
-**Prompts.** The messages are rendered with the tokenizer's chat template when it has one
-(SmolLM2: ``<|im_start|>user ... <|im_start|>assistant``, the generation prompt added), or else
-as their texts joined by newlines (stories260K). Without a context the prompt is the whole input
-(the tokenizer's special tokens, BOS, added); with ``context_id`` it is appended after the stored
-document at the positions that follow it, without special tokens (as
-:meth:`kv_cache.CompressedContext.ask`), inside ``cache.session()``: the question and answer go
-to a tail that is dropped after, so the stored context never changes.
+**Prompts.** Without a context, the messages are rendered with the tokenizer's chat template
+when it has one (SmolLM2; the generation prompt added), or else as their texts joined by
+newlines (stories260K, BOS added). A stored context follows :class:`kv_cache.CompressedContext`
+(:mod:`kv_cache.chat`, kvpress' split): with a chat template, the template's head and the
+document are compressed (``<|im_start|>user`` + document) and the template's tail is saved
+with the file; a chat request's messages (their texts joined by newlines) are the question,
+appended as ``"\n" + question + tail`` (:meth:`~kv_cache.CompressedContext.question_ids`) at the
+positions after the context, inside ``cache.session()``: the question and answer go to a tail
+that is dropped after, so the stored context never changes. Without a template the document
+and the question are raw text.
 
 **Usage.** ``prompt_tokens`` counts every token the answer attends to: the stored context's
 tokens plus the rendered messages (``prompt_tokens_details.cached_tokens``: the context's part).
@@ -64,9 +67,10 @@ class Service:
     max_document_tokens: int | None = None  # None: what the model's positions allow
 
     # ----------------------------------------------------------------- POST /v1/contexts
-    def settings(self, req: ContextRequest, tokens: int) -> tuple[Any, Any, str]:
-        """``(quant, eviction, name)`` of the request's method, preset (sized for ``tokens``) or plan;
-        ``invalid_method`` when it does not parse or does not fit this model."""
+    def settings(self, req: ContextRequest, tokens: int) -> tuple[Any, Any, Any, str]:
+        """``(quant, eviction, plan, name)`` of the request's method, or preset (sized for
+        ``tokens``) or plan (then ``plan`` is the :class:`~kv_cache.plan.CachePlan` and ``quant``
+        None); ``invalid_method`` when it does not parse or does not fit this model."""
         from ..cli_context import method_settings
         from ..plan import CachePlan, preset_plan
 
@@ -75,23 +79,32 @@ class Service:
                 limit = max_positions(self.model.config) or tokens
                 plan = preset_plan(self.model.config, req.preset, context_tokens=min(tokens, limit),
                                    dtype=next(self.model.parameters()).dtype)
-                return plan.quant_config(), plan.eviction(), req.preset
+                return None, plan.eviction(), plan, req.preset
             if req.plan is not None:
                 plan = CachePlan.from_json(json.dumps(req.plan), "plan")
                 plan.check_model(self.model.config)
-                return plan.quant_config(), plan.eviction(), f"plan {plan.name} ({plan.fingerprint})"
-            return method_settings(req.method, None, self.model)
+                return None, plan.eviction(), plan, f"plan {plan.name} ({plan.fingerprint})"
+            quant, eviction, spec = method_settings(req.method, None, self.model)
+            return quant, eviction, None, spec
         except (ValueError, TypeError, RuntimeError) as exc:  # RuntimeError: a peer whose package is missing
             param = "preset" if req.preset is not None else "plan" if req.plan is not None else "method"
             raise ApiError("invalid_method", str(exc), param=param) from None
 
     def compress(self, req: ContextRequest, job: Job) -> dict[str, Any]:
-        ids = _text_ids(self.tokenizer, req.document)
+        from ..chat import has_chat_template, split_chat
+
+        suffix = None
+        if has_chat_template(self.tokenizer):
+            try:
+                head, suffix = split_chat(self.tokenizer, req.document)
+            except ValueError:  # a template that splits the user's text: raw text, as build(chat=False)
+                suffix = None
+        ids = _ids(self.tokenizer, head) if suffix is not None else _text_ids(self.tokenizer, req.document)
         limit = self.max_document_tokens
         if limit is not None and len(ids) > limit:
             raise ApiError("document_too_long", f"the document is {len(ids):,} tokens; this server takes at most "
                                                 f"{limit:,} (kvcache serve --max-document-tokens)", param="document")
-        quant, eviction, spec = self.settings(req, len(ids))
+        quant, eviction, plan, spec = self.settings(req, len(ids))
         try:
             kept = fit_context(ids, self.model.config, self.tokenizer, eviction, max_tokens=req.max_tokens,
                                keep=req.keep)
@@ -99,10 +112,13 @@ class Service:
             raise ApiError("document_too_long", str(exc), param="max_tokens" if req.max_tokens else "document"
                            ) from None
         if req.preset is not None and len(kept) < len(ids):  # a preset is sized for what is compressed
-            quant, eviction, spec = self.settings(req, len(kept))
+            quant, eviction, plan, spec = self.settings(req, len(kept))
         job.check()
-        ctx = CompressedContext.build(self.model, self.tokenizer, kept, quant=quant, eviction=eviction)
-        ctx.document_tokens = len(ids)
+        if plan is not None:
+            ctx = CompressedContext.build(self.model, self.tokenizer, kept, plan=plan)
+        else:
+            ctx = CompressedContext.build(self.model, self.tokenizer, kept, quant=quant, eviction=eviction)
+        ctx.document_tokens, ctx.question_suffix = len(ids), suffix
         if job.cancelled or job.expired():  # the client has its answer (a timeout): keep nothing
             job.check()
             raise ApiError("request_timeout", "the request was cancelled")
@@ -142,11 +158,14 @@ class Service:
 
     def chat(self, req: ChatRequest, job: Job) -> dict[str, Any]:
         tok, model = self.tokenizer, self.model
-        text = render_messages(tok, req.messages)
         with torch.no_grad():
             if req.context_id is not None:
                 ctx = self._context(req.context_id)
-                ids = _ids(tok, text)
+                question = "\n".join(text for _, text in req.messages)
+                try:  # the template's tail after the question when the context was built with it
+                    ids = ctx.question_ids(question, 1)
+                except ValueError as exc:
+                    raise ApiError("context_length_exceeded", str(exc), param="messages") from None
                 cached = ctx.context_tokens
                 n_new = self._budget(req, cached + len(ids), len(ids))
                 with compress(model, ctx.cache), ctx.cache.session():
@@ -154,7 +173,7 @@ class Service:
                     return self._generate(req, job, ctx.cache, logits, cached + len(ids), n_new, cached, len(ids))
             from transformers import DynamicCache
 
-            ids = _text_ids(tok, text)
+            ids = _text_ids(tok, render_messages(tok, req.messages))
             n_new = self._budget(req, len(ids), len(ids))
             cache = DynamicCache()
             logits = forward_at(model, cache, torch.tensor([ids]), 0, last_only=True)[0, -1]

@@ -143,6 +143,8 @@ class ContextStore:
         extra = {**extra, "context_tokens": ctx.context_tokens, "document_tokens": ctx.document_tokens,
                  "created": int(time.time()), "kv_bytes": int(report.total_bytes),
                  "fp16_bytes": int(report.fp16_bytes)}
+        if getattr(ctx, "question_suffix", None) is not None:  # CompressedContext.load restores it
+            extra["question_suffix"] = ctx.question_suffix
         tmp, final = self.directory / f"{TMP_PREFIX}{cid}{SUFFIX}", self._path(cid)
         try:
             save_cache(ctx.cache, tmp, model_config=self.model.config, extra=extra)
