@@ -253,31 +253,27 @@ def _ours(spec: str, parts: list[str]) -> Method:
                   needs_tokenizer=policy is not None and policy.needs_reconstruction)
 
 
-def _planned(spec: str, name: str, get_plan: Callable[[Any], Any], resolved: str) -> Method:
+def _planned(spec: str, get_plan: Callable[[Any], Any], resolved: str) -> Method:
     """A method whose cache is ``CompressedCache(config, plan=get_plan(model))``."""
-
     def make(model):
         cache = CompressedCache(model.config, plan=get_plan(model))
         return cache, lambda: compress(model, cache)
-
     return Method(spec, "ours", None, None, make, resolved=resolved, needs_tokenizer=True)
 
 
 def _plan_file(spec: str, m: re.Match[str]) -> Method:
-    """``plan[<path>]``: a plan file (``kvcache plan``); the path keeps the case it was given in."""
+    """``plan[<path>]``: a plan file, read now (the path keeps the case it was given in)."""
     from ..plan import CachePlan
 
-    path = spec.strip()[len("plan["):-1]
-    plan = CachePlan.load(path)  # validated now: a bad file fails before anything runs
-    return _planned(spec, plan.name, lambda model: plan, f"kv_cache plan {plan.fingerprint}")
+    plan = CachePlan.load(spec.strip()[len("plan["):-1])
+    return _planned(spec, lambda model: plan, f"kv_cache plan {plan.fingerprint}")
 
 
 def _preset(spec: str, m: re.Match[str]) -> Method:
-    """``<r>x``: the documented default plan for that ratio (``kv_cache.plan.preset_plan``)."""
+    """``<r>x``: ``kv_cache.plan.preset_plan`` for that ratio, sized once per model (not per sample)."""
     from ..plan import parse_target, preset_plan
 
-    ratio = parse_target(m.string)  # validates (> 1)
-    made: dict = {}  # one plan per model (sizing it runs dry runs of the storage), not one per sample
+    ratio, made = parse_target(m.string), {}
 
     def get(model):
         key = (id(model), next(model.parameters()).dtype)
@@ -285,8 +281,7 @@ def _preset(spec: str, m: re.Match[str]) -> Method:
             made.clear()
             made[key] = preset_plan(model.config, m.string, dtype=key[1])
         return made[key]
-
-    return _planned(spec, m.string, get, f"kv_cache preset {ratio:g}x")
+    return _planned(spec, get, f"kv_cache preset {ratio:g}x")
 
 
 def _hf(backend: str, spec: str, m: re.Match[str]) -> Method:
