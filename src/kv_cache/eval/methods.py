@@ -33,6 +33,7 @@ from ..compression.packing import SUPPORTED_BITS
 from ..plan.bit_allocation import load_bit_profile
 from ..policies import POLICIES, EvictionPolicy
 from ..policies.base import SCOPES
+from .plan_methods import plan_file as _plan_file, preset as _preset
 
 REFERENCE_SPEC = "full"  # the uncompressed cache every other method is measured against
 
@@ -251,37 +252,6 @@ def _ours(spec: str, parts: list[str]) -> Method:
     return Method(spec, "ours", None if quant is None else quant.bits, None if policy is None else policy.budget,
                   make, resolved=f"kv_cache quant={quant!r} eviction={policy!r}",
                   needs_tokenizer=policy is not None and policy.needs_reconstruction)
-
-
-def _planned(spec: str, get_plan: Callable[[Any], Any], resolved: str) -> Method:
-    """A method whose cache is ``CompressedCache(config, plan=get_plan(model))``."""
-    def make(model):
-        cache = CompressedCache(model.config, plan=get_plan(model))
-        return cache, lambda: compress(model, cache)
-    return Method(spec, "ours", None, None, make, resolved=resolved, needs_tokenizer=True)
-
-
-def _plan_file(spec: str, m: re.Match[str]) -> Method:
-    """``plan[<path>]``: a plan file, read now (the path keeps the case it was given in)."""
-    from ..plan import CachePlan
-
-    plan = CachePlan.load(spec.strip()[len("plan["):-1])
-    return _planned(spec, lambda model: plan, f"kv_cache plan {plan.fingerprint}")
-
-
-def _preset(spec: str, m: re.Match[str]) -> Method:
-    """``<r>x``: ``kv_cache.plan.preset_plan`` for that ratio, sized once per model (not per sample)."""
-    from ..plan import parse_target, preset_plan
-
-    ratio, made = parse_target(m.string), {}
-
-    def get(model):
-        key = (id(model), next(model.parameters()).dtype)
-        if key not in made:
-            made.clear()
-            made[key] = preset_plan(model.config, m.string, dtype=key[1])
-        return made[key]
-    return _planned(spec, get, f"kv_cache preset {ratio:g}x")
 
 
 def _hf(backend: str, spec: str, m: re.Match[str]) -> Method:
