@@ -1,5 +1,6 @@
-"""Model-free tests of the generation loop's pure parts (kv_cache.generation) and of
-``kvcache serve``'s option parsing: sampling, nucleus cut, seeds, stop strings."""
+"""Tests of the generation loop (kv_cache.generation): its pure parts model-free (sampling,
+nucleus cut, seeds, stop strings, ``kvcache serve``'s option parsing), and on stories260K that
+the eval runner and ``CompressedContext.ask`` decode with this one loop."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import math
 import pytest
 import torch
 
+import kv_cache.generation
+from kv_cache import CompressedContext, QuantConfig, compress
 from kv_cache.cli_serve import parse_bytes
+from kv_cache.context import forward_at
+from kv_cache.eval import runner
 from kv_cache.generation import SamplingParams, sample_token, stop_scan
 
 
@@ -91,3 +96,30 @@ def test_kvcache_serve_refuses_bad_options_before_loading(tmp_path, capsys):
     assert "--cache-bytes must be a byte count" in capsys.readouterr().err
     assert main(["serve", "--store", str(tmp_path), "--model", "no-such-model", "--port", "70000"]) == 2
     assert "--port must be in [1, 65535]; got 70000" in capsys.readouterr().err
+
+
+def test_eval_and_ask_share_one_loop(stories):
+    """The eval's greedy answers (runner._greedy) and ``ask`` are the same loop: the same tokens
+    over the same compressed context and question, and both stop before an EOS token, which
+    neither returns."""
+    model, tok = stories
+    assert runner.generate_tokens is kv_cache.generation.generate_tokens
+    text = "Once upon a time there was a little girl named Lily. She loved to play outside in the sun. " * 4
+    ctx = CompressedContext.build(model, tok, text, quant=QuantConfig(bits=4), chat=False)
+    question = tok("Lily loved to", add_special_tokens=False).input_ids
+
+    def eval_answer(eos: set[int]) -> list[int]:
+        with compress(model, ctx.cache), ctx.cache.session(), torch.no_grad():
+            logits = forward_at(model, ctx.cache, torch.tensor([question]), ctx.context_tokens)
+            out, tps = runner._greedy(model, ctx.cache, logits[0, -1], ctx.context_tokens + len(question), 12, eos)
+        assert len(out) == 0 or tps > 0 or math.isnan(tps)
+        return out
+
+    full = eval_answer(set())
+    assert len(full) == 12
+    assert ctx.ask(question, max_new_tokens=12, eos_token_ids=[]) == tok.decode(full, skip_special_tokens=True)
+    # A token of the answer made the EOS: both stop right before its first occurrence.
+    k = next(i for i in range(3, 12) if full[i] not in full[:i])
+    eos = full[k]
+    assert eval_answer({eos}) == full[:k]
+    assert ctx.ask(question, max_new_tokens=12, eos_token_ids=[eos]) == tok.decode(full[:k], skip_special_tokens=True)

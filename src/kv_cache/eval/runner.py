@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from ..cache.report import fp16_kv_bytes
 from ..context import forward_at, prefill
+from ..generation import SamplingParams, generate_tokens
 from .accounting import held_nbytes, walked_nbytes  # noqa: F401  (re-exported: runner's public API)
 from .metrics import ReferenceLogProbs, bits_per_element, next_token_kl
 from .methods import REFERENCE_SPEC, Method, MethodUnavailable, parse_methods
@@ -112,18 +113,15 @@ def _cost(pre: Prefilled) -> dict:
 
 
 def _greedy(model, cache, logits: torch.Tensor, pos: int, n: int, eos: set[int]) -> tuple[list[int], float]:
-    """Greedy decode ``n`` tokens after ``logits``; returns tokens and decode tokens/s."""
-    out: list[int] = []
-    nxt = int(logits[0, -1].argmax())
+    """Greedy decode up to ``n`` tokens after ``logits`` ``[vocab]`` with the shared loop
+    (:func:`kv_cache.generation.generate_tokens`, as ``CompressedContext.ask`` and the server):
+    it stops before an ``eos`` token (not returned). Returns the tokens and decode tokens/s: the
+    forward passes run (one per token fed back) over the time they took."""
     t0 = time.perf_counter()
-    for i in range(n):
-        out.append(nxt)
-        if nxt in eos:
-            break
-        logits = forward_at(model, cache, torch.tensor([[nxt]]), pos + i)
-        nxt = int(logits[0, -1].argmax())
+    out = list(generate_tokens(model, cache, logits, pos, max_new_tokens=n, params=SamplingParams(), eos=eos))
     dt = time.perf_counter() - t0
-    steps = max(len(out) - 1, 0)
+    # Every yielded token is fed back except the last one of a full-length answer.
+    steps = len(out) if len(out) < n else n - 1
     return out, (steps / dt if steps and dt > 0 else float("nan"))
 
 
@@ -145,7 +143,7 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None,
             all_logits = torch.cat([pre.logits[:, -1:], logits], dim=1)[0]  # predicts every continuation token
             nll = F.cross_entropy(all_logits, cont[0], reduction="mean").item()
             argmax = all_logits.argmax(-1).tolist()
-            _, tps = _greedy(model, pre.cache, all_logits[None, -1:], prefix.shape[1] + cont.shape[1],
+            _, tps = _greedy(model, pre.cache, all_logits[-1], prefix.shape[1] + cont.shape[1],
                              DECODE_TIMING_TOKENS, set())
         finally:
             pre.scope.close()
@@ -172,7 +170,7 @@ def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, 
         pre = _prefill(model, method, ctx_ids, tok)
         try:
             logits = forward_at(model, pre.cache, q_ids, ctx_ids.shape[1])
-            out, tps = _greedy(model, pre.cache, logits, ctx_ids.shape[1] + q_ids.shape[1], n_new, eos)
+            out, tps = _greedy(model, pre.cache, logits[0, -1], ctx_ids.shape[1] + q_ids.shape[1], n_new, eos)
         finally:
             pre.scope.close()
     prediction = tok.decode(out, skip_special_tokens=True)
