@@ -171,7 +171,7 @@ def test_report_shows_prefill_cost_and_accuracy_by_depth():
                 sample(1.0, 0.1, prefill_cost=2.5), sample(0.0, 0.5, prefill_cost=2.5),
                 sample(1.0, 0.95, prefill_cost=2.5)]}}}}}
     text = markdown_table(doc)
-    assert "| prefill cost |" in text and "| 2.50x |" in text and "| 1x |" in text
+    assert "| prefill cost |" in text and "| 2.50x |" in text and "| 1x |" not in text  # full: not measured, -
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| `")}
     depth_rows = [line for line in text.splitlines() if line.startswith("| `kvzip@0.25` | 100% (1)")]
     assert len(depth_rows) == 1 and "| 0% (1) |" in depth_rows[0]  # the 40-60% bin lost its needle

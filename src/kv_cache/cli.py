@@ -26,7 +26,8 @@ from typing import Any
 
 TASKS_HELP = """\
 tasks: ppl (teacher-forced continuation perplexity), needle (=niah_single), multikey,
-  multivalue, multiquery, vt, cwe, passkey
+  multivalue, multiquery, vt, cwe, passkey, longgen (a long continuation fed one token per step
+  over the method's cache: perplexity of the generated part and memory over the steps)
 """
 
 EVAL_OUT = "runs/eval"

@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .longgen import TASK as LONGGEN, longgen_table, plot_memory
+
 
 def _fmt_bytes(n: float | None) -> str:
     if n is None:
@@ -37,12 +39,13 @@ def _fmt_kl(te: dict) -> str:
 
 def markdown_table(doc: dict) -> str:
     """One row per method: bits, budget, measured KV bytes, ratio vs fp16, bits per element, scores
-    (ppl: ppl, Δppl, greedy agreement, KL from the full cache), decode tokens/s."""
+    (ppl: ppl, Δppl, greedy agreement, KL from the full cache), decode tokens/s, prefill cost;
+    then the accuracy by needle depth and the long-generation table (:func:`longgen_table`)."""
     methods = list(doc["methods"].values())
     tasks = []
     for m in methods:
         for t in m["tasks"]:
-            if t not in tasks:
+            if t not in tasks and t != LONGGEN:  # longgen has a table of its own
                 tasks.append(t)
     head = ["method", "bits", "budget", "KV bytes (measured)", "ratio vs fp16", "bits/elem"]
     for t in tasks:
@@ -72,7 +75,7 @@ def markdown_table(doc: dict) -> str:
         row.append("-" if tps is None else f"{tps:.1f}")
         if with_cost:
             cost = m.get("prefill_cost")
-            row.append("1x" if cost is None else f"{cost:.2f}x")
+            row.append("-" if cost is None else f"{cost:.2f}x")
         if m.get("error"):
             row[0] += f" (failed: {m['error'][:60]})"
         lines.append("| " + " | ".join(row) + " |")
@@ -89,11 +92,16 @@ def markdown_table(doc: dict) -> str:
                  "token of the context prefilled, so for eviction methods it is per element of the full context "
                  "(what a token of context costs), not per element kept.")
     if with_cost:
-        lines.append("prefill cost = time of the whole prefill (KVzip: context prefill + reconstruction pass) over "
-                     "the plain context prefill of the same run and sample; 1x: a plain prefill.")
+        lines.append("prefill cost = time of the method's prefill over a plain prefill (transformers DynamicCache, "
+                     "no hooks) of the same ids, run just before it in the same sample (retrieval tasks); `full` is "
+                     "that plain prefill (1x by construction); KVzip: its context prefill + reconstruction pass over "
+                     "its own context prefill, in every task; `-`: not measured (rows of runs before the measurement).")
     depth = depth_table(doc)
     if depth:
         lines.append("\n" + depth)
+    longgen = longgen_table(doc)
+    if longgen:
+        lines.append("\n" + longgen)
     if "ppl" in tasks:
         lines.append("KL = mean over continuation positions and windows of KL(P_full || P_method) of the "
                      "next-token distribution (softmax of the logits, whole vocabulary); `-`: not measured "
@@ -165,15 +173,17 @@ def pareto_plot(doc: dict, path: str | Path) -> Path:
     for m in methods:
         tasks += [t for t in m["tasks"] if t not in tasks]
     tasks = tasks or ["ppl"]
-    fig = Figure(figsize=(max(7.0, 6.0 * len(tasks)), 5.0))
+    panels = len(tasks) + (LONGGEN in tasks)  # longgen adds its memory over the steps
+    fig = Figure(figsize=(max(7.0, 6.0 * panels), 5.0))
     FigureCanvasAgg(fig)
     for i, task in enumerate(tasks):
-        ax = fig.add_subplot(1, len(tasks), i + 1)
+        ax = fig.add_subplot(1, panels, i + 1)
         points = []
         for m in methods:
-            sc = m["tasks"].get(task, {}).get("score")
-            if sc is not None:
-                points.append((m["kv_bytes"] / 2**20, sc, m))
+            te = m["tasks"].get(task, {})
+            x = te.get("max_bytes") if task == LONGGEN else m["kv_bytes"]  # longgen: the most held while decoding
+            if te.get("score") is not None and x:
+                points.append((x / 2**20, te["score"], m))
         # Stagger labels of nearby points so they stay readable.
         points.sort(key=lambda p: (p[0], p[1]))
         for j, (x, y, m) in enumerate(points):
@@ -184,13 +194,17 @@ def pareto_plot(doc: dict, path: str | Path) -> Path:
                         arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "0.6"})
         ax.set_xscale("log")
         _plain_log_labels(ax.xaxis)
-        if task == "ppl":
+        if task in ("ppl", LONGGEN):
             ax.set_yscale("log")  # one bad configuration must not flatten the rest
             _plain_log_labels(ax.yaxis)
-        ax.set_xlabel("KV bytes held after prefill (MiB, log)")
-        ax.set_ylabel("perplexity (log, lower is better)" if task == "ppl" else "accuracy (higher is better)")
+        ax.set_xlabel("largest KV bytes held over the steps (MiB, log)" if task == LONGGEN
+                      else "KV bytes held after prefill (MiB, log)")
+        ax.set_ylabel("perplexity of the generated part (log, lower is better)" if task == LONGGEN else
+                      "perplexity (log, lower is better)" if task == "ppl" else "accuracy (higher is better)")
         ax.set_title(task)
         ax.grid(True, which="both", alpha=0.3)
+    if LONGGEN in tasks:
+        plot_memory(fig.add_subplot(1, panels, panels), doc)
     fig.suptitle("kv_cache: quality vs measured KV memory (circles: kv_cache, triangles: peers)", fontsize=9)
     fig.tight_layout()
     path = Path(path)

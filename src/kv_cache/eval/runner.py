@@ -14,7 +14,9 @@ cache's layers, quantized subclasses included), then:
 * every task: ``bits_per_element = 16 * kv_bytes / fp16_bytes`` (:func:`bits_per_element`), the
   bytes held per K/V element of the context prefilled (tokens seen, so eviction counts in it);
 * retrieval tasks: the question is appended and the answer decoded greedily, scored with
-  :func:`kv_cache.eval.tasks.score_retrieval`; decode tokens/s are timed here.
+  :func:`kv_cache.eval.tasks.score_retrieval`; decode tokens/s are timed here, and the prefill
+  cost (the method's prefill over a plain prefill of the same ids, :mod:`.prefill_cost`);
+* ``longgen``: the continuation fed one token per step over the bounded cache (:mod:`.longgen`).
 
 Positions are passed explicitly (``position_ids`` absolute, ``cache_position`` from the cache's
 own length), so peers whose caches report the kept length after eviction decode correctly too.
@@ -40,8 +42,10 @@ from ..cache.report import fp16_kv_bytes
 from ..context import forward_at, prefill
 from ..generation import SamplingParams, generate_tokens
 from .accounting import held_nbytes, walked_nbytes  # noqa: F401  (re-exported: runner's public API)
+from .longgen import TASK as LONGGEN, check_longgen, run_longgen_sample, summarize_longgen
 from .metrics import ReferenceLogProbs, bits_per_element, next_token_kl
 from .methods import REFERENCE_SPEC, Method, MethodUnavailable, parse_methods
+from .prefill_cost import plain_prefill_seconds, prefill_cost
 from .tasks import (TASKS, TaskRequest, build_prompt, build_task, check_context_fits, perplexity_windows,
                     score_retrieval)
 
@@ -49,7 +53,7 @@ log = logging.getLogger(__name__)
 
 TASK_ALIASES = {"needle": "niah_single", "multikey": "niah_multikey", "multivalue": "niah_multivalue",
                 "multiquery": "niah_multiquery"}
-KNOWN_TASKS = ("ppl", *TASKS)
+KNOWN_TASKS = ("ppl", *TASKS, LONGGEN)
 DECODE_TIMING_TOKENS = 8
 
 
@@ -73,7 +77,8 @@ class Prefilled:
     logits: torch.Tensor
     kv_bytes: int
     scope: Any = field(repr=False)
-    prefill_cost: float = 1.0  # prefill time over a plain prefill's (KVzip's reconstruction pass)
+    prefill_cost: float | None = None  # KVzip: its in-run prefill + reconstruction over its context prefill
+    prefill_s: float | None = None  # seconds of the whole prefill
 
 
 def _prefill(model, method: Method, ids: torch.Tensor, tokenizer=None, last_only: bool = False) -> Prefilled:
@@ -92,7 +97,9 @@ def _prefill(model, method: Method, ids: torch.Tensor, tokenizer=None, last_only
         except BaseException:
             scope.close()
             raise
-        return Prefilled(cache, logits.float(), held_nbytes(cache), scope, stats.cost_ratio)
+        return Prefilled(cache, logits.float(), held_nbytes(cache), scope, stats.cost_ratio,
+                         stats.prefill_s + stats.reconstruction_s)
+    t0 = time.perf_counter()
     if method.prefill_only_context:
         with ctx():
             logits = forward_at(model, cache, ids, 0, last_only=last_only)
@@ -103,13 +110,13 @@ def _prefill(model, method: Method, ids: torch.Tensor, tokenizer=None, last_only
         except BaseException:
             scope.close()
             raise
-    return Prefilled(cache, logits, held_nbytes(cache), scope)
+    return Prefilled(cache, logits, held_nbytes(cache), scope, prefill_s=time.perf_counter() - t0)
 
 
-def _cost(pre: Prefilled) -> dict:
-    """``{"prefill_cost": x}`` for a prefill that ran a scoring pass of its own (else nothing,
-    so the results of other methods keep their fields)."""
-    return {} if pre.prefill_cost == 1.0 else {"prefill_cost": pre.prefill_cost}
+def _cost(pre: Prefilled, plain_s: float | None = None) -> dict:
+    """The prefill cost fields of a sample: KVzip's own in-run ratio, else ``pre``'s time over
+    ``plain_s`` (a plain prefill of the same ids); nothing when neither was measured."""
+    return {"prefill_cost": pre.prefill_cost} if pre.prefill_cost is not None else prefill_cost(pre.prefill_s, plain_s)
 
 
 def _greedy(model, cache, logits: torch.Tensor, pos: int, n: int, eos: set[int]) -> tuple[list[int], float]:
@@ -167,7 +174,10 @@ def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, 
     eos = {t for t in [tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)]
            if isinstance(t, int)}
     with torch.no_grad():
+        # The reference is the plain prefill (cost 1); KVzip times its own pass (Prefilled.prefill_cost).
+        plain_s = None if method.is_reference or method.needs_tokenizer else plain_prefill_seconds(model, ctx_ids)
         pre = _prefill(model, method, ctx_ids, tok)
+        plain_s = pre.prefill_s if method.is_reference else plain_s
         try:
             logits = forward_at(model, pre.cache, q_ids, ctx_ids.shape[1])
             out, tps = _greedy(model, pre.cache, logits[0, -1], ctx_ids.shape[1] + q_ids.shape[1], n_new, eos)
@@ -177,7 +187,7 @@ def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, 
     return {"index": sample.metadata.get("index", 0), "prediction": prediction, "expected": list(sample.expected),
             "score": score_retrieval(prediction, sample.expected), "depth": sample.depth,
             "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_kv_bytes(model.config, ctx_ids.shape[1]),
-            "context_tokens": int(ctx_ids.shape[1]), "decode_tokens_per_s": tps, **_cost(pre)}
+            "context_tokens": int(ctx_ids.shape[1]), "decode_tokens_per_s": tps, **_cost(pre, plain_s)}
 
 
 def _option(default: Any, help_text: str) -> Any:
@@ -207,7 +217,9 @@ class EvalConfig:
     methods: list[str] = _option(["full", "q4"], "comma-separated method specs")
     samples: int = _option(8, "samples per task")
     context: int = _option(2048, "context length in tokens")
-    continuation: int = _option(256, "ppl: tokens scored after the compressed prefix")
+    continuation: int = _option(256, "ppl: tokens scored after the compressed prefix; longgen: tokens fed one per "
+                                     "step (teacher forcing) after the context - continuation tokens of the "
+                                     "compressed prefix")
     query_aware: bool = _option(False, "retrieval: compress the question together with the context, so "
                                        "compression can see it")
     haystack: str = _option("text", "retrieval haystack")
@@ -284,7 +296,9 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
 
     samples: dict[str, list] = {}
     for task in tasks:
-        if task == "ppl":
+        if task == LONGGEN:
+            check_longgen(cfg.context, cfg.continuation)
+        if task in ("ppl", LONGGEN):
             if not 0 < cfg.continuation < cfg.context:
                 raise ValueError(f"continuation must be in (0, context={cfg.context}); got {cfg.continuation}")
             samples[task] = perplexity_windows(tokenizer, text, context=cfg.context,
@@ -309,7 +323,7 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
 
     total = len(methods) * sum(len(v) for v in samples.values())
     done_count = 0
-    full_argmax: dict[int, list[int]] = {}
+    full_argmax: dict[tuple[str, int], list[int]] = {}  # (task, sample) -> the reference's arg-max tokens
     reference = next(m for m in methods if m.is_reference)
     ref_store = ReferenceLogProbs(out_dir / "reference", fp, reference.resolved)
 
@@ -342,13 +356,13 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
                 entry["plan"] = plan
         entry.pop("error", None)
         for task in tasks:
-            tentry = entry["tasks"].setdefault(task, {"metric": "ppl" if task == "ppl" else "accuracy",
+            tentry = entry["tasks"].setdefault(task, {"metric": "ppl" if task in ("ppl", LONGGEN) else "accuracy",
                                                       "samples": []})
             finished = {s["index"]: s for s in tentry["samples"]}
             for i, sample in enumerate(samples[task]):
                 if i in finished:
-                    if task == "ppl" and method.is_reference:
-                        full_argmax[i] = finished[i]["argmax"]
+                    if task in ("ppl", LONGGEN) and method.is_reference:
+                        full_argmax[task, i] = finished[i]["argmax"]
                     done_count += 1
                     if progress:
                         progress(1, f"{method.spec} {task} (cached)")
@@ -359,11 +373,15 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
                             res, log_probs = run_ppl_sample(model, method, sample, None)
                             res["kl"] = float(next_token_kl(log_probs, log_probs).mean())  # 0: the check
                             ref_store.save(i, log_probs)
-                            full_argmax[i] = res["argmax"]
+                            full_argmax[task, i] = res["argmax"]
                         else:
-                            res, _ = run_ppl_sample(model, method, sample, full_argmax.get(i), tokenizer=tokenizer,
-                                                    reference=lambda i=i: reference_log_probs(i))
+                            res, _ = run_ppl_sample(model, method, sample, full_argmax.get((task, i)),
+                                                    tokenizer=tokenizer, reference=lambda i=i: reference_log_probs(i))
                         res["index"] = i
+                    elif task == LONGGEN:
+                        res = run_longgen_sample(model, method, sample, full_argmax.get((task, i)), tokenizer)
+                        if method.is_reference:
+                            full_argmax[task, i] = res["argmax"]
                     else:
                         res = run_retrieval_sample(model, tokenizer, method, sample, cfg.query_aware,
                                                    cfg.max_new_tokens)
@@ -427,7 +445,7 @@ def _summarize(entry: dict, full: dict | None) -> None:
     entry["bits_per_element"] = bits_per_element(entry["kv_bytes"], entry["fp16_bytes"])
     entry["decode_tokens_per_s"] = _mean([s.get("decode_tokens_per_s") for s in all_samples])
     costs = [s["prefill_cost"] for s in all_samples if s.get("prefill_cost") is not None]
-    if costs:  # only methods whose prefill runs a scoring pass of its own (KVzip)
+    if costs:  # samples that measured it (retrieval; KVzip's own pass in every task)
         entry["prefill_cost"] = _mean(costs)
     for name, t in entry["tasks"].items():
         if t["metric"] == "ppl":
@@ -441,6 +459,8 @@ def _summarize(entry: dict, full: dict | None) -> None:
             t["kl_samples"] = len(kls)
             ref = (full or {}).get("tasks", {}).get(name, {}).get("score")
             t["delta"] = (t["score"] - ref) if (t["score"] is not None and ref is not None) else None
+            if name == LONGGEN:
+                summarize_longgen(t)
         else:
             t["score"] = _mean([s["score"] for s in t["samples"]])
         t["kv_bytes"] = _mean([s["kv_bytes"] for s in t["samples"]])
