@@ -2,7 +2,7 @@
 
 from .cache import CompressedCache, MemoryReport, QuantConfig, compress
 from .context import CompressedContext, PrefillStats, prefill
-from .policies import H2O, EvictionPolicy, KVzip, SnapKV, StreamingLLM
+from .policies import H2O, EvictionPolicy, KVzap, KVzip, SnapKV, StreamingLLM
 
-__all__ = ["CompressedCache", "CompressedContext", "EvictionPolicy", "H2O", "KVzip", "MemoryReport", "PrefillStats",
+__all__ = ["CompressedCache", "CompressedContext", "EvictionPolicy", "H2O", "KVzap", "KVzip", "MemoryReport", "PrefillStats",
            "QuantConfig", "SnapKV", "StreamingLLM", "compress", "prefill"]

@@ -8,6 +8,7 @@ demo   the README's main job: a small eval of SmolLM2-135M on wikitext-2 (a few 
        2 CPU cores); prints the table and the path of the plot
 bill   the byte bill of one captured KV cache under several quantization/selection settings
 calibrate  fit calibrated KV rotations of a model on a text (QuantConfig(rotation="calibrated"))
+calibrate-scorer  fit a KVzap scorer (KVzip's scores predicted from hidden states): KVzap(scorer=...)
 allocate   choose key/value bits per layer under an average budget (QuantConfig(layer_bits=...))
 plan       a cache plan from a byte target (kvcache plan --ratio 8 -o plan.json)
 compress   compress a document once into a file (kvcache compress doc.txt -o doc.kvc --method kvzip@0.3)
@@ -185,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_calibrate import add_parser as _add_calibrate
 
     _add_calibrate(sub)
+    from .cli_scorer import add_parser as _add_scorer
+
+    _add_scorer(sub)
     from .cli_allocate import add_parser as _add_allocate
 
     _add_allocate(sub)
@@ -210,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()  # the CLI owns the terminal; library code never does this
         if args.command == "bill":
             return _run_bill(args)
-        if args.command in ("calibrate", "allocate", "plan", "compress", "ask", "serve"):
+        if args.command in ("calibrate", "calibrate-scorer", "allocate", "plan", "compress", "ask", "serve"):
             return args._run(args)
         return _run_eval(args)
     except (ValueError, PermissionError, FileNotFoundError) as exc:

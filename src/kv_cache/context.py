@@ -256,8 +256,11 @@ def prefill(
     return out.logits, stats
 
 
-def reconstruct(model: torch.nn.Module, cache: CompressedCache, context_ids: torch.Tensor, tokenizer: Any) -> int:
-    """KVzip's scoring pass over a prefilled context ``context_ids`` ``[T]``; then evict.
+def reconstruct(model: torch.nn.Module, cache: CompressedCache, context_ids: torch.Tensor, tokenizer: Any, *,
+                finish: bool = True) -> int:
+    """KVzip's scoring pass over a prefilled context ``context_ids`` ``[T]``; then evict
+    (``finish=False``: leave the scores in each layer's ``state["kvzip"]`` ``[batch, kv_heads, T]``
+    and evict nothing, for fitting a KVzap scorer).
 
     Chunk ``[s, e)`` of the context (``chunk_size`` tokens) is fed as
     ``REPEAT_PROMPT + context[s:e]`` (the first) or ``CONTINUE_PROMPT + context[s - overlap:s]
@@ -280,7 +283,8 @@ def reconstruct(model: torch.nn.Module, cache: CompressedCache, context_ids: tor
             fed += ids.shape[1]
     finally:
         cache.end_reconstruction_chunk()
-    cache.finish_reconstruction()
+    if finish:
+        cache.finish_reconstruction()
     return fed
 
 

@@ -198,7 +198,7 @@ class CompressedCache(Cache):
     @property
     def needs_hooks(self) -> bool:
         """True when the eviction policy needs ``kv_cache.compress(model, cache)``."""
-        return self.eviction is not None and self.eviction.needs_attention
+        return self.eviction is not None and (self.eviction.needs_attention or self.eviction.needs_hidden)
 
     native = _layer_flag("native", "True while :func:`kv_cache.compress` runs the model with the native "
                                    "attention function.")

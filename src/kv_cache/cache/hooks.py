@@ -48,6 +48,54 @@ def post_rope_queries(module: torch.nn.Module, hidden: torch.Tensor, position_em
     return q
 
 
+def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """``{layer_idx: module}``: each decoder layer's attention module, found by capability (a module
+    whose class name says attention and that carries the ``layer_idx`` transformers gives it,
+    the innermost one where they nest)."""
+    found: dict[int, torch.nn.Module] = {}
+    for m in model.modules():
+        idx = getattr(m, "layer_idx", None)
+        if isinstance(idx, int) and "attention" in type(m).__name__.lower():
+            inner = any(c is not m and isinstance(getattr(c, "layer_idx", None), int)
+                        and "attention" in type(c).__name__.lower() for c in m.modules())
+            if not inner:
+                found[idx] = m
+    return found
+
+
+@contextmanager
+def hidden_state_hooks(model: torch.nn.Module, on_hidden, layers: list[int]) -> Iterator[None]:
+    """Call ``on_hidden(layer_idx, hidden [batch, q_len, hidden_size])`` with the hidden states
+    entering the attention of each of ``layers`` (after the layer's input norm), through forward
+    pre-hooks registered for the block only.
+
+    Raises
+    ------
+    ValueError
+        A layer whose attention module cannot be found (:func:`attention_modules`).
+    """
+    modules = attention_modules(model)
+    missing = [i for i in layers if i not in modules]
+    if missing:
+        raise ValueError(
+            f"cannot find the attention module of layers {missing[:8]} (a module named *Attention* with a "
+            f"`layer_idx`) in {type(model).__name__}: the hidden states a learned scorer (KVzap) reads cannot be "
+            "captured on this model; use another policy"
+        )
+
+    def pre(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if hidden is not None:
+            on_hidden(module.layer_idx, hidden)
+
+    handles = [modules[i].register_forward_pre_hook(pre, with_kwargs=True) for i in layers]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 ATTENTION_MODES = ("native", "reference")
 """``native``: :func:`kv_cache.attention.compressed_attention` reads the compressed storage and
 hands the policy its statistics; ``reference``: the model's own attention (sdpa / eager) over
@@ -88,6 +136,14 @@ def compress(
         raise TypeError(f"model must be a transformers PreTrainedModel; got {type(model).__name__}")
     check_decoder(model.config)
     with ExitStack() as stack:
+        scored = [i for i, layer in enumerate(cache.layers) if getattr(layer.policy, "needs_hidden", False)]
+        if scored:  # KVzap: the scorer must be this model's, and reads each layer's input
+            cache.eviction.bind(model)
+
+            def hand(idx: int, hidden: torch.Tensor) -> None:
+                cache.layers[idx].hidden_in = hidden
+
+            stack.enter_context(hidden_state_hooks(model, hand, scored))
         if attention == "native":
             stack.enter_context(_native_attention(model, cache))
         else:

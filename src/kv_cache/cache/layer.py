@@ -27,7 +27,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..compression.global_budget import select_global
-from ..compression.selection import forced_mask, select_tokens
+from ..compression.selection import forced_mask, left_padding_starts, mask_key_valid, select_tokens, starts_after
 from ..policies.base import EvictionPolicy, ScoreInputs
 from .config import QuantConfig
 from .context_layer import RECONSTRUCTION_MISSING, ContextMixin
@@ -82,6 +82,9 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         self._reconstruct: tuple[int, int, int] | None = None  # (sinks, start, end) of the chunk repeated now
         self._tail: FullPrecisionStorage | None = None  # a session's question/answer tokens
         self._session_seen = 0
+        self.hidden_in: torch.Tensor | None = None  # set by compress()'s hook for a policy with needs_hidden
+        self._hidden: torch.Tensor | None = None  # this call's hidden states, until the policy scored them
+        self._since_evict = 0  # tokens appended since the last eviction (decode-time evict_every)
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -110,6 +113,7 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        hidden, self.hidden_in = self.hidden_in, None
         if self._reconstruct is not None:  # KVzip's repeat pass: attend, never store, positions unchanged
             self._view = self.storage.blocks()
             return key_states, value_states
@@ -121,6 +125,8 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
             self.prompt_len = q_len
         self.seen += q_len
         acts = self.policy is not None and not (self.policy.prefill_only and self._prefill_done)
+        self._hidden = hidden if acts else None
+        self._since_evict += q_len
         if self.native:
             # The attention function reads the stored blocks in place (a decoded token included).
             self._view = self.storage.attention_update(key_states, value_states) + self.demoted_blocks()
@@ -221,7 +227,7 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         keys, self._pending = self._pending, None
         if keys is None:
             return
-        valid = _key_valid(attention_mask, keys)
+        valid = mask_key_valid(attention_mask, keys)
         lead = self.storage.protected()[0]
         if lead and not bool(valid[:, :lead].all()):
             # The reference path lines kept tokens up with the mask's last columns; padding kept as
@@ -270,21 +276,8 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         supported: a row's padding must precede all of its valid tokens.
         """
         before = self._starts
-        if new_valid is None:
-            return before
-        b, h, dev = new_valid.shape[0], self.storage.heads, new_valid.device
-        lead = (~new_valid).to(torch.int32).cumprod(dim=1).sum(dim=1)  # leading invalid tokens per row
-        stored_before = self.kept_length() - q_len
-        zeros = torch.zeros(b, h, dtype=torch.int32, device=dev)
-        all_padding = (zeros if before is None else before) == stored_before
-        if bool((lead != (~new_valid).sum(dim=1)).any()) or bool(((~all_padding) & (lead[:, None] > 0)).any()):
-            raise ValueError(
-                "kv_cache attention supports left padding only (each row's padding before all its tokens); "
-                "got padding after valid tokens: use kv_cache.compress(model, cache, attention='reference')"
-            )
-        now = zeros if before is None else before.clone()
-        now += torch.where(all_padding, lead[:, None].to(torch.int32), 0)
-        self._starts = now if bool(now.any()) else None
+        if new_valid is not None:
+            self._starts = left_padding_starts(before, new_valid, self.storage.heads, self.kept_length() - q_len)
         return before
 
     def observe_attention(self, attention: torch.Tensor | None, queries: int, scaling: float) -> None:
@@ -362,7 +355,9 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         for name in ("keys", "query", "key_valid"):
             fields.setdefault(name, None)
         fields.setdefault("device", self.device)
-        return ScoreInputs(shape=tuple(shape), state=self.state, **fields)
+        fields.setdefault("hidden", self._hidden)
+        self._hidden = None  # held by the inputs only while this call is scored
+        return ScoreInputs(shape=tuple(shape), state=self.state, layer_idx=self.layer_idx, **fields)
 
     def _evict(self, inputs: ScoreInputs, valid: torch.Tensor | None, before_attention: bool = False) -> None:
         """Score the ``T`` stored slots (``inputs.shape``: every token attention uses is stored
@@ -376,7 +371,13 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         scores = pol.score(inputs) if not pol.prefill_only else None
         if pol.prefill_only:
             self._prefill_done = True
-        shared = pol.scope != "head"
+        shared, threshold = pol.scope != "head", getattr(pol, "threshold", None)
+        if (shared or threshold is not None) and self.seen > self.prompt_len and self._since_evict <= pol.eviction_slack():
+            return  # decoding: a ragged layer evicts every eviction_slack() + 1 tokens (KVzap's evict_every)
+        self._since_evict = 0
+        if threshold is not None:
+            self._evict_threshold(scores, valid, threshold, window, before_attention)
+            return
         if T <= budget + pol.eviction_slack() and pol.scope != "model":
             return  # within the budget (H2O with evict_every = k: within budget + k - 1)
         if scores is None:
@@ -402,10 +403,7 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
             masks = torch.zeros(scores.shape, dtype=torch.bool, device=keep.device).scatter_(-1, keep, True)
             self._demote(masks)
         self.state = {name: gather_tokens(t, keep) for name, t in self.state.items()}
-        if self._starts is not None:
-            self._starts = (keep < self._starts.unsqueeze(-1)).sum(-1).to(torch.int32)
-            if not bool(self._starts.any()):
-                self._starts = None
+        self._starts = starts_after(self._starts, keep)
         self.storage.gather(keep, in_place=not before_attention)
 
     def _evict_shared(self, scores, valid, budget: int, lead: int, trail: int, window: int,
@@ -414,11 +412,7 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         every layer (``scope="model"``): ``budget`` tokens per head on average (math dictionary §19)."""
         pol = self.policy
         B, H, T = scores.shape
-        valid = torch.ones(B, H, T, dtype=torch.bool, device=scores.device) if valid is None else valid.expand(B, H, T)
-        forced = forced_mask(valid, sink_tokens=pol.sink_tokens, recent_window=window)
-        forced[..., :lead] |= valid[..., :lead]
-        if trail:
-            forced[..., T - trail:] |= valid[..., T - trail:]
+        valid, forced = self._forced(scores, valid, window)
         floor = pol.floor_tokens(budget)
         if pol.scope == "model":
             if self.share is None:
@@ -429,6 +423,27 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
             return
         masks = torch.stack([select_global([scores[b]], budget * H, floor=floor, valid=[valid[b]],
                                            forced=[forced[b]])[0] for b in range(B)])
+        self.apply_keep_masks(masks, in_place=not before_attention)
+
+    def _forced(self, scores, valid, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(valid, forced)`` bool ``[batch, kv_heads, T]``: the slots that hold tokens, and those
+        kept whatever their score (policy sinks, recent window, the storage's protected slots)."""
+        B, H, T = scores.shape
+        valid = torch.ones(B, H, T, dtype=torch.bool, device=scores.device) if valid is None else valid.expand(B, H, T)
+        forced = forced_mask(valid, sink_tokens=self.policy.sink_tokens, recent_window=window)
+        lead, trail = self.storage.protected()
+        forced[..., :lead] |= valid[..., :lead]
+        if trail:
+            forced[..., T - trail:] |= valid[..., T - trail:]
+        return valid, forced
+
+    def _evict_threshold(self, scores, valid, threshold: float, window: int, before_attention: bool) -> None:
+        """Keep the valid slots scoring ``>= threshold`` and the forced ones (KVzap's threshold):
+        heads keep different numbers of tokens (math dictionary §24)."""
+        valid, forced = self._forced(scores, valid, window)
+        masks = valid & ((scores >= threshold) | forced)
+        if not bool((masks != valid).any()):
+            return
         self.apply_keep_masks(masks, in_place=not before_attention)
 
     def apply_keep_masks(self, masks: torch.Tensor, in_place: bool = True) -> None:
@@ -443,10 +458,7 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         self.state = {name: ragged_state(t, masks) for name, t in self.state.items()}
         if not isinstance(st, RaggedStorage) and bool((counts == counts.flatten()[0]).all()):
             keep = masks.nonzero()[:, 2].reshape(B, H, -1)
-            if self._starts is not None:
-                self._starts = (keep < self._starts.unsqueeze(-1)).sum(-1).to(torch.int32)
-                if not bool(self._starts.any()):
-                    self._starts = None
+            self._starts = starts_after(self._starts, keep)
             st.gather(keep, in_place=in_place)
             return
         keeps = [masks[b, h].nonzero().squeeze(1) - pad[b * H + h] for b in range(B) for h in range(H)]
@@ -486,15 +498,3 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
             out["indices"] = out.get("indices", 0) + self._starts.nbytes
         return out
 
-
-def _key_valid(mask: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
-    """``[batch, T]`` bool: keys the last query may attend to (False = padding)."""
-    b, T = keys.shape[0], keys.shape[2]
-    if mask is None:
-        return torch.ones(b, T, dtype=torch.bool, device=keys.device)
-    row = mask[:, 0, -1, :T]
-    if row.dtype == torch.bool:
-        valid = row
-    else:
-        valid = row > torch.finfo(row.dtype).min / 2
-    return valid.expand(b, T)

@@ -342,12 +342,59 @@ __all__ = [
     "GQA_REDUCTIONS",
     "POOLINGS",
     "forced_mask",
+    "left_padding_starts",
+    "mask_key_valid",
     "pool_scores",
     "reduce_gqa",
     "check_budget",
     "resolve_budget",
     "select_tokens",
     "snapkv_scores",
+    "starts_after",
     "streaming_llm_indices",
     "window_attention",
 ]
+
+
+def mask_key_valid(mask: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+    """``[batch, T]`` bool: keys the last query may attend to (False = padding)."""
+    b, T = keys.shape[0], keys.shape[2]
+    if mask is None:
+        return torch.ones(b, T, dtype=torch.bool, device=keys.device)
+    row = mask[:, 0, -1, :T]
+    if row.dtype == torch.bool:
+        valid = row
+    else:
+        valid = row > torch.finfo(row.dtype).min / 2
+    return valid.expand(b, T)
+
+
+def left_padding_starts(before: torch.Tensor | None, new_valid: torch.Tensor, heads: int,
+                        stored_before: int) -> torch.Tensor | None:
+    """Leading padding slots ``[batch, heads]`` int32 of a layer after ``new_valid`` ``[batch, q_len]``
+    (bool, False = padding) is appended to ``stored_before`` slots whose leading padding is
+    ``before`` (None: none). None when no row has padding.
+
+    Raises ValueError unless every row's padding precedes all of its valid tokens (left padding).
+    """
+    b, dev = new_valid.shape[0], new_valid.device
+    lead = (~new_valid).to(torch.int32).cumprod(dim=1).sum(dim=1)  # leading invalid tokens per row
+    zeros = torch.zeros(b, heads, dtype=torch.int32, device=dev)
+    all_padding = (zeros if before is None else before) == stored_before
+    if bool((lead != (~new_valid).sum(dim=1)).any()) or bool(((~all_padding) & (lead[:, None] > 0)).any()):
+        raise ValueError(
+            "kv_cache attention supports left padding only (each row's padding before all its tokens); "
+            "got padding after valid tokens: use kv_cache.compress(model, cache, attention='reference')"
+        )
+    now = zeros if before is None else before.clone()
+    now += torch.where(all_padding, lead[:, None].to(torch.int32), 0)
+    return now if bool(now.any()) else None
+
+
+def starts_after(starts: torch.Tensor | None, keep: torch.Tensor) -> torch.Tensor | None:
+    """Leading padding slots ``[batch, heads]`` after each row keeps the sorted slots ``keep``
+    ``[batch, heads, K]`` (padding is never kept past a valid token); None when none is left."""
+    if starts is None:
+        return None
+    out = (keep < starts.unsqueeze(-1)).sum(-1).to(torch.int32)
+    return out if bool(out.any()) else None

@@ -179,8 +179,8 @@ _QUANT = re.compile(f"^{_HEAD.letter}(?P<{_HEAD.field}>{_HEAD.value})(?P<_defaul
                     + "".join(f"(?:{o.letter}(?P<{o.field}>{o.value}))?" for o in _SUFFIXES) + "$")
 _QUANT_GRAMMAR = f"{_HEAD.letter}<{_HEAD.placeholder}>[{DEFAULTS_FLAG}]" + "".join(
     f"[{o.letter}<{o.placeholder}>]" if o.placeholder else f"[{o.letter}]" for o in _SUFFIXES)
-_POLICY = re.compile(r"^(?P<name>[a-z0-9_]+)@(?P<budget>\d+(?:\.\d+)?)(?:w(?P<w>\d+(?:\.\d+)?))?"
-                     r"(?:e(?P<e>\d+))?(?::(?P<scope>[a-z]+))?$")
+_POLICY = re.compile(r"^(?P<name>[a-z0-9_]+)@(?:t(?P<threshold>-?\d+(?:\.\d+)?)|(?P<budget>\d+(?:\.\d+)?))"
+                     r"(?:w(?P<w>\d+(?:\.\d+)?))?(?:e(?P<e>\d+))?(?::(?P<scope>[a-z]+))?(?:\[(?P<path>[^\]]+)\])?$")
 
 
 def _quant_config(m: re.Match[str]) -> QuantConfig:
@@ -198,15 +198,27 @@ def parse_quant(spec: str) -> QuantConfig:
     return _quant_config(m)
 
 
-def _policy(m: re.Match[str]) -> EvictionPolicy:
+def _policy(m: re.Match[str], original: str = "") -> EvictionPolicy:
     cls = POLICIES[m["name"]]
-    budget = _number(m["budget"])
-    kw: dict[str, Any] = {"budget": budget}
+    names = {f.name for f in dataclasses.fields(cls)}
+    kw: dict[str, Any] = {}
+    if m["threshold"] is not None:
+        if "threshold" not in names:
+            raise ValueError(f"@t<threshold> (keep what scores above it) applies to kvzap only; got {m.string!r}")
+        kw["threshold"] = float(m["threshold"])
+    else:
+        kw["budget"] = _number(m["budget"])
+    budget = kw.get("budget", _default(cls, "budget"))
+    if m["path"] is not None:
+        if "scorer" not in names:
+            raise ValueError(f"[<path>] (a scorer file) applies to kvzap only; got {m.string!r}")
+        # the path as typed (specs are matched in lower case)
+        kw["scorer"] = original[original.index("[") + 1:original.rindex("]")] if "[" in original else m["path"]
     if m["scope"] is not None:
         kw["scope"] = m["scope"]  # the policy validates it (and says which scopes exist)
     if m["e"] is not None:
-        if "evict_every" not in {f.name for f in dataclasses.fields(cls)}:
-            raise ValueError(f"e<steps> (evict every k decoding steps) applies to h2o only; got {m.string!r}")
+        if "evict_every" not in names:
+            raise ValueError(f"e<steps> (evict every k decoding steps) applies to h2o and kvzap only; got {m.string!r}")
         kw["evict_every"] = int(m["e"])
     if m["w"] is not None:
         kw["recent_window"] = _number(m["w"])
@@ -220,7 +232,8 @@ def _policy(m: re.Match[str]) -> EvictionPolicy:
 
 def _ours(spec: str, parts: list[str]) -> Method:
     quant, policy = None, None
-    for part in parts:
+    originals = spec.strip().split("+")
+    for n, part in enumerate(parts):
         if part == REFERENCE_SPEC:
             continue
         m = _QUANT.match(part)
@@ -233,10 +246,12 @@ def _ours(spec: str, parts: list[str]) -> Method:
         if m and m["name"] in POLICIES:
             if policy is not None:
                 raise _unknown(spec, "two eviction parts")
-            policy = _policy(m)
+            policy = _policy(m, originals[n] if len(originals) == len(parts) else part)
             continue
         raise _unknown(spec, f"cannot parse {part!r}")
 
+    if quant is not None and quant.evicted_bits is not None and getattr(policy, "decoding", False):
+        policy = dataclasses.replace(policy, decoding=False)  # kvzap picks the tiers once, after the prefill
     if quant is not None and quant.evicted_bits is not None and (policy is None or not policy.prefill_only):
         raise _unknown(spec, "o<bits> (the evicted tier) needs a one-shot policy: add +kvzip@<kept> or +snapkv@<kept>")
 
@@ -249,7 +264,8 @@ def _ours(spec: str, parts: list[str]) -> Method:
         # Always inside compress(): attention reads the compressed storage (and feeds the policy).
         return cache, lambda: compress(model, cache)
 
-    return Method(spec, "ours", None if quant is None else quant.bits, None if policy is None else policy.budget,
+    budget = None if policy is None or getattr(policy, "threshold", None) is not None else policy.budget
+    return Method(spec, "ours", None if quant is None else quant.bits, budget,
                   make, resolved=f"kv_cache quant={quant!r} eviction={policy!r}",
                   needs_tokenizer=policy is not None and policy.needs_reconstruction)
 
@@ -332,7 +348,10 @@ def _policy_about() -> str:
             + ", ".join(defaults) + " (see each policy's docstring for why); <scope> "
             + _choices(SCOPES) + ": who shares the budget, each KV head its own, the heads of a layer, or every head "
             "of every layer (one top-k; heads then hold different numbers of tokens); default scope: " + scopes
-            + "; e<steps> (h2o): evict every <steps> decoding steps, holding up to budget + steps - 1 tokens")
+            + "; e<steps> (h2o, kvzap): evict every <steps> decoding steps, holding up to budget + steps - 1 tokens; "
+            "kvzap@t<threshold> keeps the tokens whose predicted log KVzip score is >= threshold (e.g. kvzap@t-6); "
+            "kvzap...[<path>]: its scorer file (`kvcache calibrate-scorer`; default: the one shipped for the model); "
+            "with o<bits> (tiers) kvzap acts once, after the prefill (decoding=False)")
 
 
 class MethodForm(NamedTuple):
@@ -351,9 +370,10 @@ class MethodForm(NamedTuple):
 METHOD_GRAMMAR: tuple[MethodForm, ...] = (
     MethodForm("ours", REFERENCE_SPEC, "the uncompressed cache (always run, as the reference)", (REFERENCE_SPEC,)),
     MethodForm("ours", _QUANT_GRAMMAR, _quant_about(), ("q8", "q4", "q2", "q4g64r128", "q2k3", "q2s4htc64l")),
-    MethodForm("ours", f"{_choices(POLICIES)}@<budget>[w<window>][e<steps>][:<scope>]", _policy_about(),
+    MethodForm("ours", f"{_choices(POLICIES)}@<budget>[w<window>][e<steps>][:<scope>], kvzap@t<threshold>[...]"
+               "[[<scorer>]]", _policy_about(),
                ("snapkv@0.5", "h2o@0.25", "h2o@0.5w32", "h2o@0.5e32", "streaming@512", "kvzip@0.3",
-                "snapkv@0.5:layer")),
+                "snapkv@0.5:layer", "kvzap@0.25", "kvzap@t-6")),
     MethodForm("ours", "<quantization>+<eviction>", "both levers in one cache", ("q4+h2o@0.5",)),
     MethodForm("ours", "<ratio>x", "a preset: the documented default plan for that ratio vs fp16 (4-bit codes, "
                "plus KVzip keeping the largest fraction of tokens that reaches it; kv_cache.plan.preset_plan)",

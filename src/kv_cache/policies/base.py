@@ -46,6 +46,12 @@ class ScoreInputs:
     device : torch.device or None
         Where the layer's tensors live: scores made from nothing but positions go there (None:
         the CPU).
+    hidden : torch.Tensor or None, shape ``[batch, q_len, hidden_size]``
+        The hidden states entering the layer's attention for this call's ``q_len`` tokens (the
+        last ``q_len`` of the ``T`` slots), for a policy with ``needs_hidden`` (KVzap); None
+        otherwise.
+    layer_idx : int
+        The layer being scored.
     """
 
     shape: tuple[int, int, int]
@@ -57,6 +63,8 @@ class ScoreInputs:
     attention: torch.Tensor | None = None
     attention_queries: int = 0
     device: torch.device | None = None
+    hidden: torch.Tensor | None = None
+    layer_idx: int = 0
 
 
 SCOPES = ("head", "layer", "model")
@@ -89,6 +97,9 @@ class EvictionPolicy(ABC):
 
     needs_attention: ClassVar[bool] = False
     prefill_only: ClassVar[bool] = False
+    needs_hidden: ClassVar[bool] = False
+    """True for a policy scored from the hidden states entering each layer (KVzap): the layer
+    hands them to :meth:`score` as ``ScoreInputs.hidden`` (captured by :func:`kv_cache.compress`)."""
     needs_reconstruction: ClassVar[bool] = False
     """True for a policy scored by a pass of its own after the prefill (KVzip's reconstruction),
     run by :func:`kv_cache.prefill`."""

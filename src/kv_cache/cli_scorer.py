@@ -1,0 +1,65 @@
+"""``kvcache calibrate-scorer``: fit a KVzap scorer of a model on a text (math dictionary §24).
+
+Runs KVzip's reconstruction scores on windows of the text and fits one small model per
+full-attention layer that predicts them from the hidden states (``--kind linear`` or ``mlp``);
+the last window is held out and its fit quality is printed and recorded in the file. The file
+is a safetensors file with a checked header (model identity, format version, sha256 of the
+header and of every tensor): ``KVzap(scorer=path)`` or the spec ``kvzap@0.25[path]`` use it,
+and refuse it for another model. The default text is a Gutenberg novel from ``shared/data``,
+never the wikitext-2 test split the evaluation scores on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+DEFAULT_TEXT = "gutenberg/pg1342.txt"
+DEFAULT_TOKENS = 16384
+DEFAULT_WINDOW = 2048
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Register the ``calibrate-scorer`` subcommand on ``sub`` (an argparse subparsers object)."""
+    from .compression.scorer import KINDS
+
+    p = sub.add_parser("calibrate-scorer", help="fit a KVzap scorer (KVzip's scores predicted from hidden states)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="as `kvcache eval --model` (an alias or a path) [smollm2]")
+    p.add_argument("--text", default=None, help=f"calibration text file [shared/data/{DEFAULT_TEXT}]")
+    p.add_argument("-o", "--out", required=True, help="the safetensors file to write")
+    p.add_argument("--kind", default="linear", choices=KINDS, help="scorer per layer [linear]")
+    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens of the text to use [{DEFAULT_TOKENS}]")
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                   help=f"tokens per window (one prefill + KVzip pass each; the last is held out) [{DEFAULT_WINDOW}]")
+    p.add_argument("--samples-per-window", type=int, default=1024,
+                   help="tokens per window kept for the fit (drawn with --seed) [1024]")
+    p.add_argument("--seed", type=int, default=0, help="seed of the token draw and of the mlp's initialisation [0]")
+    p.set_defaults(_run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from .compression.scorer_file import save_scorer
+    from .models import load_model, shared_data_dir
+    from .plan.scorer_training import fit_scorer
+
+    text_path = Path(args.text) if args.text else shared_data_dir() / DEFAULT_TEXT
+    if not text_path.is_file():
+        raise FileNotFoundError(f"--text: no file at {str(text_path)!r}")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"--out: no directory {str(out.parent)!r}")
+    text = text_path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
+    model, tok = load_model(args.model)
+    t0 = time.perf_counter()
+    scorer = fit_scorer(model, tok, text, kind=args.kind, tokens=args.tokens, window=args.window,
+                        max_tokens_per_window=args.samples_per_window, seed=args.seed, source=text_path.name,
+                        progress=lambda i, n: print(f"  window {i}/{n} scored", flush=True))
+    save_scorer(out, scorer)
+    info = scorer.info
+    print(f"fitted {args.kind} scorers for {len(scorer.layers)} layers of {args.model} on {info['windows']} windows of "
+          f"{args.window} tokens of {text_path.name} in {time.perf_counter() - t0:.0f} s: held-out R^2 "
+          f"{info['mean_held_out_r2']:.3f}, top-25% overlap with KVzip {info['mean_held_out_top25_overlap']:.3f}: {out}")
+    return 0

@@ -1,0 +1,157 @@
+"""KVzap (Jegou & Jeblick, arXiv 2601.07891): KVzip's scores predicted from hidden states.
+
+A small model per layer (:mod:`kv_cache.compression.scorer`, math dictionary §24) maps the
+hidden state entering the layer's attention to the log of the score KVzip's reconstruction pass
+would give the token in each KV head. The scores come from the prefill's own forward pass (no
+second pass) and from every decoded token as it is appended, so the cache can keep a budget
+(or a threshold) at any generation length:
+
+* ``budget``: keep ``budget`` tokens per head (a fraction of the prompt or a count), shared by
+  the heads of the whole model by default (``scope="model"``, as KVzip), or of a layer, or per
+  head;
+* ``threshold``: keep the tokens whose predicted log score is at least ``threshold`` (the
+  memory follows the content; heads then hold different numbers of tokens);
+* while decoding (``decoding=True``) the cache evicts again every ``evict_every`` tokens, so it
+  holds at most ``evict_every - 1`` tokens per head beyond its budget; the last
+  ``recent_window`` tokens and the first ``sink_tokens`` are always kept;
+* ``decoding=False`` acts once, after the prefill: what precision tiers
+  (``QuantConfig.evicted_bits``) need of the policy that picks the important tokens.
+
+The per-token scores are kept while decoding (``state["kvzap"]``, float16, counted in the
+bytes held) so that later evictions compare old and new tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from ..compression.scorer_file import Scorer, ScorerFileError, load_scorer, model_identity, read_header
+from .base import EvictionPolicy, ScoreInputs
+
+SCORERS_DIR = Path(__file__).resolve().parent.parent / "scorers"
+"""Scorers shipped with the package (``kv_cache/scorers/*.safetensors``), found by model identity."""
+
+STATE_DTYPE = torch.float16
+
+
+def shipped_scorer(identity: dict[str, Any], directory: Path = SCORERS_DIR) -> Path | None:
+    """The shipped scorer file fitted on the model of ``identity`` (None: there is none)."""
+    for path in sorted(directory.glob("*.safetensors")) if directory.is_dir() else []:
+        try:
+            header = read_header(path)
+        except (ScorerFileError, OSError):
+            continue
+        if all(header["model"].get(k) == v for k, v in identity.items()):
+            return path
+    return None
+
+
+@dataclass(repr=False)
+class KVzap(EvictionPolicy):
+    """Learned-scorer eviction, during the prefill and while decoding.
+
+    Parameters (beyond :class:`EvictionPolicy`)
+    ----------
+    threshold : float or None
+        Keep the tokens whose predicted log KVzip score is ``>= threshold`` (``budget`` is then
+        not used); None: keep ``budget`` tokens.
+    scorer : str or None
+        The scorer file (``kvcache calibrate-scorer``); None: the one shipped for this model
+        (``kv_cache/scorers/``), found by the model's identity.
+    evict_every : int, default 16
+        While decoding, evict every ``evict_every`` tokens (memory: at most ``evict_every - 1``
+        tokens per head over the budget).
+    decoding : bool, default True
+        Keep evicting while decoding; False acts once after the prefill (precision tiers).
+    """
+
+    budget: int | float = 0.25
+    recent_window: int | float = 32
+    sink_tokens: int = 4
+    scope: str = "model"
+    head_floor: float = 0.0
+    threshold: float | None = None
+    scorer: str | None = None
+    evict_every: int = 16
+    decoding: bool = True
+    _bound: Scorer | None = field(default=None, init=False, repr=False, compare=False)
+
+    needs_attention: ClassVar[bool] = False
+    needs_hidden: ClassVar[bool] = True
+    """The layer hands :meth:`score` the hidden states entering its attention (``inputs.hidden``),
+    captured by :func:`kv_cache.compress`."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        k = self.evict_every
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"KVzap.evict_every must be an int >= 1; got {k!r}")
+        t = self.threshold
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t)):
+            raise ValueError(f"KVzap.threshold must be a finite number (a log score, e.g. -6.0) or None; got {t!r}")
+        if not isinstance(self.decoding, bool):
+            raise ValueError(f"KVzap.decoding must be a bool; got {self.decoding!r}")
+        if self.scorer is not None and not isinstance(self.scorer, (str, Path)):
+            raise ValueError(f"KVzap.scorer must be a path (str) or None; got {type(self.scorer).__name__}")
+
+    @property
+    def prefill_only(self) -> bool:  # type: ignore[override]
+        """True with ``decoding=False``: the policy acts once, after the prefill."""
+        return not self.decoding
+
+    def eviction_slack(self) -> int:
+        return self.evict_every - 1 if self.decoding else 0
+
+    def bind(self, model: Any) -> Scorer:
+        """Load the scorer (``scorer`` or the shipped one) and check it was fitted on ``model``;
+        called by :func:`kv_cache.compress`. Returns it."""
+        identity = model_identity(model)
+        if self.scorer is not None:
+            found = load_scorer(self.scorer)
+        else:
+            path = shipped_scorer(identity)
+            if path is None:
+                raise ScorerFileError(
+                    f"KVzap: no scorer is shipped for this model ({identity['model_type']}, "
+                    f"{identity['num_layers']} layers, hidden size {identity['hidden_size']}): fit one with "
+                    "`kvcache calibrate-scorer --model M --text T -o scorer.safetensors` and pass "
+                    "KVzap(scorer='scorer.safetensors') (spec: kvzap@0.25[scorer.safetensors])"
+                )
+            found = load_scorer(path)
+        found.check_identity(identity)
+        self._bound = found
+        return found
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        """Scores of the ``T`` stored slots: the kept scores of earlier tokens, then the new
+        tokens' predicted log scores (``inputs.hidden`` ``[batch, q_len, hidden_size]``)."""
+        if self._bound is None:
+            raise RuntimeError("KVzap has no scorer bound: run the model inside `with kv_cache.compress(model, cache):`")
+        if inputs.hidden is None:
+            raise RuntimeError(
+                "KVzap scores the hidden states entering each layer's attention, which no hook captured: run the "
+                "model inside `with kv_cache.compress(model, cache):` (a model whose attention modules have no "
+                "`layer_idx` cannot be scored)"
+            )
+        b, h, T = inputs.shape
+        new = self._bound.score(inputs.layer_idx, inputs.hidden)  # [b, kv_heads, q_len] float32
+        if new.shape[:2] != (b, h):
+            raise ValueError(f"the scorer predicts {new.shape[1]} KV heads for layer {inputs.layer_idx}; the layer "
+                             f"has {h}")
+        acc = inputs.state.get("kvzap")
+        old = T - new.shape[2]
+        if old < 0:
+            raise RuntimeError(f"layer {inputs.layer_idx}: {new.shape[2]} new tokens but only {T} slots")
+        total = torch.full((b, h, T), -math.inf, dtype=torch.float32, device=new.device)
+        if acc is not None and old:
+            n = min(old, acc.shape[-1])
+            total[..., old - n:old] = acc[..., acc.shape[-1] - n:].to(total.device, torch.float32)
+        total[..., old:] = new
+        if self.decoding:
+            inputs.state["kvzap"] = total.to(STATE_DTYPE)
+        return total

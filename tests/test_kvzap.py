@@ -1,0 +1,345 @@
+"""KVzap: the learned scorer (model-free), its file, the policy on stories260K, and the shipped
+SmolLM2 scorer (slow)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import kv_cache
+from kv_cache import CompressedCache, CompressedContext, KVzap, QuantConfig
+from kv_cache.compression.scorer import (LayerScorer, check_layer_scorer, fit_linear, fit_mlp, log_targets,
+                                         r_squared, score_hidden, standardise)
+from kv_cache.compression.scorer_file import (Scorer, ScorerFileError, load_scorer, model_identity, read_header,
+                                              save_scorer)
+from kv_cache.eval.methods import parse_method
+from kv_cache.plan.scorer_training import fit_scorer
+
+STORY = "Once upon a time there was a little girl named Lily. She liked to play with her toys in the park. " * 6
+
+
+# ----------------------------------------------------------------------------------- model-free
+def _linear_data(n=400, d=16, h=3, noise=0.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g) * torch.linspace(0.5, 3, d) + 2.0
+    w = torch.randn(d, h, generator=g)
+    y = x @ w + 0.5 + noise * torch.randn(n, h, generator=g)
+    return x, y
+
+
+def test_fit_linear_recovers_an_exact_linear_map():
+    x, y = _linear_data()
+    s = fit_linear(x, y, ridge=0.0)
+    pred = score_hidden(s, x[None])[0].T
+    assert pred.shape == y.shape
+    assert r_squared(pred, y) > 0.999999
+    torch.testing.assert_close(pred, y, atol=1e-3, rtol=1e-4)
+
+
+def test_fit_mlp_learns_a_nonlinear_target_better_than_linear():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2000, 8, generator=g)
+    y = torch.stack([x[:, 0].abs(), (x[:, 1] * x[:, 2]).tanh()], 1)
+    lin, mlp = fit_linear(x, y), fit_mlp(x, y, width=32, steps=600, seed=0)
+    r_lin = r_squared(score_hidden(lin, x[None])[0].T, y)
+    r_mlp = r_squared(score_hidden(mlp, x[None])[0].T, y)
+    assert mlp.kind == "mlp" and lin.kind == "linear"
+    assert r_mlp > r_lin + 0.3
+
+
+def test_scorer_shapes_and_dtype():
+    x, y = _linear_data(d=12, h=2)
+    s = fit_linear(x, y)
+    out = score_hidden(s, torch.randn(3, 7, 12, dtype=torch.bfloat16))
+    assert out.shape == (3, 2, 7) and out.dtype == torch.float32
+
+
+def test_constant_channels_and_targets():
+    x, y = _linear_data(d=6)
+    x[:, 2] = 4.0  # a constant channel: sigma 1, no division by zero
+    mu, sigma = standardise(x)
+    assert sigma[2] == 1.0 and torch.isfinite(mu).all()
+    s = fit_linear(x, y)
+    assert torch.isfinite(score_hidden(s, x[None])).all()
+    assert r_squared(torch.zeros(5, 1), torch.ones(5, 1)) == 0.0  # constant target
+    assert log_targets(torch.tensor([0.0, 1.0]))[0] == pytest.approx(math.log(1e-7))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda x, y: (x[None], y), "x must be"),
+    (lambda x, y: (x, y[:-1]), "same N"),
+    (lambda x, y: (x[:1], y[:1]), "at least 2"),
+    (lambda x, y: (x.index_fill(0, torch.tensor([3]), float("nan")), y), "NaN or Inf"),
+    (lambda x, y: (x, y.index_fill(0, torch.tensor([0]), float("inf"))), "NaN or Inf"),
+])
+def test_fit_rejects_bad_input(bad, match):
+    x, y = _linear_data()
+    with pytest.raises(ValueError, match=match):
+        fit_linear(*bad(x, y))
+
+
+def test_score_rejects_bad_input():
+    s = fit_linear(*_linear_data(d=5))
+    with pytest.raises(ValueError, match="batch, tokens"):
+        score_hidden(s, torch.randn(4, 5))
+    with pytest.raises(ValueError, match="hidden_size 6"):
+        score_hidden(s, torch.randn(1, 4, 6))
+    with pytest.raises(ValueError, match="ridge"):
+        fit_linear(*_linear_data(), ridge=float("nan"))
+    with pytest.raises(ValueError, match="width"):
+        fit_mlp(*_linear_data(), width=0)
+    bad = LayerScorer(s.mu, -s.sigma, s.w1, s.b1)
+    with pytest.raises(ValueError, match="sigma"):
+        check_layer_scorer(bad)
+    with pytest.raises(ValueError, match="shape"):
+        check_layer_scorer(LayerScorer(s.mu[:2], s.sigma, s.w1, s.b1))
+
+
+# ----------------------------------------------------------------------------------- the file
+def _identity(**kw):
+    base = {"model_type": "llama", "architecture": "LlamaForCausalLM", "num_layers": 2, "kv_heads": 3, "q_heads": 6,
+            "head_dim": 4, "hidden_size": 16, "weights_sha256": "0" * 64}
+    base.update(kw)
+    return base
+
+
+def _scorer():
+    x, y = _linear_data(d=16, h=3)
+    return Scorer({0: fit_linear(x, y), 1: fit_mlp(x, y, steps=5)}, _identity(), {"note": "test"})
+
+
+def test_scorer_file_round_trip(tmp_path):
+    path = save_scorer(tmp_path / "s.safetensors", _scorer())
+    back = load_scorer(path)
+    assert sorted(back.layers) == [0, 1] and back.layers[1].kind == "mlp" and back.info == {"note": "test"}
+    h = torch.randn(1, 5, 16)
+    torch.testing.assert_close(back.score(0, h), _scorer().score(0, h))
+    assert read_header(path)["format_version"] == 1
+    back.check_identity(_identity())
+    with pytest.raises(ScorerFileError, match="kv_heads expected 3"):
+        back.check_identity(_identity(kv_heads=4))
+    with pytest.raises(ScorerFileError, match="weights_sha256"):
+        back.check_identity(_identity(weights_sha256="1" * 64))
+    with pytest.raises(ValueError, match="no model for layer 5"):
+        back.score(5, h)
+
+
+def _rewrite_header(path: Path, fn):
+    """Rewrite the JSON header of a safetensors file in place (its tensors untouched)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    head = json.loads(raw[8:8 + n])
+    fn(head)
+    text = json.dumps(head).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+def test_scorer_file_refuses_tampering_and_garbage(tmp_path):
+    path = save_scorer(tmp_path / "s.safetensors", _scorer())
+
+    def edit_meta(head):
+        meta = json.loads(head["__metadata__"]["kv_cache.scorer"])
+        meta["model"]["num_layers"] = 3
+        head["__metadata__"]["kv_cache.scorer"] = json.dumps(meta, sort_keys=True)
+
+    _rewrite_header(path, edit_meta)
+    with pytest.raises(ScorerFileError, match="corrupted: header sha256"):
+        load_scorer(path)
+    path = save_scorer(tmp_path / "t.safetensors", _scorer())
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF  # one byte of the last tensor
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ScorerFileError, match="tensor .* sha256"):
+        load_scorer(path)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(ScorerFileError, match="not a readable"):
+        load_scorer(junk)
+    with pytest.raises(FileNotFoundError):
+        load_scorer(tmp_path / "missing.safetensors")
+
+
+def test_policy_validation():
+    for kw, match in [({"evict_every": 0}, "evict_every"), ({"threshold": float("nan")}, "threshold"),
+                      ({"decoding": 1}, "decoding"), ({"scorer": 3}, "scorer"), ({"scope": "row"}, "scope"),
+                      ({"budget": 1.5}, "budget")]:
+        with pytest.raises(ValueError, match=match):
+            KVzap(**kw)
+    assert KVzap().prefill_only is False and KVzap(decoding=False).prefill_only is True
+
+
+def test_specs():
+    m = parse_method("kvzap@0.25")
+    assert "KVzap(budget=0.25" in m.resolved and m.budget == 0.25
+    t = parse_method("kvzap@t-6")
+    assert "threshold=-6.0" in t.resolved and t.budget is None
+    p = parse_method("kvzap@0.3[Some/Scorer.safetensors]")
+    assert "scorer='Some/Scorer.safetensors'" in p.resolved
+    tiers = parse_method("q4o2+kvzap@0.25")
+    assert "decoding=False" in tiers.resolved and "evicted_bits=2" in tiers.resolved
+    assert "evict_every=4" in parse_method("kvzap@0.25e4").resolved
+    assert "scope='model'" in m.resolved  # KVzap's default; a per-head budget prints as every per-head policy
+    assert "scope=" not in parse_method("kvzap@0.25:head").resolved
+    for bad, match in [("h2o@t-3", "kvzap only"), ("h2o@0.5[x.safetensors]", "kvzap only")]:
+        with pytest.raises(ValueError, match=match):
+            parse_method(bad)
+
+
+# ----------------------------------------------------------------------------------- stories260K
+@pytest.fixture(scope="module")
+def scorer_path(stories, tmp_path_factory):
+    model, tok = stories
+    text = Path(__file__).read_text()  # any text the tiny model tokenizes; not an evaluation text
+    sc = fit_scorer(model, tok, text, tokens=1200, window=200, max_tokens_per_window=150)
+    return str(save_scorer(tmp_path_factory.mktemp("kvzap") / "stories.safetensors", sc))
+
+
+def test_fitted_file_records_the_model_and_the_fit(stories, scorer_path):
+    model, _ = stories
+    header = read_header(scorer_path)
+    assert header["model"] == model_identity(model)
+    info = header["info"]
+    assert info["windows"] >= 2 and set(info["held_out_r2"]) == {str(i) for i in range(model.config.num_hidden_layers)}
+    assert -1.0 < info["mean_held_out_r2"] <= 1.0 and 0.0 <= info["mean_held_out_top25_overlap"] <= 1.0
+
+
+def _generate(model, cache, ids, n=24, **kw):
+    with kv_cache.compress(model, cache, **kw):
+        return model.generate(ids, past_key_values=cache, max_new_tokens=n, do_sample=False,
+                              min_new_tokens=n)
+
+
+@pytest.mark.parametrize("quant", [None, QuantConfig(bits=4)], ids=["fp", "q4"])
+@pytest.mark.parametrize("policy", [
+    dict(budget=0.25), dict(budget=0.25, scope="layer"), dict(budget=0.25, scope="head"), dict(budget=48, scope="head"),
+    dict(threshold=-2.0), dict(budget=0.25, evict_every=1)], ids=["model", "layer", "head", "tokens", "threshold", "every1"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_kvzap_matrix_bounded_memory(stories, scorer_path, quant, policy, batch):
+    model, tok = stories
+    texts = [STORY, STORY[: len(STORY) // 2]][:batch]
+    enc = tok(texts, return_tensors="pt", padding=True)
+    pol = KVzap(scorer=scorer_path, **policy)
+    cache = CompressedCache(model.config, quant=quant, eviction=pol)
+    with kv_cache.compress(model, cache):
+        out = model.generate(**enc, past_key_values=cache, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    assert out.shape == (batch, enc.input_ids.shape[1] + 40)
+    T = enc.input_ids.shape[1]
+    rep = cache.memory_report()
+    assert rep.tokens_seen == T + 39
+    lengths = torch.stack([layer.head_lengths() for layer in cache.layers]).float()  # [layers, batch, heads]
+    if pol.threshold is None:
+        budget = pol.budget if isinstance(pol.budget, int) else max(int(pol.budget * T), 1)
+        raised = max(budget, pol.sink_tokens + pol.window_tokens(budget)
+                     + (0 if quant is None else max(quant.residual_length, quant.group_size) - 1 + quant.sink_tokens))
+        slack = pol.evict_every - 1
+        bound = lengths.max() if pol.scope == "head" else lengths.mean(dim=(0, 2)).max()
+        assert bound <= raised + slack + 1
+    else:  # the threshold keeps fewer than everything, more than the forced slots
+        assert pol.sink_tokens + 32 <= lengths.min() and lengths.max() < T + 39
+    assert 0 < rep.scores_bytes  # the kept scores are held, and counted
+
+
+def test_memory_is_flat_while_decoding(stories, scorer_path):
+    model, tok = stories
+    ids = tok(STORY, return_tensors="pt").input_ids
+    cache = CompressedCache(model.config, quant=QuantConfig(bits=4), eviction=KVzap(budget=48, scorer=scorer_path))
+    held = []
+    with torch.no_grad(), kv_cache.compress(model, cache):
+        logits = kv_cache.context.forward_at(model, cache, ids, 0, last_only=True)
+        for i in range(160):
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            logits = kv_cache.context.forward_at(model, cache, nxt, ids.shape[1] + i)
+            if i % 16 == 15:
+                held.append(sum(t.nbytes for t in cache.held_tensors().values()))
+    assert cache.memory_report().tokens_seen == ids.shape[1] + 160
+    # after the budget is reached, the bytes held repeat every evict_every steps
+    assert max(held[2:]) <= held[2] * 1.02 and min(held[2:]) >= held[2] * 0.98
+
+
+def test_no_second_pass_and_large_budget_keeps_everything(stories, scorer_path):
+    model, tok = stories
+    ids = tok(STORY, return_tensors="pt").input_ids
+    calls = []
+    h = model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        cache = CompressedCache(model.config, eviction=KVzap(budget=0.25, scorer=scorer_path))
+        kv_cache.prefill(model, cache, ids)
+    finally:
+        h.remove()
+    assert len(calls) == 1  # scored in the prefill's own forward pass
+    assert cache.memory_report().tokens_kept < ids.shape[1] * 0.5
+    big = CompressedCache(model.config, eviction=KVzap(budget=100000, scorer=scorer_path))
+    out = _generate(model, big, ids)
+    ref = model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_tiers_and_save_load(stories, scorer_path, tmp_path):
+    model, tok = stories
+    ids = tok(STORY, return_tensors="pt").input_ids
+    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, evicted_bits=2),
+                            eviction=KVzap(budget=0.25, decoding=False, scorer=scorer_path))
+    _generate(model, cache, ids, n=8)
+    assert all(layer.demoted is not None for layer in cache.layers)
+    with pytest.raises(ValueError, match="one-shot"):
+        CompressedCache(model.config, quant=QuantConfig(bits=4, evicted_bits=2),
+                        eviction=KVzap(budget=0.25, scorer=scorer_path))
+    ctx = CompressedContext.build(model, tok, STORY, quant=QuantConfig(bits=4),
+                                  eviction=KVzap(budget=0.3, scorer=scorer_path), chat=False)
+    answer = ctx.ask(" Lily", max_new_tokens=8)
+    ctx.save(tmp_path / "c.kvc")
+    back = CompressedContext.load(tmp_path / "c.kvc", model, tok)
+    assert back.ask(" Lily", max_new_tokens=8) == answer
+
+
+def test_errors(stories, scorer_path):
+    model, tok = stories
+    ids = tok(STORY, return_tensors="pt").input_ids
+    cache = CompressedCache(model.config, eviction=KVzap(budget=0.25, scorer=scorer_path))
+    with pytest.raises(RuntimeError, match="compress"):
+        model(ids, past_key_values=cache)
+    none = CompressedCache(model.config, eviction=KVzap(budget=0.25))  # no shipped scorer for stories260K
+    with pytest.raises(ScorerFileError, match="calibrate-scorer"):
+        _generate(model, none, ids)
+    other = LlamaForCausalLM(LlamaConfig(**{**model.config.to_dict(), "architectures": None}))
+    cache = CompressedCache(other.config, eviction=KVzap(budget=0.25, scorer=scorer_path))
+    with pytest.raises(ScorerFileError, match="weights_sha256"):
+        _generate(other, cache, ids)
+    with pytest.raises(FileNotFoundError):
+        _generate(model, CompressedCache(model.config, eviction=KVzap(scorer="/nonexistent.safetensors")), ids)
+
+
+def test_reference_attention_path_matches_native(stories, scorer_path):
+    model, tok = stories
+    ids = tok(STORY, return_tensors="pt").input_ids
+    outs = []
+    for attention in ("native", "reference"):
+        cache = CompressedCache(model.config, eviction=KVzap(budget=0.3, scope="head", scorer=scorer_path))
+        outs.append((_generate(model, cache, ids, n=16, attention=attention), cache.memory_report().tokens_kept))
+    assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1]
+
+
+# ----------------------------------------------------------------------------------- SmolLM2 (golden)
+@pytest.mark.slow
+def test_shipped_smollm2_scorer_predicts_kvzip():
+    from kv_cache.models import load_model, shared_data_dir
+    from kv_cache.plan.scorer_training import collect_pairs, top_overlap
+    from kv_cache.policies.kvzap import shipped_scorer
+
+    model, tok = load_model("smollm2")
+    path = shipped_scorer(model_identity(model))
+    assert path is not None and path.parent.name == "scorers"
+    header = read_header(path)
+    assert "wiki" not in header["info"]["source"]  # never fitted on the evaluation text
+    sc = load_scorer(path)
+    text = (shared_data_dir() / "wikitext-2-raw" / "wiki.test.raw").read_text().replace("\r\n", "\n")[20000:40000]
+    ids = tok(text, return_tensors="pt").input_ids[:, :1024]
+    xs, ys = collect_pairs(model, tok, ids, max_tokens_per_window=1000)
+    overlaps = [top_overlap(sc.score(i, xs[i][None])[0].T, ys[i]) for i in xs]
+    assert sum(overlaps) / len(overlaps) > 0.5  # chance is 0.25
