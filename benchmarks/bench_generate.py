@@ -6,10 +6,13 @@ For every context length (default 1K, 2K, 4K, 8K tokens of Moby Dick) and method
 over the compressed cache), a fresh subprocess loads the model, prefills the context and
 decodes ``--decode`` tokens greedily. It reports the cache bytes held after prefill and after
 decoding (sum of tensor ``nbytes``), the ratio against an fp16 full cache of the same tokens,
-the prefill time and its ratio to the full cache's, decode tokens/s (median of per-step times
+the prefill time and its ratio to the full cache's (KVzip: with its reconstruction pass; KVzap:
+scored in the prefill's own pass), decode tokens/s (median of per-step times
 after 4 warm-up steps) and its ratio to the full cache measured in the same run, and the peak
 resident memory during prefill and during decode (Linux ``VmHWM``, reset between the two
-phases through ``/proc/self/clear_refs``). One subprocess per measurement keeps the peaks per
+phases through ``/proc/self/clear_refs``). For KVzap rows, ``decode scoring / step`` is the
+median time its scorers take to score one decoded token in every scored layer over the median
+decoding step (the evictions every ``evict_every`` steps are inside the step times). One subprocess per measurement keeps the peaks per
 configuration honest, and each runs with the same fixed glibc mmap threshold
 (:data:`MMAP_THRESHOLD`) so that peaks reflect live memory, not allocation history. The prefill forms the last position's logits only (``logits_to_keep=1``,
 as ``model.generate`` does), so its peak is the model's activations and the cache, not a
@@ -126,7 +129,8 @@ def _one(method_spec: str, context: int, decode: int, dtype: str = "float32", mo
         finally:
             pre.scope.close()
     timed = steps[4:] if len(steps) > 8 else steps
-    return {
+    scoring = _scoring_share(model, pre.cache, statistics.median(timed))
+    return {**scoring,
         "method": method_spec, "context": context, "decode": decode, "dtype": dtype, "model": model_name,
         "kv_bytes_prefill": bytes_prefill, "kv_bytes_end": held_nbytes(pre.cache),
         "fp16_bytes_prefill": fp16_kv_bytes(model.config, context),
@@ -134,6 +138,29 @@ def _one(method_spec: str, context: int, decode: int, dtype: str = "float32", mo
         "prefill_s": prefill_s, "decode_tokens_per_s": 1.0 / statistics.median(timed),
         "peak_rss_prefill_mib": peak_prefill, "peak_rss_decode_mib": _peak_rss_mib(),
     }
+
+
+def _scoring_share(model, cache, step_s: float) -> dict:
+    """For a KVzap cache: the median time its scorers take to score one decoded token in every
+    scored layer (the work KVzap adds to a decoding step, on the layers' hidden size and dtype),
+    and its share of the median decoding step measured above. Empty for other methods."""
+    import torch
+
+    pol = getattr(cache, "eviction", None)
+    if pol is None or not getattr(pol, "needs_hidden", False):
+        return {}
+    scorer = pol._bound
+    layers = [i for i, layer in enumerate(cache.layers) if layer.policy is not None]
+    h = torch.randn(1, 1, model.config.hidden_size, dtype=model.dtype)
+    runs = []
+    with torch.no_grad():
+        for _ in range(25):
+            t0 = time.perf_counter()
+            for i in layers:
+                scorer.score(i, h)
+            runs.append(time.perf_counter() - t0)
+    score_s = statistics.median(runs[5:])
+    return {"decode_scoring_s": score_s, "decode_scoring_share": score_s / step_s}
 
 
 def main() -> None:
@@ -164,12 +191,13 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     lines = ["| context | method | KV bytes after prefill | ratio vs fp16 | KV bytes after decode | prefill s "
-             "| vs full | decode tok/s | vs full | peak RSS prefill MiB | peak RSS decode MiB |", "|" + "---|" * 11]
+             "| vs full | decode tok/s | vs full | peak RSS prefill MiB | peak RSS decode MiB | decode scoring / step |",
+             "|" + "---|" * 12]
     for ctx in sorted({r["context"] for r in rows}):
         full = next((r for r in rows if r["context"] == ctx and r["method"] == "full" and "kv_bytes_end" in r), None)
         for r in (r for r in rows if r["context"] == ctx):
             if "kv_bytes_end" not in r:
-                lines.append(f"| {ctx} | `{r['method']}` | {r.get('skipped') or r.get('error')} |" + " |" * 8)
+                lines.append(f"| {ctx} | `{r['method']}` | {r.get('skipped') or r.get('error')} |" + " |" * 9)
                 continue
             rel = r["decode_tokens_per_s"] / full["decode_tokens_per_s"] if full else float("nan")
             rel_pre = r["prefill_s"] / full["prefill_s"] if full else float("nan")
@@ -177,7 +205,8 @@ def main() -> None:
                 f"| {ctx} | `{r['method']}` | {r['kv_bytes_prefill'] / 2**20:.2f} MiB "
                 f"| {r['fp16_bytes_prefill'] / r['kv_bytes_prefill']:.2f}x | {r['kv_bytes_end'] / 2**20:.2f} MiB "
                 f"| {r['prefill_s']:.1f} | {rel_pre:.2f}x | {r['decode_tokens_per_s']:.1f} | {rel:.2f}x "
-                f"| {r['peak_rss_prefill_mib']:.0f} | {r['peak_rss_decode_mib']:.0f} |")
+                f"| {r['peak_rss_prefill_mib']:.0f} | {r['peak_rss_decode_mib']:.0f} "
+                f"| {'-' if 'decode_scoring_share' not in r else format(r['decode_scoring_share'], '.1%')} |")
     table = "\n".join(lines)
     print(table)
     out = Path(args.out)

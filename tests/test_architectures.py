@@ -253,3 +253,38 @@ def test_memory_report_shows_layer_kinds():
     assert sum(rep.bytes_by_layer_kind.values()) == rep.total_bytes
     assert rep.window_saved_fp16_bytes > 0
     assert "sliding" in str(rep)
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss"])
+def test_kvzap_on_hybrid_layers(stories, name, tmp_path):
+    """KVzap on a hybrid model: a scorer fitted on this model scores the full-attention layers only
+    (one per such layer), evicts them in the prefill and while decoding, and the sliding layers keep
+    their window; a context saves and loads."""
+    from kv_cache import KVzap
+    from kv_cache.compression.scorer_file import save_scorer
+    from kv_cache.plan.scorer_training import fit_scorer
+
+    _, tok = stories
+    model = _make(name)
+    text = "Once upon a time there was a little girl named Lily who loved to play in the park. " * 30
+    scorer = fit_scorer(model, tok, text, tokens=600, window=120, max_tokens_per_window=100)
+    full_layers = [i for i, w in enumerate(layer_windows(model.config)) if w is None]
+    assert sorted(scorer.layers) == full_layers
+    path = str(save_scorer(tmp_path / "s.safetensors", scorer))
+    ids = tok(text[:400], return_tensors="pt").input_ids
+    for kw in (dict(eviction=KVzap(budget=0.25, scorer=path)),
+               dict(quant=QuantConfig(bits=4), eviction=KVzap(budget=0.25, scope="head", evict_every=4, scorer=path)),
+               dict(quant=QuantConfig(bits=4, evicted_bits=2), eviction=KVzap(budget=0.25, decoding=False, scorer=path))):
+        cache = CompressedCache(model.config, **kw)
+        with torch.no_grad(), kv_cache.compress(model, cache):
+            out = model.generate(ids, past_key_values=cache, max_new_tokens=30, min_new_tokens=30, do_sample=False,
+                                 pad_token_id=0)
+        assert out.shape[1] == ids.shape[1] + 30
+        _check_windows(cache)
+        full = [cache.layers[i] for i in full_layers]
+        if kw["eviction"].decoding:
+            assert all(float(layer.head_lengths().float().mean()) < 0.6 * ids.shape[1] for layer in full)
+    ctx = CompressedContext.build(model, tok, text[:400], eviction=KVzap(budget=0.3, scorer=path), chat=False)
+    answer = ctx.ask(" Lily", max_new_tokens=4)
+    ctx.save(tmp_path / "c.kvc")
+    assert CompressedContext.load(tmp_path / "c.kvc", model, tok).ask(" Lily", max_new_tokens=4) == answer
