@@ -56,7 +56,10 @@ def markdown_table(doc: dict) -> str:
         head.append("prefill cost")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in methods:
-        row = [f"`{m['spec']}`", str(m.get("bits") or "16"), "-" if m.get("budget") is None else str(m["budget"]),
+        # A plan (preset or file) sets its widths per layer and model: no single bits to show.
+        planned = str(m.get("resolved", "")).startswith(("kv_cache preset", "kv_cache plan"))
+        bits = "-" if planned and m.get("bits") is None else str(m.get("bits") or "16")
+        row = [f"`{m['spec']}`", bits, "-" if m.get("budget") is None else str(m["budget"]),
                _fmt_bytes(m.get("kv_bytes")), "-" if not m.get("ratio") else f"{m['ratio']:.2f}x"]
         bpe = _bits_per_element(m)
         row.append("-" if bpe is None else f"{bpe:.2f}")
