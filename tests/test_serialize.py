@@ -236,7 +236,7 @@ def test_wrong_format_version(stories, tmp_path, monkeypatch):
     monkeypatch.setattr(serialize, "FORMAT_VERSION", 99)
     save_cache(ctx.cache, tmp_path / "v99.kvc")
     monkeypatch.undo()
-    with pytest.raises(ValueError, match=r"format version expected 1, found '99'"):
+    with pytest.raises(ValueError, match=rf"format version expected {serialize.FORMAT_VERSION}, found .99."):
         load_cache(tmp_path / "v99.kvc", model_config=stories[0].config)
 
 
@@ -257,3 +257,37 @@ def test_not_a_kv_cache_file(stories, tmp_path):
     empty.write_bytes(b"")
     with pytest.raises(ValueError, match="not a kv_cache file"):
         load_cache(empty, model_config=cfg)
+
+
+def test_tensors_are_named_by_declared_fields(stories, tmp_path):
+    """Every object is written by its layout's declared ``FIELDS`` (saved name -> attribute), never by
+    whatever attributes it carries: an extra attribute is not saved, an undeclared field is refused."""
+    from safetensors import safe_open
+
+    from kv_cache.cache.serialize_state import _Reader, _Writer
+
+    ctx = _ctx(stories, "q4+h2o")
+    path = tmp_path / "q.kvc"
+    ctx.save(path)
+    with safe_open(path, "pt") as f:
+        names = set(f.keys())
+    assert "layer0.residual_keys" in names and "layer0.packed.k_codes" in names
+    assert not any(n.rsplit(".", 1)[-1].startswith("_") or n.endswith(".keys") for n in names if "state" not in n)
+    plain = _ctx(stories, "none")
+    with safe_open(_save(plain, tmp_path / "p.kvc"), "pt") as f:
+        assert {"layer0.key_buffer", "layer0.value_buffer"} <= set(f.keys())
+    storage = ctx.cache.layers[0].storage
+    storage.scratch = torch.zeros(3)  # not a declared field: not written
+    w = _Writer(ctx.cache.quant, None)
+    rec = w.obj(storage, "layer0")
+    del storage.scratch
+    assert set(rec["attrs"]) == set(QuantizedStorage.FIELDS) and "layer0.scratch" not in w.tensors
+    bad = copy.deepcopy(rec)
+    bad["attrs"]["scratch"] = None
+    with pytest.raises(ValueError, match="declares"):
+        _Reader(w.tensors, ctx.cache.quant, torch.device("cpu"), set()).obj(bad)
+
+
+def _save(ctx, path):
+    ctx.save(path)
+    return path

@@ -133,6 +133,8 @@ class Rotation:
     """
 
     matrices: torch.Tensor | None = None
+    FIELDS = {"signs": "signs", "matrices": "matrices"}
+    """Saved fields (:mod:`kv_cache.cache.serialize_state`)."""
 
     def __init__(self, layer: int, kv_heads: int, head_dim: int, seed: int, device) -> None:
         self.signs = torch.stack([RandomizedHadamard.for_head(head_dim, layer, h, seed).signs()
@@ -370,7 +372,10 @@ class PackedKV:
         object.__setattr__(self, name, value)
 
     _BLOCKS = "_qblocks_view"
-    TRANSIENT = (_BLOCKS,)
+    FIELDS = {name: name for name in ("quant", "dtype", "head_dim", "layer", "key_bits", "value_bits", "channel_group",
+                                      "per_channel_keys", "track_groups", "k_codes", "k_scale", "k_zero", "k_group",
+                                      "v_codes", "v_scale", "v_zero", "rotation")}
+    """Saved fields (:mod:`kv_cache.cache.serialize_state`); the cached block view is not one."""
     """Attributes that are not state (views rebuilt on demand): not saved by ``cache.save``."""
 
     def qblocks(self) -> tuple[QBlock, QBlock]:

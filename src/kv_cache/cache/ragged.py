@@ -26,6 +26,9 @@ class RaggedStorage(LayerStorage):
     """``rows[b * heads + h]``: the tokens of row ``(b, h)``; ``lead[r]``: its leading padding
     slots that had to be kept (quantization sinks of a left-padded row)."""
 
+    FIELDS = {"batch": "_batch", "heads": "_heads", "lead": "lead", "rows": "rows"}
+    """Saved fields (:mod:`.serialize_state`) and the attributes that hold them."""
+
     def __init__(self, rows: list[LayerStorage], batch: int, heads: int, lead: list[int] | None = None):
         if len(rows) != batch * heads:
             raise ValueError(f"RaggedStorage needs batch * heads = {batch * heads} rows; got {len(rows)}")

@@ -56,8 +56,9 @@ from .serialize_state import (
 FORMAT = "kv_cache.compressed_cache"
 """The value of the ``format`` metadata key of every file written here."""
 
-FORMAT_VERSION = 1
-"""Bumped whenever the layout of the file changes; :func:`load_cache` reads this version only."""
+FORMAT_VERSION = 2
+"""Bumped whenever the layout of the file changes; :func:`load_cache` reads this version only.
+Version 2: objects are written by their layout's declared fields (``FIELDS``), not by attribute."""
 
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "torch_dtype", "dtype", "architectures")
 """Config keys that do not change the cache (keys starting with ``_`` are dropped too):

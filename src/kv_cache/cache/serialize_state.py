@@ -6,7 +6,8 @@ entry points); this module turns what a cache holds into named tensors and JSON 
 * the settings: a :class:`~kv_cache.cache.config.QuantConfig` and an eviction policy as JSON
   (:func:`_encode_quant` / :func:`_decode_quant`, :func:`_encode_policy` / :func:`_decode_policy`);
 * the storages (:data:`STORAGE_CLASSES`: full precision, quantized, ragged, :class:`PackedKV`) and
-  the rotations (:class:`Rotation` and its subclasses), written attribute by attribute by
+  the rotations (:class:`Rotation` and its subclasses), written field by field (each class's
+  declared ``FIELDS``: saved name -> the attribute that holds it) by
   :class:`_Writer` (tensors named by where they live, ``layer3.row2.packed.k_codes``) and rebuilt
   by :class:`_Reader`;
 * the layers: their scalars, dtype, storage, state tensors and starts
@@ -31,7 +32,7 @@ from .storage import FullPrecisionStorage, QuantizedStorage
 STORAGE_CLASSES: dict[str, type] = {
     cls.__name__: cls for cls in (FullPrecisionStorage, QuantizedStorage, RaggedStorage, PackedKV)
 }
-"""Classes whose instances are written attribute by attribute (rotations: :func:`_rotation_classes`)."""
+"""Classes whose instances are written by their declared ``FIELDS`` (rotations: :func:`_rotation_classes`)."""
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -143,8 +144,8 @@ class _Writer:
                 f"cannot save a {cls.__module__}.{cls.__qualname__} at {prefix or 'storage'}: only "
                 f"{sorted(STORAGE_CLASSES) + sorted(_rotation_classes())} are known to kv_cache.cache.serialize"
             )
-        skip = getattr(cls, "TRANSIENT", ())
-        attrs = {k: self.value(v, prefix, k) for k, v in sorted(vars(o).items()) if k not in skip}
+        # The class's declared fields, never whatever attributes the object happens to carry.
+        attrs = {f: self.value(getattr(o, attr), prefix, f) for f, attr in sorted(cls.FIELDS.items())}
         return {"class": cls.__name__, "attrs": attrs}
 
     def value(self, v: Any, prefix: str, attr: str) -> Any:
@@ -202,11 +203,12 @@ class _Reader:
         if cls is None:
             raise ValueError(f"kv_cache file holds an object of class {name!r}; expected one of "
                              f"{sorted(STORAGE_CLASSES) + sorted(_rotation_classes())}")
+        if set(d["attrs"]) != set(cls.FIELDS):
+            raise ValueError(f"kv_cache file is corrupted: a {name} has fields {sorted(d['attrs'])}; its layout "
+                             f"declares {sorted(cls.FIELDS)}")
         out = cls.__new__(cls)
-        for k, v in d["attrs"].items():
-            if not isinstance(k, str) or not k.isidentifier() or k.startswith("__"):
-                raise ValueError(f"kv_cache file is corrupted: attribute name {k!r} of a {name}")
-            setattr(out, k, self.value(v))
+        for f, attr in cls.FIELDS.items():
+            setattr(out, attr, self.value(d["attrs"][f]))
         return out
 
     def value(self, v: Any) -> Any:

@@ -139,6 +139,10 @@ class FullPrecisionStorage(LayerStorage):
     counts the whole buffers.
     """
 
+    FIELDS = {"key_buffer": "_kbuf", "value_buffer": "_vbuf", "length": "n"}
+    """Saved fields (:mod:`.serialize_state`): the whole buffers, as held and counted, and the
+    number of valid slots."""
+
     def __init__(self, keys: torch.Tensor, values: torch.Tensor):
         self._kbuf, self._vbuf, self.n = keys, values, keys.shape[2]  # [b, h, cap, d]
 
@@ -223,6 +227,10 @@ class QuantizedStorage(LayerStorage):
     * Eviction keeps the sinks and, once something is packed, the residual (so every head's
       packed part stays rectangular and the residual append-only).
     """
+
+    FIELDS = {"quant": "quant", "dtype": "dtype", "sink_keys": "sink_keys", "sink_values": "sink_values",
+              "packed": "packed", "residual_keys": "keys", "residual_values": "values"}
+    """Saved fields (:mod:`.serialize_state`) and the attributes that hold them."""
 
     def __init__(self, quant: QuantConfig, keys: torch.Tensor, values: torch.Tensor, track_groups: bool,
                  layer: int = 0):
