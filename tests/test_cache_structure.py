@@ -370,3 +370,26 @@ def test_qblocks_are_views_kept_until_a_slot_changes():
     kq2, _ = p.qblocks()
     assert kq2 is not kq and kq2.codes.shape[1] == 72
     assert kq2.codes.untyped_storage().data_ptr() == kq.codes.untyped_storage().data_ptr()
+
+
+def test_storage_layouts_are_a_registered_contract():
+    """Layouts register with their saved FIELDS; rows' lengths and starts come from the layout, and a
+    rectangular layout turns ragged through keep_rows (no isinstance in the layer or the tiers)."""
+    import torch
+
+    from kv_cache.cache.ragged import RaggedStorage
+    from kv_cache.cache.serialize_state import STORAGE_CLASSES
+    from kv_cache.cache.storage import LAYOUTS, FullPrecisionStorage, LayerStorage, register_layout
+
+    assert {"FullPrecisionStorage", "QuantizedStorage", "RaggedStorage"} <= set(LAYOUTS) <= set(STORAGE_CLASSES)
+    for cls in LAYOUTS.values():
+        assert issubclass(cls, LayerStorage) and cls.FIELDS
+    with pytest.raises(TypeError, match="FIELDS"):
+        register_layout(type("NoFields", (), {}))
+    st = FullPrecisionStorage(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))
+    assert st.head_lengths().tolist() == [[5, 5]] and st.starts() is None and not st.ragged
+    rag = st.keep_rows([torch.tensor([0, 2, 4]), torch.tensor([1])], [0, 0])
+    assert isinstance(rag, RaggedStorage) and rag.ragged and rag.head_lengths().tolist() == [[3, 1]]
+    assert rag.starts().tolist() == [[0, 2]]  # right-aligned: row 1 starts after 2 virtual slots
+    assert rag.keep_rows([torch.tensor([1, 2]), torch.tensor([0])], [0, 0]) is rag
+    assert rag.head_lengths().tolist() == [[2, 1]]

@@ -31,9 +31,9 @@ from ..compression.selection import forced_mask, left_padding_starts, mask_key_v
 from ..policies.base import EvictionPolicy, ScoreInputs
 from .config import QuantConfig
 from .context_layer import RECONSTRUCTION_MISSING, ContextMixin
-from .ragged import RaggedStorage, ragged_state
+from .ragged import ragged_state
 from .budgets import fixed_parts
-from .tiers import TIERS_NEED_NATIVE, TiersMixin, row_lengths
+from .tiers import TIERS_NEED_NATIVE, TiersMixin
 from .window import slide
 from .storage import FullPrecisionStorage, LayerStorage, gather_tokens, make_storage
 
@@ -202,8 +202,8 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         if st is None:
             return torch.zeros(0, 0, dtype=torch.int64)
         tail = 0 if self._tail is None else self._tail.length
-        out = row_lengths(st) + tail
-        return out if self.demoted is None else out + row_lengths(self.demoted)
+        out = st.head_lengths() + tail
+        return out if self.demoted is None else out + self.demoted.head_lengths()
 
     # ------------------------------------------------------------------ the observer seam
     @property
@@ -454,20 +454,17 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         counts = masks.sum(-1)
         if self.tiered:
             self._demote(masks)
-        pad = [T - n for n in st.row_lengths] if isinstance(st, RaggedStorage) else [0] * (B * H)
+        pad = (T - st.head_lengths()).flatten().tolist()  # virtual slots before a ragged row
         self.state = {name: ragged_state(t, masks) for name, t in self.state.items()}
-        if not isinstance(st, RaggedStorage) and bool((counts == counts.flatten()[0]).all()):
+        if not st.ragged and bool((counts == counts.flatten()[0]).all()):
             keep = masks.nonzero()[:, 2].reshape(B, H, -1)
             self._starts = starts_after(self._starts, keep)
             st.gather(keep, in_place=in_place)
             return
         keeps = [masks[b, h].nonzero().squeeze(1) - pad[b * H + h] for b in range(B) for h in range(H)]
-        if isinstance(st, RaggedStorage):
-            st.gather_rows(keeps, in_place)
-        else:
-            starts = self._starts
-            lead = [0 if starts is None else int((k < int(starts[r // H, r % H])).sum()) for r, k in enumerate(keeps)]
-            self.storage = RaggedStorage.split(st, keeps, lead)
+        starts = self._starts
+        lead = [0 if starts is None else int((k < int(starts[r // H, r % H])).sum()) for r, k in enumerate(keeps)]
+        self.storage = st.keep_rows(keeps, lead, in_place)
         self._starts = self.storage.starts()
 
     # ------------------------------------------------------------------ accounting

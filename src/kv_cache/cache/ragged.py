@@ -19,15 +19,17 @@ from typing import Callable
 import torch
 
 from ..attention.blocks import RaggedBlock
-from .storage import CATEGORIES, LayerStorage
+from .storage import CATEGORIES, LayerStorage, register_layout
 
 
+@register_layout
 class RaggedStorage(LayerStorage):
     """``rows[b * heads + h]``: the tokens of row ``(b, h)``; ``lead[r]``: its leading padding
     slots that had to be kept (quantization sinks of a left-padded row)."""
 
     FIELDS = {"batch": "_batch", "heads": "_heads", "lead": "lead", "rows": "rows"}
     """Saved fields (:mod:`.serialize_state`) and the attributes that hold them."""
+    ragged = True
 
     def __init__(self, rows: list[LayerStorage], batch: int, heads: int, lead: list[int] | None = None):
         if len(rows) != batch * heads:
@@ -64,6 +66,14 @@ class RaggedStorage(LayerStorage):
     @property
     def length(self) -> int:
         return max(self.row_lengths, default=0)
+
+    def head_lengths(self) -> torch.Tensor:
+        return torch.tensor(self.row_lengths, dtype=torch.int64).reshape(self._batch, self._heads)
+
+    def keep_rows(self, keeps: list[torch.Tensor], lead: list[int], in_place: bool = True) -> "RaggedStorage":
+        """Row-local ``keeps`` (each row's own slots; its lead is tracked here, ``lead`` unused)."""
+        self.gather_rows(keeps, in_place)
+        return self
 
     def starts(self) -> torch.Tensor | None:
         """``[batch, heads]`` int32: the first valid slot of each right-aligned row (None: 0 everywhere)."""

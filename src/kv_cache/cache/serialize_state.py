@@ -5,7 +5,8 @@ entry points); this module turns what a cache holds into named tensors and JSON 
 
 * the settings: a :class:`~kv_cache.cache.config.QuantConfig` and an eviction policy as JSON
   (:func:`_encode_quant` / :func:`_decode_quant`, :func:`_encode_policy` / :func:`_decode_policy`);
-* the storages (:data:`STORAGE_CLASSES`: full precision, quantized, ragged, :class:`PackedKV`) and
+* the storages (:data:`STORAGE_CLASSES`: every registered layout, :data:`kv_cache.cache.storage.LAYOUTS`
+  (full precision, quantized, ragged), and :class:`PackedKV`) and
   the rotations (:class:`Rotation` and its subclasses), written field by field (each class's
   declared ``FIELDS``: saved name -> the attribute that holds it) by
   :class:`_Writer` (tensors named by where they live, ``layer3.row2.packed.k_codes``) and rebuilt
@@ -26,12 +27,10 @@ from ..policies import POLICIES, EvictionPolicy
 from .config import QuantConfig
 from .layer import CompressedLayer
 from .packed import PackedKV, Rotation
-from .ragged import RaggedStorage
-from .storage import FullPrecisionStorage, QuantizedStorage
+from . import ragged as _ragged  # noqa: F401  (registers the ragged layout)
+from .storage import LAYOUTS
 
-STORAGE_CLASSES: dict[str, type] = {
-    cls.__name__: cls for cls in (FullPrecisionStorage, QuantizedStorage, RaggedStorage, PackedKV)
-}
+STORAGE_CLASSES: dict[str, type] = {**LAYOUTS, PackedKV.__name__: PackedKV}
 """Classes whose instances are written by their declared ``FIELDS`` (rotations: :func:`_rotation_classes`)."""
 
 
@@ -165,7 +164,7 @@ class _Writer:
             if self.quant is not None and v == self.quant.sliding_config():
                 return {"quant": "sliding"}  # a sliding-window layer's layout (no sinks, no tier)
             raise ValueError(f"cannot save: {name} holds a QuantConfig other than the cache's ({v!r})")
-        if attr == "rows" and isinstance(v, list):  # RaggedStorage.rows: row r at "row{r}"
+        if isinstance(v, list) and v and all(type(x).__name__ in LAYOUTS for x in v):  # rows: row r at "row{r}"
             return {"rows": [self.obj(row, _join(prefix, f"row{r}")) for r, row in enumerate(v)]}
         if isinstance(v, (list, tuple)) and all(isinstance(x, (bool, int, float, str)) for x in v):
             return {"list": list(v)}

@@ -14,19 +14,30 @@ in token order, every tensor ``[batch, kv_heads, n, ...]``, and offers the same 
   into a key matrix);
 * :meth:`LayerStorage.protected` -- how many leading / trailing slots eviction must keep;
 * :meth:`LayerStorage.named_tensors` / :meth:`LayerStorage.nbytes_by_category` -- honest
-  accounting (every tensor held, by category).
+  accounting (every tensor held, by category);
+* :meth:`LayerStorage.head_lengths` / :meth:`LayerStorage.starts` -- the tokens each
+  ``(batch, head)`` row holds and the first valid slot of each row (a layout whose heads hold
+  different numbers declares ``ragged = True``);
+* :meth:`LayerStorage.keep_rows` -- row ``r`` keeps its own slots: a rectangular layout returns
+  the ragged layout that holds only those (:mod:`~kv_cache.cache.ragged`), a ragged one gathers
+  in place;
+* ``FIELDS`` -- the saved fields (name -> attribute) a ``.kvc`` file writes and reads back.
+
+Every layout registers itself in :data:`LAYOUTS` (:func:`register_layout`); the serializer
+saves and loads exactly the registered ones.
 
 Layouts: :class:`FullPrecisionStorage` (no quantization, exactly ``DynamicCache``) and
 :class:`QuantizedStorage` (KIVI: full-precision sinks | packed codes | full-precision
 residual), whose packed middle is a :class:`~kv_cache.cache.packed.PackedKV` (per-channel or
-per-token keys, uniform or Lloyd-Max levels, optionally rotated). New layouts (rotated, codebook, ragged
-per head) implement :class:`LayerStorage` and plug into the layer unchanged.
+per-token keys, uniform or Lloyd-Max levels, optionally rotated); :class:`~kv_cache.cache.ragged.RaggedStorage`
+(heads holding different numbers of tokens). New layouts implement :class:`LayerStorage`,
+register, and plug into the layer unchanged.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 
@@ -43,8 +54,39 @@ more unused slots are given back (exact-size buffers)."""
 """Byte categories of a storage (the layer adds ``scores`` for policy state)."""
 
 
+LAYOUTS: dict[str, type] = {}
+"""Every registered storage layout, by class name (the serializer's list of known layouts)."""
+
+
+def register_layout(cls: type) -> type:
+    """Class decorator: add a :class:`LayerStorage` subclass (with its ``FIELDS``) to :data:`LAYOUTS`."""
+    if not isinstance(getattr(cls, "FIELDS", None), dict):
+        raise TypeError(f"a storage layout declares FIELDS (saved name -> attribute); {cls.__name__} does not")
+    LAYOUTS[cls.__name__] = cls
+    return cls
+
+
 class LayerStorage(ABC):
     """The tokens one layer holds; see the module docstring for the contract."""
+
+    FIELDS: ClassVar[dict[str, str]] = {}
+    ragged: ClassVar[bool] = False
+    """True for a layout whose heads hold different numbers of tokens."""
+
+    def head_lengths(self) -> torch.Tensor:
+        """``[batch, heads]`` int64: the tokens each row holds (all :attr:`length` unless ragged)."""
+        return torch.full((self.batch, self.heads), self.length, dtype=torch.int64)
+
+    def starts(self) -> torch.Tensor | None:
+        """``[batch, heads]`` int32: each row's first valid slot of the ``length`` slots the layout
+        shows (None: 0 everywhere; left padding is tracked by the layer)."""
+        return None
+
+    def keep_rows(self, keeps: list[torch.Tensor], lead: list[int], in_place: bool = True) -> "LayerStorage":
+        """Row ``r = b * heads + h`` keeps its sorted row-local slots ``keeps[r]`` (``lead[r]`` of
+        them leading padding); returns the storage that holds the result: the ragged layout for a
+        rectangular one (rows in tensors of their own)."""
+        return LAYOUTS["RaggedStorage"].split(self, keeps, lead)
 
     @property
     @abstractmethod
@@ -127,6 +169,7 @@ class LayerStorage(ABC):
         """Bytes held by category (keys of :data:`CATEGORIES`): sums of ``tensor.nbytes``."""
 
 
+@register_layout
 class FullPrecisionStorage(LayerStorage):
     """Tokens in the model dtype: exactly ``DynamicCache`` when nothing is evicted.
 
@@ -216,6 +259,7 @@ class FullPrecisionStorage(LayerStorage):
         return out
 
 
+@register_layout
 class QuantizedStorage(LayerStorage):
     """KIVI storage: ``[ full-precision sinks | packed quantized tokens | full-precision residual ]``.
 

@@ -23,13 +23,6 @@ TIERS_NEED_NATIVE = (
 )
 
 
-def row_lengths(st: LayerStorage) -> torch.Tensor:
-    """``[batch, heads]`` int64: the tokens each row of ``st`` holds."""
-    if isinstance(st, RaggedStorage):
-        return torch.tensor(st.row_lengths, dtype=torch.int64).reshape(st.batch, st.heads)
-    return torch.full((st.batch, st.heads), st.length, dtype=torch.int64)
-
-
 class TiersMixin:
     """The evicted tier; mixed into ``CompressedLayer`` (which owns ``storage``, ``demoted``,
     ``quant``, ``layer_idx`` and ``_starts``)."""
@@ -48,7 +41,7 @@ class TiersMixin:
         tier at ``QuantConfig.evicted_bits`` (math dictionary §21), before they are dropped from
         :attr:`storage`. They are re-quantized from what the storage holds (dequantized codes,
         sinks and residual), one row per head when heads demote different numbers of tokens."""
-        if self.demoted is not None or isinstance(self.storage, RaggedStorage):
+        if self.demoted is not None or self.storage.ragged:
             raise RuntimeError(
                 f"layer {self.layer_idx} already demoted its evicted tokens: QuantConfig.evicted_bits demotes once, "
                 "after the prefill (a policy with prefill_only)"
