@@ -215,9 +215,10 @@ def _generate(model, cache, ids, n=24, **kw):
                               min_new_tokens=n)
 
 
-@pytest.mark.parametrize("quant", [None, QuantConfig(bits=4)], ids=["fp", "q4"])
+@pytest.mark.parametrize("quant", [None, QuantConfig(bits=4), QuantConfig.kivi(bits=2, group_size=16, residual_length=16)],
+                         ids=["fp", "q4", "kivi2"])
 @pytest.mark.parametrize("policy", [
-    dict(budget=0.25), dict(budget=0.25, scope="layer"), dict(budget=0.25, scope="head"), dict(budget=48, scope="head"),
+    dict(budget=0.25), dict(budget=0.25, scope="layer"), dict(budget=0.25, scope="head"), dict(budget=64, scope="head"),
     dict(threshold=-2.0), dict(budget=0.25, evict_every=1)], ids=["model", "layer", "head", "tokens", "threshold", "every1"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_kvzap_matrix_bounded_memory(stories, scorer_path, quant, policy, batch):
