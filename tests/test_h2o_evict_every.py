@@ -78,5 +78,5 @@ def test_evict_every_validation_and_spec():
         H2O(budget=0.5, evict_every=4, scope="layer")
     assert repr(H2O(budget=0.5)) == "H2O(budget=0.5, recent_window=0.5, sink_tokens=0, gqa_reduce='mean')"
     assert parse_method("h2o@0.5e16").resolved.endswith("evict_every=16)")
-    with pytest.raises(ValueError, match="applies to h2o only"):
+    with pytest.raises(ValueError, match="applies to h2o and kvzap only"):
         parse_method("snapkv@0.5e16")
