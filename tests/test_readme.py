@@ -78,10 +78,14 @@ class Block:
     lang: str
     code: str
     line: int  # 1-based line of the opening fence
+    section: str = ""  # the heading the block sits under
+    index: int = 1  # its place among the section's blocks
 
     @property
     def name(self) -> str:
-        return f"L{self.line}-{self.lang}"
+        """A test id that survives edits elsewhere in the README: section slug, block number, language."""
+        slug = re.sub(r"[^a-z0-9]+", "-", self.section.lower()).strip("-") or "top"
+        return f"{slug}-{self.index}-{self.lang}"
 
     def commands(self) -> list[str]:
         """The shell commands of a bash block: continuations joined, comments and blank lines dropped."""
@@ -116,14 +120,17 @@ def _strip_comment(line: str) -> str:
 def readme_blocks(text: str | None = None) -> list[Block]:
     """Every fenced block of the README, in order."""
     text = README.read_text() if text is None else text
-    blocks, lang, start, body = [], None, 0, []
+    blocks, lang, start, body, section, count = [], None, 0, [], "", 0
     for i, line in enumerate(text.splitlines(), 1):
         if lang is None:
+            if line.startswith("#"):
+                section, count = line.lstrip("#").strip(), 0
             m = re.match(r"^```(\S*)\s*$", line)
             if m:
                 lang, start, body = m.group(1), i, []
         elif line.strip() == "```":
-            blocks.append(Block(lang, "\n".join(body) + "\n", start))
+            count += 1
+            blocks.append(Block(lang, "\n".join(body) + "\n", start, section, count))
             lang = None
         else:
             body.append(line)
