@@ -153,7 +153,12 @@ def check_attend_args(q, kblock, vblock, scaling, start, length) -> AttendArgs:
         raise ValueError(f"q has d={q.shape[2]} but kblock holds d={k.head_dim}")
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
         raise TypeError(f"scaling must be a finite float; got {scaling!r}")
-    return AttendArgs(q, k, v, float(scaling), _row_index(start, "start", R), _row_index(length, "length", R))
+    if k.flat != v.flat or (k.flat and (k.offsets is not v.offsets and not torch.equal(k.offsets, v.offsets))):
+        raise ValueError("kblock and vblock of a flat ragged block must share their offsets")
+    length = _row_index(length, "length", R)
+    if k.flat:  # a row's tokens end at its own length
+        length = k.lengths if length is None else torch.minimum(length, k.lengths)
+    return AttendArgs(q, k, v, float(scaling), _row_index(start, "start", R), length)
 
 
 def bad_group_error() -> ValueError:
@@ -169,7 +174,8 @@ DENSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class MixedArgs:
     q: torch.Tensor                       # [R, G, d] float32: queries of the full-precision blocks
     packed: tuple                         # AttendArgs of each packed block (queries: q, or q R when rotated)
-    dense: tuple                          # ((keys [B, H, n, dk], values [B, H, n, dv], start [R] int32 | None), ...)
+    dense: tuple                          # ((keys [B, H, n, dk], values [B, H, n, dv], start [R] int32 | None,
+                                          #   offsets [R] int64 | None, lengths [R] int32 | None), ...)
     inverses: tuple                       # per packed block: [H', dv, dv] float32 or None
     scaling: float
 
@@ -204,9 +210,17 @@ def check_mixed_args(q, scaling, packed, dense, q_packed, value_inverse) -> Mixe
         raise ValueError("q_packed and value_inverse apply to the packed block; got them with packed=None")
     blocks = []
     for i, blk in enumerate(dense):
-        if not isinstance(blk, tuple) or len(blk) != 3:
-            raise TypeError(f"dense[{i}] must be a (keys, values, start) tuple")
-        k, v, st = blk
+        if not isinstance(blk, tuple) or len(blk) not in (3, 5):
+            raise TypeError(f"dense[{i}] must be a (keys, values, start) tuple, or (keys, values, start, offsets, "
+                            "lengths) for a flat ragged block")
+        k, v, st = blk[:3]
+        off, ln = blk[3:] if len(blk) == 5 else (None, None)
+        if (off is None) != (ln is None):
+            raise ValueError(f"dense[{i}]: a flat ragged block needs both offsets and lengths")
+        if off is not None:
+            if not isinstance(off, torch.Tensor) or off.dtype != torch.int64 or tuple(off.shape) != (R,):
+                raise ValueError(f"dense[{i}] offsets must be int64 [R] = [{R}]")
+            ln = _row_index(ln, f"dense[{i}] lengths", R)
         for name, t in (("keys", k), ("values", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"dense[{i}] {name} must be a rank-4 [B, H, n, d] tensor")
@@ -220,7 +234,7 @@ def check_mixed_args(q, scaling, packed, dense, q_packed, value_inverse) -> Mixe
         if dv is not None and v.shape[3] != dv:
             raise ValueError(f"dense[{i}] values have d_v={v.shape[3]}, the other blocks {dv}")
         dv = v.shape[3]
-        blocks.append((k, v, _row_index(st, f"dense[{i}] start", R)))
+        blocks.append((k, v, _row_index(st, f"dense[{i}] start", R), off, ln))
     if not ps and not blocks:
         raise ValueError("attend_mixed needs a packed block or at least one dense block; got neither")
     return MixedArgs(q, tuple(ps), tuple(blocks), tuple(inverses), float(scaling))

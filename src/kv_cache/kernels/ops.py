@@ -51,6 +51,8 @@ def _p(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None or t.is_contiguous():
         return t
     st = t.stride()
+    if t.shape[0] > 1 and st[0] == 0 and t[0].is_contiguous():  # one buffer for every row (flat ragged)
+        return t
     if t.dim() == 2:
         R, n = t.shape
         ok = (n <= 1 or st[1] == 1) and (R <= 1 or st[0] >= n)
@@ -271,7 +273,7 @@ def attend_block(
     """
     a = check_attend_args(q, kblock, vblock, scaling, start, length)
     k, v = a.k, a.v
-    tri = _triton(a.q, k.codes, v.codes)
+    tri = None if k.flat else _triton(a.q, k.codes, v.codes)  # flat ragged blocks: the torch path on CUDA
     if tri is not None:
         return tri.attend_block(a, bool(return_logits))
     ext = _compiled(a.q, k.codes, v.codes)
@@ -290,7 +292,7 @@ def attend_block(
                    _p(v.codes), v.bits, v.lut.contiguous(), _GROUPING_ID[v.grouping],
                    _p(v.scale), _p(v.zero), _p(v.gid), v.group_size,
                    a.scaling, _c(a.start), _c(a.length), out, lse, logits, _build.isa_flag(),
-                   None, [], [], None, None, _c(k.scale_table), _c(v.scale_table), [], [])
+                   None, [], [], None, None, _c(k.scale_table), _c(v.scale_table), [], [], _c(k.offsets), [], [])
     except ValueError as exc:  # the extension's group-index check
         raise bad_group_error() from exc
     return out, lse, logits
@@ -372,7 +374,8 @@ def attend_mixed(
     tensors = [a.q] + [t for blk in a.dense for t in blk[:2]]
     for p in a.packed:
         tensors += [p.q, p.k.codes, p.v.codes]
-    tri = _triton(*tensors)
+    flat = any(p.k.flat for p in a.packed) or any(blk[3] is not None for blk in a.dense)
+    tri = None if flat else _triton(*tensors)  # flat ragged blocks: the torch path on CUDA
     if tri is not None:
         return tri.attend_mixed(a)
     ext = _compiled(*tensors)
@@ -381,9 +384,11 @@ def attend_mixed(
     R, G, d = a.q.shape
     if a.packed:
         k, v, qp, start = a.packed[0].k, a.packed[0].v, a.packed[0].q.contiguous(), a.packed[0].start
+        length = a.packed[0].length
     else:
         dv = a.dense[0][1].shape[-1]
         k, v, qp, start = _empty_block(R, d, a.q.device), _empty_block(R, dv, a.q.device), a.q.contiguous(), None
+        length = None
     dk_list = [_rows(blk[0]) for blk in a.dense]
     dv_list = [_rows(blk[1]) for blk in a.dense]
     dense_start = None
@@ -398,14 +403,16 @@ def attend_mixed(
                    _p(k.scale), _p(k.zero), _p(k.gid), k.group_size,
                    _p(v.codes), v.bits, v.lut.contiguous(), _GROUPING_ID[v.grouping],
                    _p(v.scale), _p(v.zero), _p(v.gid), v.group_size,
-                   a.scaling, _c(start), None, out, lse, None, _build.isa_flag(),
+                   a.scaling, _c(start), _c(length), out, lse, None, _build.isa_flag(),
                    a.q.contiguous(), dk_list, dv_list, dense_start, _c(a.inverses[0] if a.packed else None),
                    _c(k.scale_table), _c(v.scale_table),
                    [[_p(x.k.codes), x.k.lut.contiguous(), _p(x.k.scale), _p(x.k.zero), _p(x.k.gid), _c(x.k.scale_table),
                      _p(x.v.codes), x.v.lut.contiguous(), _p(x.v.scale), _p(x.v.zero), _p(x.v.gid), _c(x.v.scale_table),
-                     _c(x.start), x.q.contiguous(), _c(vi)] for x, vi in zip(a.packed[1:], a.inverses[1:])],
+                     _c(x.start), x.q.contiguous(), _c(vi), _c(x.k.offsets), _c(x.length if x.k.flat else None)]
+                    for x, vi in zip(a.packed[1:], a.inverses[1:])],
                    [[x.k.bits, _GROUPING_ID[x.k.grouping], x.k.group_size, x.v.bits, _GROUPING_ID[x.v.grouping],
-                     x.v.group_size] for x in a.packed[1:]])
+                     x.v.group_size] for x in a.packed[1:]],
+                   _c(k.offsets), [_c(blk[3]) for blk in a.dense], [_c(blk[4]) for blk in a.dense])
     except ValueError as exc:
         raise bad_group_error() from exc
     return out, lse

@@ -83,6 +83,13 @@ class QBlock:
     gid : torch.Tensor or None, int32, shape ``[R, N]``
         ``"channel"`` only: the scale-table row of each token (ragged groups after
         eviction). Values must lie in ``[0, NG)``; that is checked where the block is used.
+    offsets, lengths : torch.Tensor or None, int64 ``[R]`` and int32 ``[R]``
+        Both or neither: a *flat ragged* block (math dictionary §15.4), the tokens of all ``R``
+        rows in one buffer. Every tensor's row axis then has stride 0 (an ``expand`` of a
+        ``[1, N, ...]`` buffer, ``N`` the tokens of all rows) and row ``r`` holds the
+        ``lengths[r]`` tokens that start at token ``offsets[r]`` of the buffer (codes, ``gid``
+        and token-grouped metadata); a channel-grouped scale table is shared by every row and
+        ``gid`` indexes it globally. The kernels read only each row's own tokens.
 
     Raises
     ------
@@ -101,6 +108,8 @@ class QBlock:
     group_size: int = 1
     gid: torch.Tensor | None = None
     scale_table: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         bits = check_bits(self.bits)
@@ -166,7 +175,16 @@ class QBlock:
                 raise TypeError(f"gid must be int32; got {gid.dtype}")
             if tuple(gid.shape) != (R, N):
                 raise ValueError(f"gid must be [R, N] = {[R, N]}; got {list(gid.shape)}")
-        devices = {t.device for t in (codes, lut, scale, self.zero, self.gid, self.scale_table) if t is not None}
+        if (self.offsets is None) != (self.lengths is None):
+            raise ValueError("a flat ragged block needs both offsets and lengths; got one of them")
+        if self.offsets is not None:
+            for name, t, dt in (("offsets", self.offsets, torch.int64), ("lengths", self.lengths, torch.int32)):
+                t = _check_tensor(t, name)
+                if t.dtype != dt or tuple(t.shape) != (R,):
+                    raise ValueError(f"{name} must be {dt} of shape [R] = [{R}]; got {t.dtype} of shape "
+                                     f"{tuple(t.shape)}")
+        devices = {t.device for t in (codes, lut, scale, self.zero, self.gid, self.scale_table, self.offsets,
+                                      self.lengths) if t is not None}
         if len(devices) > 1:
             raise ValueError(f"all tensors of a QBlock must be on one device; got {sorted(map(str, devices))}")
 
@@ -190,6 +208,11 @@ class QBlock:
     def head_dim(self) -> int:
         """``d``: channels per token (``P * 8 / bits``)."""
         return self.codes.shape[2] * 8 // self.bits
+
+    @property
+    def flat(self) -> bool:
+        """True for a flat ragged block (``offsets`` / ``lengths`` given)."""
+        return self.offsets is not None
 
     @property
     def nbytes(self) -> int:

@@ -125,7 +125,39 @@ def quantize_block(
     return _quantize(check_quantize_args(x, bits, grouping, group_size, symmetric, scale_dtype, lut))
 
 
+def rectangular(block: QBlock) -> QBlock:
+    """A flat ragged block (``block.offsets``) as an ordinary ``[R, max(lengths), ...]`` block:
+    row ``r`` holds its own tokens first, then repeats of the buffer's tokens (masked by the
+    lengths). The reference path's view of the layout; the kernels read the buffer in place."""
+    if not block.flat:
+        return block
+    R = block.codes.shape[0]
+    n = int(block.lengths.max()) if R else 0
+    total = block.codes.shape[1]
+    idx = (block.offsets.unsqueeze(1) + torch.arange(n, device=block.codes.device)).clamp_(max=max(total - 1, 0))
+
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[0][idx]
+
+    token = block.grouping == "token"
+    return QBlock(rows(block.codes), block.bits, block.lut, block.grouping,
+                  rows(block.scale) if token else block.scale.contiguous(),
+                  (rows(block.zero) if token else block.zero.contiguous()) if block.zero is not None else None,
+                  block.group_size, rows(block.gid), block.scale_table)
+
+
+def rectangular_dense(t: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """A flat ragged full-precision block ``[B, H, N, d]`` (row axes of stride 0) as
+    ``[B, H, max(lengths), d]`` (repeats past each row's length, masked by the lengths)."""
+    B, H, total, d = t.shape
+    n = int(lengths.max()) if lengths.numel() else 0
+    idx = (offsets.unsqueeze(1) + torch.arange(n, device=t.device)).clamp_(max=max(total - 1, 0))
+    return t[0, 0][idx].reshape(B, H, n, d)
+
+
 def _attend(a: AttendArgs, return_logits: bool):
+    if a.k.flat:
+        a = AttendArgs(a.q, rectangular(a.k), rectangular(a.v), a.scaling, a.start, a.length)
     q, k, v = a.q, a.k, a.v
     R, G, _ = q.shape
     N = k.codes.shape[1]
@@ -191,12 +223,17 @@ def _attend_mixed(a) -> tuple[torch.Tensor, torch.Tensor]:
             out = rows_times(out, inverse)
         parts.append((out, lse))
     R, G, d = a.q.shape
-    for k, v, st in a.dense:
+    for k, v, st, off, ln in a.dense:
+        if off is not None:
+            k, v = rectangular_dense(k, off, ln), rectangular_dense(v, off, ln)
         n = k.shape[2]
         kx, vx = k.float().reshape(R, n, d), v.float().reshape(R, n, -1)
         s = torch.bmm(a.q, kx.transpose(1, 2)).mul_(a.scaling)
+        pos = torch.arange(n, device=s.device)
         if st is not None:
-            s.masked_fill_((torch.arange(n, device=s.device) < st.long().unsqueeze(1)).unsqueeze(1), float("-inf"))
+            s.masked_fill_((pos < st.long().unsqueeze(1)).unsqueeze(1), float("-inf"))
+        if ln is not None:
+            s.masked_fill_((pos >= ln.long().unsqueeze(1)).unsqueeze(1), float("-inf"))
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)
         parts.append((torch.bmm(p, vx), lse))

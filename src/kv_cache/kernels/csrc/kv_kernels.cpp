@@ -83,6 +83,7 @@ struct Meta {
   DT dt = DT_NONE;
   const float* table = nullptr;  // uint8 codes: the value is table[code] (e.g. log-coded scales)
   int64_t pitch = 0;             // entries (tokens or groups) from one row to the next
+  const int64_t* off = nullptr;  // per-token entries of a flat ragged block: row r starts at entry off[r]
 };
 
 // A code -> level table: 2**bits entries, zero padded to 256. `offset`: lut[i] == i + beta
@@ -164,7 +165,16 @@ struct BlockView {
   // Row pitches (tokens from row r to row r + 1): N for contiguous tensors, more for the
   // leading part of a buffer with room (attention reads such views in place).
   int64_t cpitch = 0, gpitch = 0;
+  // A flat ragged block (one buffer per layer, rows of different lengths): row r's tokens are
+  // tokens off[r] .. off[r] + length[r] of the buffer (codes, gid and token-grouped metadata);
+  // a channel-grouped scale table is then shared by every row (pitch 0, gid global).
+  const int64_t* off = nullptr;
 };
+
+// First entry of row r: a flat ragged block's offset, else r rows of `pitch`.
+static inline int64_t mrow(const Meta& m, int64_t r) { return m.off ? m.off[r] : r * m.pitch; }
+static inline int64_t crow(const BlockView& b, int64_t r) { return b.off ? b.off[r] : r * b.cpitch; }
+static inline int64_t gidrow(const BlockView& b, int64_t r) { return b.off ? b.off[r] : r * b.gpitch; }
 
 // Row pitch of a [R, n, w] tensor whose rows hold n entries of w contiguous elements each,
 // possibly the leading part of rows of a longer buffer; -1 if the layout is not that.
@@ -173,6 +183,7 @@ static int64_t row_pitch(const at::Tensor& t) {
   if (w > 1 && t.stride(2) != 1) return -1;
   if (n > 1 && t.stride(1) != w) return -1;
   if (R <= 1) return n;
+  if (t.stride(0) == 0) return 0;  // one buffer shared by every row (flat ragged, or a shared table)
   if (w == 0 || t.stride(0) % w || t.stride(0) / w < n) return -1;
   return t.stride(0) / w;
 }
@@ -217,6 +228,8 @@ struct DenseView {
   int64_t n = 0, kb = 0, kh = 0, vb = 0, vh = 0;
   int dk = 0, dv = 0;
   const int32_t* start = nullptr;  // [R] first valid token per row, or null (0)
+  const int64_t* off = nullptr;    // flat ragged block: row r's tokens start at token off[r] of the buffer
+  const int32_t* len = nullptr;    // flat ragged block: row r holds len[r] tokens (else n)
 };
 
 struct AttendArgs {
@@ -337,7 +350,8 @@ static void run_items(int64_t n, int64_t work, F fn) {
 static BlockView make_block(const at::Tensor& codes, int64_t bits, const at::Tensor& lut, int64_t grouping,
                             const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
                             const c10::optional<at::Tensor>& gid, int64_t group_size,
-                            const c10::optional<at::Tensor>& scale_table) {
+                            const c10::optional<at::Tensor>& scale_table,
+                            const c10::optional<at::Tensor>& offsets = c10::nullopt) {
   BlockView b;
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte, "codes");
   b.codes = codes.data_ptr<uint8_t>();
@@ -380,7 +394,13 @@ static BlockView make_block(const at::Tensor& codes, int64_t bits, const at::Ten
                     (b.N <= 1 || gid->stride(1) == 1), "gid");
     b.gid = gid->data_ptr<int32_t>();
     b.gpitch = b.R > 1 ? gid->stride(0) : b.N;
-    TORCH_CHECK(b.gpitch >= b.N, "gid: rows of contiguous entries");
+    TORCH_CHECK(b.gpitch >= b.N || (offsets.has_value() && b.gpitch == 0), "gid: rows of contiguous entries");
+  }
+  if (offsets.has_value()) {
+    TORCH_CHECK(offsets->scalar_type() == at::kLong && offsets->is_contiguous() && offsets->numel() == b.R,
+                "offsets: int64 [R]");
+    b.off = offsets->data_ptr<int64_t>();
+    if (grouping == kToken) b.scale.off = b.zero.off = b.off;
   }
   b.gs = static_cast<int>(group_size);
   b.NG = grouping == kChannel ? scale.size(1) : 0;
@@ -479,25 +499,28 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
             const c10::optional<at::Tensor>& dense_start, const c10::optional<at::Tensor>& vinv,
             const c10::optional<at::Tensor>& k_table, const c10::optional<at::Tensor>& v_table,
             const std::vector<std::vector<c10::optional<at::Tensor>>>& x_tensors,
-            const std::vector<std::vector<int64_t>>& x_ints) {
+            const std::vector<std::vector<int64_t>>& x_ints, const c10::optional<at::Tensor>& offsets,
+            const std::vector<c10::optional<at::Tensor>>& dense_off,
+            const std::vector<c10::optional<at::Tensor>>& dense_len) {
   std::atomic<int> status{kOk};
   AttendArgs a;
-  a.k = make_block(k_codes, k_bits, k_lut, k_grouping, k_scale, k_zero, k_gid, k_group_size, k_table);
-  a.v = make_block(v_codes, v_bits, v_lut, v_grouping, v_scale, v_zero, v_gid, v_group_size, v_table);
+  a.k = make_block(k_codes, k_bits, k_lut, k_grouping, k_scale, k_zero, k_gid, k_group_size, k_table, offsets);
+  a.v = make_block(v_codes, v_bits, v_lut, v_grouping, v_scale, v_zero, v_gid, v_group_size, v_table, offsets);
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q");
   // extra packed blocks: tensors [k_codes, k_lut, k_scale, k_zero, k_gid, k_table, v_codes, v_lut,
-  // v_scale, v_zero, v_gid, v_table, start, q, vinv], ints [k_bits, k_grouping, k_gs, v_bits,
+  // v_scale, v_zero, v_gid, v_table, start, q, vinv, offsets, length] (the last two: a flat ragged
+  // block, int64 [R] and int32 [R], or None), ints [k_bits, k_grouping, k_gs, v_bits,
   // v_grouping, v_gs]; q [R, G, dk] float32 (the block's own space), vinv [H', dv, dv] or None
   const int64_t n_extra = static_cast<int64_t>(x_tensors.size());
   TORCH_CHECK(static_cast<int64_t>(x_ints.size()) == n_extra, "x_tensors and x_ints differ in length");
   std::vector<BlockView> xk(n_extra), xv(n_extra);
-  std::vector<const int32_t*> xstart(n_extra, nullptr);
+  std::vector<const int32_t*> xstart(n_extra, nullptr), xlen(n_extra, nullptr);
   std::vector<const float*> xq(n_extra, nullptr), xvi(n_extra, nullptr);
   std::vector<int64_t> xvi_heads(n_extra, 1);
   for (int64_t i = 0; i < n_extra; ++i) {
     const auto& T = x_tensors[i];
     const auto& I = x_ints[i];
-    TORCH_CHECK(T.size() == 15 && I.size() == 6 && T[0].has_value() && T[1].has_value() && T[2].has_value() &&
+    TORCH_CHECK(T.size() == 17 && I.size() == 6 && T[0].has_value() && T[1].has_value() && T[2].has_value() &&
                     T[6].has_value() && T[7].has_value() && T[8].has_value() && T[13].has_value(),
                 "extra packed block ", i);
     TORCH_CHECK(T[13]->scalar_type() == at::kFloat && T[13]->is_contiguous() && T[13]->sizes() == q.sizes(),
@@ -510,8 +533,12 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
       xvi[i] = m.data_ptr<float>();
       xvi_heads[i] = m.size(0);
     }
-    xk[i] = make_block(*T[0], I[0], *T[1], I[1], *T[2], T[3], T[4], I[2], T[5]);
-    xv[i] = make_block(*T[6], I[3], *T[7], I[4], *T[8], T[9], T[10], I[5], T[11]);
+    xk[i] = make_block(*T[0], I[0], *T[1], I[1], *T[2], T[3], T[4], I[2], T[5], T[15]);
+    xv[i] = make_block(*T[6], I[3], *T[7], I[4], *T[8], T[9], T[10], I[5], T[11], T[15]);
+    if (T[16].has_value()) {
+      TORCH_CHECK(T[16]->scalar_type() == at::kInt && T[16]->is_contiguous() && T[16]->numel() == xk[i].R, "length");
+      xlen[i] = T[16]->data_ptr<int32_t>();
+    }
     TORCH_CHECK(xk[i].R == a.k.R && xv[i].R == a.k.R && xk[i].N == xv[i].N && xk[i].d == a.k.d && xv[i].d == a.v.d,
                 "extra packed block shapes");
     if (T[12].has_value()) {
@@ -559,6 +586,16 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
     D.dk = static_cast<int>(kt.size(3));
     D.dv = static_cast<int>(vt.size(3));
     if (dense_start.has_value()) D.start = dense_start->data_ptr<int32_t>() + i * R;
+    if (i < static_cast<int64_t>(dense_off.size()) && dense_off[i].has_value()) {  // a flat ragged block
+      const at::Tensor& o = *dense_off[i];
+      TORCH_CHECK(o.scalar_type() == at::kLong && o.is_contiguous() && o.numel() == R, "dense offsets: int64 [R]");
+      D.off = o.data_ptr<int64_t>();
+    }
+    if (i < static_cast<int64_t>(dense_len.size()) && dense_len[i].has_value()) {
+      const at::Tensor& l = *dense_len[i];
+      TORCH_CHECK(l.scalar_type() == at::kInt && l.is_contiguous() && l.numel() == R, "dense lengths: int32 [R]");
+      D.len = l.data_ptr<int32_t>();
+    }
   }
   if (n_dense) {
     TORCH_CHECK(!dense_start.has_value() || (dense_start->scalar_type() == at::kInt && dense_start->is_contiguous() &&
@@ -598,7 +635,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
     first[r] = static_cast<int64_t>(items.size());
     for (int64_t t = lo[r]; t < hi[r]; t += chunk) items.push_back({r, t, std::min(hi[r], t + chunk), -1, 0});
     for (int64_t i = 0; i < n_extra; ++i) {
-      const int64_t n = xk[i].N;
+      const int64_t n = xlen[i] ? std::min<int64_t>(std::max<int32_t>(xlen[i][r], 0), xk[i].N) : xk[i].N;
       const int64_t t0 = xstart[i] ? std::min<int64_t>(std::max<int64_t>(xstart[i][r], 0), n) : 0;
       for (int64_t t = t0; t < n; t += chunk)
         items.push_back({r, t, std::min(n, t + chunk), -1, static_cast<int>(i + 1)});
@@ -606,9 +643,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
     }
     for (int64_t i = 0; i < n_dense; ++i) {
       const DenseView& D = dviews[i];
-      const int64_t t0 = D.start ? std::min<int64_t>(std::max<int64_t>(D.start[r], 0), D.n) : 0;
-      for (int64_t t = t0; t < D.n; t += chunk) items.push_back({r, t, std::min(D.n, t + chunk), static_cast<int>(i), 0});
-      total += D.n - t0;
+      const int64_t n = D.len ? std::min<int64_t>(std::max<int32_t>(D.len[r], 0), D.n) : D.n;
+      const int64_t t0 = D.start ? std::min<int64_t>(std::max<int64_t>(D.start[r], 0), n) : 0;
+      for (int64_t t = t0; t < n; t += chunk) items.push_back({r, t, std::min(n, t + chunk), static_cast<int>(i), 0});
+      total += n - t0;
     }
   }
   first[R] = static_cast<int64_t>(items.size());

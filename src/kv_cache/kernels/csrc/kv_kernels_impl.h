@@ -842,9 +842,9 @@ static inline float dot_n(const float* a, const float* b, int n) {
 static inline void decode_token_tile(const BlockView& B, int64_t r, int64_t t0, int nt, float* tile, int ldt,
                                      float* sc, float* zs, float* zsT, float* cs) {
   const int J = B.d / B.gs, gs = B.gs;
-  meta_load(B.scale, (r * B.scale.pitch + t0) * J, static_cast<int64_t>(nt) * J, sc);
-  meta_load(B.zero, (r * B.zero.pitch + t0) * J, static_cast<int64_t>(nt) * J, zs);
-  const uint8_t* codes = B.codes + (r * B.cpitch + t0) * B.P;
+  meta_load(B.scale, (mrow(B.scale, r) + t0) * J, static_cast<int64_t>(nt) * J, sc);
+  meta_load(B.zero, (mrow(B.zero, r) + t0) * J, static_cast<int64_t>(nt) * J, zs);
+  const uint8_t* codes = B.codes + (crow(B, r) + t0) * B.P;
   if (J == 1) {
     decode_tile<kTokenScale>(codes, B.P, nt, B.d, B.bits, B.lut, sc, 1, tile, ldt);
   } else if (W > 1 && gs % W == 0) {  // the scale is constant over each W-chunk
@@ -883,8 +883,8 @@ static inline void prefetch_range(const void* p, int64_t n) {
 
 // The token-grouped metadata of tokens [t, t + n) of row r (J entries per token).
 static inline void prefetch_meta(const Meta& s, const Meta& z, int64_t r, int64_t t, int J, int n) {
-  if (s.p) prefetch_range(static_cast<const char*>(s.p) + (r * s.pitch + t) * J * dt_size(s.dt), int64_t(n) * J * dt_size(s.dt));
-  if (z.p) prefetch_range(static_cast<const char*>(z.p) + (r * z.pitch + t) * J * dt_size(z.dt), int64_t(n) * J * dt_size(z.dt));
+  if (s.p) prefetch_range(static_cast<const char*>(s.p) + (mrow(s, r) + t) * J * dt_size(s.dt), int64_t(n) * J * dt_size(s.dt));
+  if (z.p) prefetch_range(static_cast<const char*>(z.p) + (mrow(z, r) + t) * J * dt_size(z.dt), int64_t(n) * J * dt_size(z.dt));
 }
 
 // One work item: tokens [t0, t1) of row r; writes the chunk's (max, sum, unnormalized output).
@@ -973,7 +973,7 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
   // [a0, b0): the run of tokens from a0 that share a channel group (no division per token)
   auto run_of = [&](const BlockView& B, int64_t t0, int a0, int nt, int64_t& grp) {
     if (B.gid) {
-      const int32_t* gr = B.gid + r * B.gpitch + t0;
+      const int32_t* gr = B.gid + gidrow(B, r) + t0;
       grp = gr[a0];
       int b0 = a0 + 1;
       while (b0 < nt && gr[b0] == grp) ++b0;
@@ -988,16 +988,16 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
     for (int64_t ahead = t0 == it.t0 ? t0 + T : t0 + kPrefetchTiles * T;
          ahead < std::min<int64_t>(it.t1, t0 + (kPrefetchTiles + 1) * T); ahead += T) {
       const int na = static_cast<int>(std::min<int64_t>(T, it.t1 - ahead));
-      prefetch_range(K.codes + (r * K.cpitch + ahead) * K.P, static_cast<int64_t>(na) * K.P);
-      prefetch_range(V.codes + (r * V.cpitch + ahead) * V.P, static_cast<int64_t>(na) * V.P);
+      prefetch_range(K.codes + (crow(K, r) + ahead) * K.P, static_cast<int64_t>(na) * K.P);
+      prefetch_range(V.codes + (crow(V, r) + ahead) * V.P, static_cast<int64_t>(na) * V.P);
       if (V.grouping == kToken) prefetch_meta(V.scale, V.zero, r, ahead, Jv, na);
       if (K.grouping == kToken) prefetch_meta(K.scale, K.zero, r, ahead, Jk, na);
-      if (K.gid) prefetch_range(K.gid + r * K.gpitch + ahead, sizeof(int32_t) * na);
-      if (V.gid) prefetch_range(V.gid + r * V.gpitch + ahead, sizeof(int32_t) * na);
+      if (K.gid) prefetch_range(K.gid + gidrow(K, r) + ahead, sizeof(int32_t) * na);
+      if (V.gid) prefetch_range(V.gid + gidrow(V, r) + ahead, sizeof(int32_t) * na);
     }
     // ---- keys -> scores S[g][t]
     if (K.grouping == kChannel) {
-      decode_tile<kNoScale>(K.codes + (r * K.cpitch + t0) * K.P, K.P, nt, dk, K.bits, K.lut, nullptr, 0, Kb, dkp);
+      decode_tile<kNoScale>(K.codes + (crow(K, r) + t0) * K.P, K.P, nt, dk, K.bits, K.lut, nullptr, 0, Kb, dkp);
       for (int a0 = 0; a0 < nt;) {
         int64_t grp;
         const int b0 = run_of(K, t0, a0, nt, grp);
@@ -1006,8 +1006,8 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
           return;
         }
         if (grp != curK) {  // q~_G = scaling * q * scale_G, b_G = q~_G . zero_G
-          meta_load(K.scale, (r * K.scale.pitch + grp) * dk, dk, sK);
-          meta_load(K.zero, (r * K.zero.pitch + grp) * dk, dk, zK);
+          meta_load(K.scale, (mrow(K.scale, r) + grp) * dk, dk, sK);
+          meta_load(K.zero, (mrow(K.zero, r) + grp) * dk, dk, zK);
           for (int g = 0; g < G; ++g) {
             const float* qrow = qs + static_cast<size_t>(g) * dkp;
             float* trow = qt + static_cast<size_t>(g) * dkp;
@@ -1077,7 +1077,7 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
     }
     // ---- values
     if (V.grouping == kChannel) {
-      decode_tile<kNoScale>(V.codes + (r * V.cpitch + t0) * V.P, V.P, nt, dv, V.bits, V.lut, nullptr, 0, Vb, dvp);
+      decode_tile<kNoScale>(V.codes + (crow(V, r) + t0) * V.P, V.P, nt, dv, V.bits, V.lut, nullptr, 0, Vb, dvp);
       for (int a0 = 0; a0 < nt;) {
         int64_t grp;
         const int b0 = run_of(V, t0, a0, nt, grp);
@@ -1087,8 +1087,8 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
         }
         if (grp != curV) {
           flushV();
-          meta_load(V.scale, (r * V.scale.pitch + grp) * dv, dv, sV);
-          meta_load(V.zero, (r * V.zero.pitch + grp) * dv, dv, zV);
+          meta_load(V.scale, (mrow(V.scale, r) + grp) * dv, dv, sV);
+          meta_load(V.zero, (mrow(V.zero, r) + grp) * dv, dv, zV);
           curV = grp;
         }
         accum(S + a0, T, G, Vb + static_cast<size_t>(a0) * dvp, dvp, b0 - a0, dvp, accG, dvp);
@@ -1171,7 +1171,8 @@ static void attend_dense_item(const AttendArgs& a, int64_t item, Scratch& s) {
     for (int c = 0; c < dk; ++c) qrow[c] = a.scaling * qin[c];
     std::fill(qrow + dk, qrow + dkp, 0.0f);
   }
-  const int64_t koff = b * D.kb + h * D.kh, voff = b * D.vb + h * D.vh;
+  const int64_t koff = D.off ? D.off[r] * dk : b * D.kb + h * D.kh;
+  const int64_t voff = D.off ? D.off[r] * dv : b * D.vb + h * D.vh;
   for (int64_t t0 = it.t0; t0 < it.t1; t0 += T) {
     const int nt = static_cast<int>(std::min<int64_t>(T, it.t1 - t0));
     dense_tile(D.k, D.dt, koff + t0 * dk, nt, dk, Kb, dkp);

@@ -222,7 +222,7 @@ def _run(q: torch.Tensor, packed: list, dense: list, scaling: float, *, length=N
         chunk, chunks = _chunking(n, R, gblocks, dev, splits) if n else (BLOCK_N, 0)
         plans.append(("packed", p, inv, n, chunk, chunks, NI))
         NI += chunks
-    for k, v, st in dense:
+    for k, v, st, *_ in dense:  # flat ragged blocks never reach here (ops takes the torch path)
         n = k.shape[2]
         chunk, chunks = _chunking(n, R, gblocks, dev, splits) if n else (BLOCK_N, 0)
         plans.append(("dense", (k, v, st), None, n, chunk, chunks, NI))
