@@ -231,10 +231,10 @@ def test_decoding_takes_the_one_call_path(stories, monkeypatch, quant):
 @pytest.mark.parametrize("case", ["kvzip-model-q4", "kvzip-head-fp", "tiers-kvzip-model"])
 def test_ragged_decoding_in_one_call_per_row_matches_the_per_block_path(stories, monkeypatch, case):
     """Heads of different lengths (a model-wide KVzip budget) and precision tiers (two packed
-    blocks per row) decode through one call per row, with the logits of the per-block path."""
+    blocks per row) decode through one call per layer (every row's tokens in one buffer), with the logits of the per-block path."""
     from kv_cache import CompressedCache, KVzip, compress, prefill
     from kv_cache.attention import function
-    from kv_cache.cache.ragged import RaggedStorage
+    from kv_cache.cache.packed_ragged import PackedRaggedStorage
 
     model, tok = stories
     quant = {"kvzip-model-q4": QuantConfig(bits=4, group_size=4), "kvzip-head-fp": None,
@@ -256,7 +256,7 @@ def test_ragged_decoding_in_one_call_per_row_matches_the_per_block_path(stories,
         cache = CompressedCache(model.config, quant=quant, eviction=KVzip(budget=0.3, scope=scope, chunk_size=64))
         with torch.no_grad():
             logits, _ = prefill(model, cache, ids, tokenizer=tok)
-            assert any(isinstance(layer.storage, RaggedStorage) for layer in cache.layers) or scope == "head"
+            assert any(isinstance(layer.storage, PackedRaggedStorage) for layer in cache.layers) or scope == "head"
             nxt, steps = logits[:, -1:].argmax(-1), []
             with compress(model, cache):
                 for i in range(4):

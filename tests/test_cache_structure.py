@@ -377,11 +377,11 @@ def test_storage_layouts_are_a_registered_contract():
     rectangular layout turns ragged through keep_rows (no isinstance in the layer or the tiers)."""
     import torch
 
-    from kv_cache.cache.ragged import RaggedStorage
+    from kv_cache.cache.packed_ragged import PackedRaggedStorage
     from kv_cache.cache.serialize_state import STORAGE_CLASSES
     from kv_cache.cache.storage import LAYOUTS, FullPrecisionStorage, LayerStorage, register_layout
 
-    assert {"FullPrecisionStorage", "QuantizedStorage", "RaggedStorage"} <= set(LAYOUTS) <= set(STORAGE_CLASSES)
+    assert {"FullPrecisionStorage", "QuantizedStorage", "RaggedStorage", "PackedRaggedStorage"} <= set(LAYOUTS) <= set(STORAGE_CLASSES)
     for cls in LAYOUTS.values():
         assert issubclass(cls, LayerStorage) and cls.FIELDS
     with pytest.raises(TypeError, match="FIELDS"):
@@ -389,7 +389,10 @@ def test_storage_layouts_are_a_registered_contract():
     st = FullPrecisionStorage(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))
     assert st.head_lengths().tolist() == [[5, 5]] and st.starts() is None and not st.ragged
     rag = st.keep_rows([torch.tensor([0, 2, 4]), torch.tensor([1])], [0, 0])
-    assert isinstance(rag, RaggedStorage) and rag.ragged and rag.head_lengths().tolist() == [[3, 1]]
+    assert isinstance(rag, PackedRaggedStorage) and rag.ragged and rag.head_lengths().tolist() == [[3, 1]]
+    assert rag.fp_keys.shape == (1, 1, 4, 4)  # one buffer: the 3 + 1 kept tokens, no padding
+    assert torch.equal(rag.fp_keys[0, 0], torch.cat([st.keys[0, 0, [0, 2, 4]], st.keys[0, 1, [1]]]))
     assert rag.starts().tolist() == [[0, 2]]  # right-aligned: row 1 starts after 2 virtual slots
     assert rag.keep_rows([torch.tensor([1, 2]), torch.tensor([0])], [0, 0]) is rag
     assert rag.head_lengths().tolist() == [[2, 1]]
+    assert torch.equal(rag.fp_keys[0, 0], torch.cat([st.keys[0, 0, [2, 4]], st.keys[0, 1, [1]]]))

@@ -13,7 +13,6 @@ import torch
 from transformers import DynamicCache
 
 from kv_cache import CompressedCache, KVzip, QuantConfig, SnapKV, H2O, compress, prefill
-from kv_cache.cache.ragged import RaggedStorage
 from kv_cache.eval.accounting import walked_nbytes
 from kv_cache.eval.methods import parse_method, parse_quant
 
@@ -102,7 +101,7 @@ def test_attention_over_both_tiers_equals_sdpa_over_their_tokens(stories, policy
     prefill(model, cache, ids, tokenizer=tok)
     ref = DynamicCache()
     for i, layer in enumerate(cache.layers):
-        assert layer.demoted is not None and not isinstance(layer.demoted, RaggedStorage)
+        assert layer.demoted is not None and not layer.demoted.ragged
         k, v = layer.storage.read()
         dk, dv = layer.demoted.read()
         assert k.shape[2] + dk.shape[2] == ids.shape[1]  # every token is represented, once
@@ -199,7 +198,7 @@ def test_tier_matrix(stories, quant, policy, tmp_path):
     names = cache.held_tensors()
     assert any(".demoted." in n for n in names)
     if policy != "snapkv-head":
-        assert any(isinstance(layer.demoted, RaggedStorage) for layer in cache.layers)
+        assert any(layer.demoted.ragged for layer in cache.layers)
     q = _question(tok)
     first = _session_logits(model, cache, ids.shape[1], q)
     path = tmp_path / "tiers.kvc"

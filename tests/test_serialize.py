@@ -12,7 +12,7 @@ import torch
 from kv_cache import H2O, CompressedContext, KVzip, QuantConfig, SnapKV
 from kv_cache.cache import serialize
 from kv_cache.cache.packed import Rotation, _hadamard
-from kv_cache.cache.ragged import RaggedStorage
+from kv_cache.cache.packed_ragged import PackedRaggedStorage
 from kv_cache.cache.serialize import load_cache, read_info, save_cache
 from kv_cache.cache.storage import FullPrecisionStorage, QuantizedStorage
 
@@ -23,8 +23,8 @@ Q4 = dict(bits=4, group_size=16, residual_length=16)
 
 CASES = {
     # name: (quant, eviction, storage class of layer 0)
-    "full+kvzip": (None, KVzip(budget=0.3), RaggedStorage),
-    "q4+snapkv-layer": (QuantConfig.kivi(**Q4), SnapKV(budget=0.5, scope="layer"), RaggedStorage),
+    "full+kvzip": (None, KVzip(budget=0.3), PackedRaggedStorage),
+    "q4+snapkv-layer": (QuantConfig.kivi(**Q4), SnapKV(budget=0.5, scope="layer"), PackedRaggedStorage),
     "q4-hadamard-token-lloyd": (QuantConfig.kivi(**Q4, rotation="hadamard", key_grouping="token", levels="lloyd_max"),
                                 None, QuantizedStorage),
     "none": (None, None, FullPrecisionStorage),
@@ -113,7 +113,7 @@ def test_header_records_settings_model_and_tokens(stories, saved):
     with safe_open(saved, "pt") as f:  # plain safetensors, tensors named by where they live
         names = set(f.keys())
         assert f.metadata()["format_version"] == str(serialize.FORMAT_VERSION)
-    assert "layer3.row2.packed.k_codes" in names
+    assert "layer3.packed.k_codes" in names and "layer3.tail.residual_keys" in names
 
 
 def test_unknown_rotation_type_refused(stories, tmp_path):
@@ -199,11 +199,11 @@ def test_flipped_byte_in_a_tensor(stories, saved, tmp_path):
     data = bytearray(saved.read_bytes())
     (n,) = struct.unpack("<Q", data[:8])
     table = json.loads(data[8:8 + n])
-    begin, end = table["layer3.row2.packed.k_codes"]["data_offsets"]
+    begin, end = table["layer3.packed.k_codes"]["data_offsets"]
     data[8 + n + (begin + end) // 2] ^= 0x01
     bad = tmp_path / "flip.kvc"
     bad.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match="corrupted: tensor 'layer3.row2.packed.k_codes' sha256 expected"):
+    with pytest.raises(ValueError, match="corrupted: tensor 'layer3.packed.k_codes' sha256 expected"):
         load_cache(bad, model_config=stories[0].config)
 
 

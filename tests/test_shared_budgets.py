@@ -13,7 +13,7 @@ from transformers import DynamicCache
 from kv_cache import H2O, CompressedCache, CompressedContext, KVzip, QuantConfig, SnapKV, StreamingLLM, compress, prefill
 from kv_cache.attention.blocks import FullBlock, QuantBlock, RaggedBlock, merge, reconstruction_scores
 from kv_cache.cache.packed import PackedKV
-from kv_cache.cache.ragged import RaggedStorage
+from kv_cache.cache.packed_ragged import PackedRaggedStorage
 from kv_cache.compression.global_budget import select_global
 from kv_cache.eval.accounting import walked_nbytes
 
@@ -191,7 +191,7 @@ def test_shared_budget_matrix(stories, quant, policy):
         assert int(per_head.sum()) <= budget * per_head.numel()
     if pol.scope != "head" and policy != "h2o-layer":
         assert len(set(per_head.flatten().tolist())) > 1  # heads really differ ...
-        assert any(isinstance(layer.storage, RaggedStorage) for layer in cache.layers)
+        assert any(isinstance(layer.storage, PackedRaggedStorage) for layer in cache.layers)
     report = cache.memory_report()
     assert report.total_bytes == walked_nbytes(cache)  # ... and only the kept tokens are held
     assert report.elements_kept == 2 * cache.head_dim * int(per_head.sum())
@@ -213,10 +213,14 @@ def test_full_precision_rows_hold_exactly_the_kept_tokens(stories):
     cache = CompressedCache(model.config, eviction=SnapKV(budget=0.4, recent_window=8, scope="layer"))
     prefill(model, cache, ids)
     layer = cache.layers[2]
-    assert isinstance(layer.storage, RaggedStorage)
+    st = layer.storage
+    assert isinstance(st, PackedRaggedStorage) and st.packed is None and st.fp_keys.shape[:2] == (1, 1)
+    assert st.fp_keys.shape[2] == sum(st.fp_len) == int(layer.head_lengths().sum())  # one buffer, no padding
     ref = full.layers[2].keys
-    for r, row in enumerate(layer.storage.rows):
-        k = row.keys[0, 0]
+    first = 0
+    for r, n in enumerate(st.fp_len):
+        k = st.fp_keys[0, 0, first:first + n]
+        first += n
         # each kept key is one of the head's original keys, in order
         d = torch.cdist(k, ref[0, r], compute_mode="donot_use_mm_for_euclid_dist")
         pos = d.argmin(-1)

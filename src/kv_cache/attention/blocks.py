@@ -237,6 +237,9 @@ def _one_call(blocks: list, q: torch.Tensor, scaling: float, starts: list) -> tu
         if isinstance(blk, FullBlock):
             dense.append((blk.keys, blk.values, start))
             continue
+        if hasattr(blk, "dense_entry"):  # a flat ragged full-precision buffer (kv_cache.attention.flat)
+            dense.append(blk.dense_entry(start))
+            continue
         space = next((sp for sp in spaces if _same_rotation(sp[0], blk.rotation)), None)
         if space is None:
             rot = blk.rotation
@@ -263,6 +266,8 @@ def fused_decode(view: list, q: torch.Tensor, scaling: float, starts: torch.Tens
     if not view:
         return None
     qf = q.float()
+    if any(hasattr(b, "segments") for b in view):  # the packed ragged layout: its buffers in the one call
+        return _fused_flat(view, qf, scaling, starts)
     if any(isinstance(b, RaggedBlock) for b in view):
         return _fused_rows(view, qf, scaling, starts)
     if any(not isinstance(b, (FullBlock, QuantBlock)) for b in view):
@@ -273,6 +278,27 @@ def fused_decode(view: list, q: torch.Tensor, scaling: float, starts: torch.Tens
         rows.append(None if starts is None else (starts - offset).clamp(0, blk.length).reshape(B * H).to(torch.int32))
         offset += blk.length
     return _one_call(view, qf, scaling, rows)
+
+
+def _fused_flat(view: list, q: torch.Tensor, scaling: float, starts: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`fused_decode` of a view with :class:`~kv_cache.attention.flat.FlatRaggedBlock` s (every
+    row's tokens in one buffer, read at per-row offsets) and rectangular blocks: one call."""
+    B, H = q.shape[:2]
+    blocks, row_starts, offset = [], [], 0
+    for blk in view:
+        st = None if starts is None else (starts - offset).clamp(0, blk.length)
+        if hasattr(blk, "segments"):
+            for sub, sub_start in blk.segments(st):
+                blocks.append(sub)
+                row_starts.append(sub_start)
+        elif isinstance(blk, (FullBlock, QuantBlock)):
+            blocks.append(blk)
+            row_starts.append(None if st is None else st.reshape(B * H).to(torch.int32))
+        else:
+            return None
+        offset += blk.length
+    return _one_call(blocks, q, scaling, row_starts) if blocks else None
 
 
 def _fused_rows(view: list, q: torch.Tensor, scaling: float, starts: torch.Tensor | None

@@ -27,7 +27,8 @@ from ..policies import POLICIES, EvictionPolicy
 from .config import QuantConfig
 from .layer import CompressedLayer
 from .packed import PackedKV, Rotation
-from . import ragged as _ragged  # noqa: F401  (registers the ragged layout)
+from . import packed_ragged as _packed_ragged  # noqa: F401  (registers the ragged layouts)
+from . import ragged as _ragged  # noqa: F401
 from .storage import LAYOUTS
 
 STORAGE_CLASSES: dict[str, type] = {**LAYOUTS, PackedKV.__name__: PackedKV}

@@ -85,8 +85,8 @@ class LayerStorage(ABC):
     def keep_rows(self, keeps: list[torch.Tensor], lead: list[int], in_place: bool = True) -> "LayerStorage":
         """Row ``r = b * heads + h`` keeps its sorted row-local slots ``keeps[r]`` (``lead[r]`` of
         them leading padding); returns the storage that holds the result: the ragged layout for a
-        rectangular one (rows in tensors of their own)."""
-        return LAYOUTS["RaggedStorage"].split(self, keeps, lead)
+        rectangular one (every row's tokens in one buffer, :mod:`~kv_cache.cache.packed_ragged`)."""
+        return LAYOUTS["PackedRaggedStorage"].split(self, keeps, lead)
 
     @property
     @abstractmethod

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .packed import gather_tokens
-from .ragged import RaggedStorage
+from .packed_ragged import PackedRaggedStorage
 from .storage import LayerStorage, make_storage
 
 TIERS_NEED_NATIVE = (
@@ -72,5 +72,5 @@ class TiersMixin:
                     row = fresh(1, 1)
                     row.append(keys[b:b + 1, h:h + 1, idx], values[b:b + 1, h:h + 1, idx])
                     rows.append(row)
-            low = RaggedStorage(rows, B, H)
+            low = PackedRaggedStorage.from_rows(rows, B, H)
         self.demoted = low
