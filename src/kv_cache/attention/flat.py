@@ -11,7 +11,7 @@ blocks). Seen from outside it is ``length = max(frozen)`` slots long, row ``r`` 
 with ``fp_r`` and ``q_r`` the row's tokens in one buffer each, at per-row offsets. A decoding step
 reads it through :meth:`FlatRaggedBlock.segments`: three blocks of the one
 :func:`~kv_cache.kernels.attend_mixed` call, the kernels reading each row at its offset
-(math dictionary §15.4). Longer calls (a question after a compressed context, statistics for a
+(math dictionary §15.7). Longer calls (a question after a compressed context, statistics for a
 policy) take :meth:`FlatRaggedBlock.attend`, row by row.
 """
 

@@ -16,7 +16,7 @@ Seen from the layer it is ``length = max(row lengths)`` slots long and right-ali
 :class:`~kv_cache.cache.ragged.RaggedStorage` (the one-storage-per-row layout, kept for the cases
 this one does not cover and for files saved with it). A decoding step attends all of it in one
 :func:`~kv_cache.kernels.attend_mixed` call (:class:`~kv_cache.attention.flat.FlatRaggedBlock`):
-the kernels read each row's tokens at its offset in the buffers (math dictionary §15.4).
+the kernels read each row's tokens at its offset in the buffers (math dictionary §15.7).
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class QBlock:
         ``"channel"`` only: the scale-table row of each token (ragged groups after
         eviction). Values must lie in ``[0, NG)``; that is checked where the block is used.
     offsets, lengths : torch.Tensor or None, int64 ``[R]`` and int32 ``[R]``
-        Both or neither: a *flat ragged* block (math dictionary §15.4), the tokens of all ``R``
+        Both or neither: a *flat ragged* block (math dictionary §15.7), the tokens of all ``R``
         rows in one buffer. Every tensor's row axis then has stride 0 (an ``expand`` of a
         ``[1, N, ...]`` buffer, ``N`` the tokens of all rows) and row ``r`` holds the
         ``lengths[r]`` tokens that start at token ``offsets[r]`` of the buffer (codes, ``gid``
