@@ -9,6 +9,8 @@ Formulas: ``math_dictionary/kv-compression-math.md`` §15.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..compression._arrays import raise_non_finite
@@ -308,7 +310,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _empty_block(R: int, d: int, device) -> QBlock:
     """A packed block of no tokens (8-bit codes, one scale per token): the kernel's stand-in
-    when a mixed call has full-precision blocks only."""
+    when a mixed call has full-precision blocks only (made once per shape and device: it holds
+    nothing, and a decoding step of a full-precision layer would otherwise build two)."""
+    return _empty_block_on(R, d, str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _empty_block_on(R: int, d: int, device: str) -> QBlock:
     return QBlock(torch.empty((R, 0, d), dtype=torch.uint8, device=device), 8, uniform_lut(8, False, device),
                   "token", torch.empty((R, 0, 1), dtype=torch.float32, device=device), None, d)
 
