@@ -207,5 +207,5 @@ def test_full_precision_rows_share_one_buffer_and_keep_their_tokens():
                                                      torch.ones(1, 4)]))
     with pytest.raises(RuntimeError, match="only the native attention"):
         rag.read()
-    with pytest.raises(NotImplementedError, match="share one buffer"):
+    with pytest.raises(RuntimeError, match="share one buffer"):
         rag.row(0, 0)

@@ -9,10 +9,12 @@ The layer knows the order of operations; its :mod:`~kv_cache.cache.storage` know
 2. A policy that needs attention statistics (SnapKV, H2O) gets them from the attention function
    (or the reference path's hook, :meth:`observe`) and evicts; one that needs none (StreamingLLM)
    evicts in ``update``; outside ``compress`` a policy that needs attention raises at once.
-3. A shared budget (``scope`` ``"layer"`` / ``"model"``) turns the storage into ragged rows
-   (:mod:`~kv_cache.cache.ragged`); KVzip's pass and sessions live in
-   :mod:`~kv_cache.cache.context_layer`; precision tiers (``QuantConfig.evicted_bits``, §21) in
-   :mod:`~kv_cache.cache.tiers`; a sliding-window layer's trim (§22) in :mod:`~kv_cache.cache.window`.
+3. A shared budget (``scope`` ``"layer"`` / ``"model"``) turns the storage into ragged rows in one
+   buffer (:mod:`~kv_cache.cache.packed_ragged`). The compress-once methods (sessions, KVzip's
+   pass, §19.3-§19.4), precision tiers (``QuantConfig.evicted_bits``, §21) and a sliding-window
+   layer's trim (§22) are methods of this one class over pure helpers:
+   :mod:`~kv_cache.cache.context_layer`, :mod:`~kv_cache.cache.tiers`, :mod:`~kv_cache.cache.window`,
+   :mod:`~kv_cache.cache.budgets` and :mod:`~kv_cache.cache.checks`.
 
 Positions: ``get_seq_length`` is the number of tokens *seen*, so RoPE stays absolute after
 eviction; ``get_mask_sizes`` returns ``kv_length = kept + q_len`` and ``kv_offset = seen - kept``,
@@ -26,21 +28,22 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..compression.global_budget import select_global
-from ..compression.selection import forced_mask, left_padding_starts, mask_key_valid, select_tokens, starts_after
+from ..compression.selection import left_padding_starts, mask_key_valid, select_tokens, starts_after
 from ..policies.base import EvictionPolicy, ScoreInputs
 from .config import QuantConfig
-from .context_layer import RECONSTRUCTION_MISSING, ContextMixin
+from .budgets import check_budget_fits, forced_slots, layer_masks, resolved_budget
+from .checks import check_policy_can_act
+from .context_layer import RECONSTRUCTION_MISSING, running_max, session_tail
 from .ragged import ragged_state
-from .budgets import fixed_parts
-from .tiers import TIERS_NEED_NATIVE, TiersMixin
+from .report import layer_nbytes, layer_tensors
+from .tiers import TIERS_NEED_NATIVE, demote
 from .window import slide
 from .storage import FullPrecisionStorage, LayerStorage, gather_tokens, make_storage
 
 _FORCE = torch.finfo(torch.float32).max
 
 
-class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
+class CompressedLayer(CacheLayerMixin):
     """Cache layer with quantized storage (``quant``) and eviction (``policy``), both optional.
 
     Attributes
@@ -119,7 +122,7 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
             return key_states, value_states
         if self._tail is not None:
             return self._session_update(key_states, value_states)
-        self._check_policy_can_act(key_states.shape[0])
+        check_policy_can_act(self, key_states.shape[0])
         q_len = key_states.shape[2]
         if self.prompt_len is None:
             self.prompt_len = q_len
@@ -297,58 +300,10 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         self._evict(self._score_inputs(shape, attention=attention, attention_queries=queries, scaling=scaling,
                                        key_valid=valid), valid)
 
-    def _check_policy_can_act(self, batch: int) -> None:
-        """Raise unless the policy can act in this setting (never keep everything silently)."""
-        pol = self.policy
-        if pol is None:
-            return
-        name = type(pol).__name__
-        if self._awaiting_reconstruction:
-            raise RuntimeError(RECONSTRUCTION_MISSING)
-        if (pol.scope != "head" or pol.needs_reconstruction) and not self.native:
-            raise RuntimeError(
-                f"{name}(scope={pol.scope!r}) keeps a different number of tokens per head, which only the native "
-                "attention reads: run the model inside kv_cache.compress(model, cache) (attention='native')"
-            )
-        if self.tiered and not self.native:
-            raise RuntimeError(TIERS_NEED_NATIVE)
-        if pol.needs_reconstruction and self._prefill_done:
-            return
-        if self._pending is not None:
-            raise RuntimeError(
-                f"{name} needs attention statistics but none were observed for layer {self.layer_idx}: "
-                "the model's attention modules did not report to `kv_cache.compress` (unsupported architecture?)"
-            )
-        if pol.needs_attention and not self.observed:
-            raise RuntimeError(
-                f"{name} needs attention statistics but none are observed for layer {self.layer_idx}: "
-                "run the model inside `with kv_cache.compress(model, cache):`"
-            )
-        if not self.observed and batch > 1:
-            raise RuntimeError(
-                f"{name} on a batch of {batch} rows needs the attention mask to tell padding from sink tokens: "
-                "run the model inside `with kv_cache.compress(model, cache):`"
-            )
-
     # ------------------------------------------------------------------ eviction
     def resolved_budget(self) -> tuple[int, int, int]:
-        """``(requested, budget, window)`` in tokens for this layer's prompt.
-
-        ``requested`` is the policy's budget resolved against the prompt length; ``window`` the
-        recent window, resolved against ``requested``. A fractional budget below the slots every
-        head keeps whatever the budget (:func:`fixed_parts`: quantization sinks, the longest
-        full-precision residual, the recent window, the policy's sinks) is raised to them, as a
-        budget above the prompt keeps the whole prompt; :meth:`CompressedCache.memory_report`
-        says so. A token (int) budget is never raised: the cache's constructor refuses one that is
-        too small.
-        """
-        pol = self.policy
-        requested = pol.budget_tokens(self.layer_idx, self.prompt_len)
-        window = pol.window_tokens(requested)
-        budget = requested
-        if isinstance(pol.budget, float):
-            budget = max(requested, sum(fixed_parts(self.quant, pol, window).values()))
-        return requested, budget, window
+        """``(requested, budget, window)`` in tokens for this layer's prompt (:func:`.budgets.resolved_budget`)."""
+        return resolved_budget(self.policy, self.quant, self.layer_idx, self.prompt_len)
 
     def _score_inputs(self, shape, **fields) -> ScoreInputs:
         fields.setdefault("scaling", 1.0)
@@ -386,12 +341,7 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         # Slots the storage holds in full precision (quantization sinks, the residual) are never
         # evicted: it keeps every head's quantized part rectangular and the residual append-only.
         lead, trail = self.storage.protected()
-        if lead + trail + window + pol.sink_tokens > budget:  # a token budget the cache's constructor let by
-            raise ValueError(
-                f"budget of layer {self.layer_idx} ({budget} tokens) must be >= quantization sinks "
-                f"({lead}) + full-precision residual ({trail}) + recent_window ({window}) "
-                f"+ sink_tokens ({pol.sink_tokens}); raise the budget or lower QuantConfig.residual_length"
-            )
+        check_budget_fits(self.layer_idx, budget, lead, trail, window, pol.sink_tokens)
         if shared:
             self._evict_shared(scores, valid, budget, lead, trail, window, before_attention)
             return
@@ -411,36 +361,21 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         """One top-k over the heads of this layer (``scope="layer"``) or, through the cache, of
         every layer (``scope="model"``): ``budget`` tokens per head on average (math dictionary §19)."""
         pol = self.policy
-        B, H, T = scores.shape
-        valid, forced = self._forced(scores, valid, window)
+        H = scores.shape[1]
+        valid, forced = forced_slots(self.policy, self.storage.protected(), scores, valid, window)
         floor = pol.floor_tokens(budget)
         if pol.scope == "model":
             if self.share is None:
                 raise RuntimeError(f"layer {self.layer_idx} has no cache to share its budget with (scope='model')")
             self.share(self, scores, valid, forced, budget, floor, before_attention)
             return
-        if int(valid.sum(-1).sum(-1).max()) <= budget * H:
-            return
-        masks = torch.stack([select_global([scores[b]], budget * H, floor=floor, valid=[valid[b]],
-                                           forced=[forced[b]])[0] for b in range(B)])
-        self.apply_keep_masks(masks, in_place=not before_attention)
-
-    def _forced(self, scores, valid, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(valid, forced)`` bool ``[batch, kv_heads, T]``: the slots that hold tokens, and those
-        kept whatever their score (policy sinks, recent window, the storage's protected slots)."""
-        B, H, T = scores.shape
-        valid = torch.ones(B, H, T, dtype=torch.bool, device=scores.device) if valid is None else valid.expand(B, H, T)
-        forced = forced_mask(valid, sink_tokens=self.policy.sink_tokens, recent_window=window)
-        lead, trail = self.storage.protected()
-        forced[..., :lead] |= valid[..., :lead]
-        if trail:
-            forced[..., T - trail:] |= valid[..., T - trail:]
-        return valid, forced
+        if int(valid.sum(-1).sum(-1).max()) > budget * H:
+            self.apply_keep_masks(layer_masks(scores, budget * H, floor, valid, forced), in_place=not before_attention)
 
     def _evict_threshold(self, scores, valid, threshold: float, window: int, before_attention: bool) -> None:
         """Keep the valid slots scoring ``>= threshold`` and the forced ones (KVzap's threshold):
         heads keep different numbers of tokens (math dictionary §24)."""
-        valid, forced = self._forced(scores, valid, window)
+        valid, forced = forced_slots(self.policy, self.storage.protected(), scores, valid, window)
         masks = valid & ((scores >= threshold) | forced)
         if not bool((masks != valid).any()):
             return
@@ -467,31 +402,97 @@ class CompressedLayer(ContextMixin, TiersMixin, CacheLayerMixin):
         self.storage = st.keep_rows(keeps, lead, in_place)
         self._starts = self.storage.starts()
 
+    # ------------------------------------------------------------------ precision tiers (§21)
+    @property
+    def tiered(self) -> bool:
+        """True when evicted tokens are demoted, not dropped (``QuantConfig.evicted_bits``)."""
+        return self.quant is not None and self.quant.evicted_bits is not None
+
+    def demoted_blocks(self) -> list:
+        """The evicted tier's blocks (read after the kept ones; [] when there is none)."""
+        return [] if self.demoted is None else self.demoted.blocks()
+
+    def _demote(self, masks: torch.Tensor) -> None:
+        if self.demoted is not None:
+            raise RuntimeError(f"layer {self.layer_idx} already demoted its evicted tokens: QuantConfig.evicted_bits "
+                               "demotes once, after the prefill (a policy with prefill_only)")
+        self.demoted = demote(self.storage, masks, self._starts, self.quant, self.layer_idx)
+
+    # ------------------------------------------------------------------ compress once, ask many (§19.4)
+    def begin_session(self) -> None:
+        """From now on new tokens go to a full-precision tail that :meth:`end_session` drops: the
+        compressed context is read, never changed (no eviction, no quantization of the tail)."""
+        if self._tail is not None:
+            raise RuntimeError(f"layer {self.layer_idx} is already in a session")
+        if self._awaiting_reconstruction:
+            raise RuntimeError(RECONSTRUCTION_MISSING)
+        self._session_seen = self.seen
+        self._tail = session_tail(self.storage, getattr(self, "dtype", None), getattr(self, "device", None))
+
+    def end_session(self) -> None:
+        """Drop the tail (the question and its answer) and return to the context's length."""
+        self._tail = None
+        self.seen = self._session_seen
+
+    def _session_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        self.seen += key_states.shape[2]
+        if self.native:
+            self._view = (self.storage.blocks() + self._tail.attention_update(key_states, value_states)
+                          + self.demoted_blocks())
+            return key_states, value_states
+        if self.demoted is not None:
+            raise RuntimeError(TIERS_NEED_NATIVE)
+        k, v = self.storage.read()
+        tk, tv = self._tail.update(key_states, value_states)
+        return torch.cat([k, tk], dim=2), torch.cat([v, tv], dim=2)
+
+    # ------------------------------------------------------------------ KVzip's reconstruction pass (§19.3)
+    @property
+    def reconstructing(self) -> tuple[int, int, int] | None:
+        """``(sinks, start, end)`` while the stored context slots ``[start, end)`` are repeated."""
+        return self._reconstruct
+
+    def begin_reconstruction(self, sinks: int, start: int, end: int) -> None:
+        """Attend the repeat chunk without storing it; a layer with a policy scores context slots
+        ``[start, end)``, a layer without one (a sliding-window layer) only attends."""
+        if self.policy is not None and not self._awaiting_reconstruction:
+            raise RuntimeError(f"layer {self.layer_idx} has no prefilled context awaiting KVzip scores")
+        self._reconstruct = (sinks, start, end)
+
+    def reconstruction_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored keys and values in full precision ``[batch, kv_heads, T, d]``: what the repeat chunks attend."""
+        return self.storage.read()
+
+    def observe_reconstruction(self, scores: torch.Tensor) -> None:
+        """``scores`` ``[batch, kv_heads, end - start]``: this chunk's max probabilities; kept as the max."""
+        _, s, e = self._reconstruct
+        st = self.storage
+        self.state["kvzip"] = running_max(self.state.get("kvzip"), scores, s, e, (st.batch, st.heads, st.length))
+        self._view = None
+
+    def end_reconstruction_chunk(self) -> None:
+        self._reconstruct = None
+        self._view = None
+
+    def finish_reconstruction(self) -> None:
+        """Evict with the reconstruction scores (shared budgets wait for every layer)."""
+        self._awaiting_reconstruction = False
+        self._reconstruct = None
+        if self.policy is None:  # a sliding-window layer: attended, never scored
+            return
+        shape = (self.storage.batch, self.storage.heads, self.kept_length())
+        self.state.setdefault("kvzip", torch.zeros(shape))
+        valid = None
+        if self._starts is not None:
+            valid = torch.arange(shape[2], device=self._starts.device) >= self._starts.unsqueeze(-1)
+        self._evict(self._score_inputs(shape, key_valid=valid), valid)
+        self.state.pop("kvzip", None)
+
     # ------------------------------------------------------------------ accounting
     def held_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor this layer holds, by slot name (``state.*``: the policy's state;
-        ``demoted.*``: the evicted tier)."""
-        out = {} if self.storage is None else dict(self.storage.named_tensors())
-        if self.demoted is not None:
-            out.update({f"demoted.{k}": v for k, v in self.demoted.named_tensors().items()})
-        if self._tail is not None:
-            out.update({f"tail.{k}": v for k, v in self._tail.named_tensors().items()})
-        out.update({f"state.{k}": v for k, v in self.state.items()})
-        if self._starts is not None:
-            out["starts"] = self._starts
-        return out
+        """Every tensor this layer holds, by slot name (:func:`.report.layer_tensors`)."""
+        return layer_tensors(self.storage, self.demoted, self._tail, self.state, self._starts)
 
     def nbytes_by_category(self) -> dict[str, int]:
-        """Bytes held by category: the storage's plus ``scores`` (the policy's state)."""
-        out = {} if self.storage is None else self.storage.nbytes_by_category()
-        if self.demoted is not None:
-            for k, v in self.demoted.nbytes_by_category().items():
-                out[k] = out.get(k, 0) + v
-        if self._tail is not None:
-            for k, v in self._tail.nbytes_by_category().items():
-                out[k] = out.get(k, 0) + v
-        out["scores"] = sum(t.nbytes for t in self.state.values())
-        if self._starts is not None:  # each head's first valid slot (padding, ragged heads)
-            out["indices"] = out.get("indices", 0) + self._starts.nbytes
-        return out
-
+        """Bytes held by category (:func:`.report.layer_nbytes`)."""
+        return layer_nbytes(self.storage, self.demoted, self._tail, self.state, self._starts)

@@ -27,7 +27,7 @@ import torch
 
 from ..attention.flat import FlatRaggedBlock
 from .packed import PackedKV, gather_tokens
-from .ragged import RaggedStorage
+from .ragged import RaggedRows, RaggedStorage
 from .storage import CATEGORIES, FullPrecisionStorage, LayerStorage, QuantizedStorage, register_layout
 
 
@@ -57,12 +57,8 @@ def _concat_packed(parts: list[PackedKV]) -> PackedKV:
     return out
 
 
-def _rows_of(storage: LayerStorage) -> list[LayerStorage]:
-    return [storage.row(b, h) for b in range(storage.batch) for h in range(storage.heads)]
-
-
 @register_layout
-class PackedRaggedStorage(LayerStorage):
+class PackedRaggedStorage(RaggedRows):
     """Every row's kept tokens in one buffer per layer; see the module docstring.
 
     Attributes
@@ -84,7 +80,6 @@ class PackedRaggedStorage(LayerStorage):
               "rotation": "rotation"}
     """Saved fields (:mod:`.serialize_state`) and the attributes that hold them (the offsets are
     the running sums of the lengths, rebuilt on demand)."""
-    ragged = True
     _VIEW = "_flat_view"
 
     # ------------------------------------------------------------------ construction
@@ -152,12 +147,8 @@ class PackedRaggedStorage(LayerStorage):
 
     # ------------------------------------------------------------------ shape
     @property
-    def batch(self) -> int:
-        return self._batch
-
-    @property
-    def heads(self) -> int:
-        return self._heads
+    def _device(self) -> torch.device:
+        return self.tail.keys.device
 
     @property
     def n_sinks(self) -> int:
@@ -173,21 +164,6 @@ class PackedRaggedStorage(LayerStorage):
     def row_lengths(self) -> list[int]:
         rest = self.tail.length - self.n_sinks
         return [n + rest for n in self.frozen_lengths]
-
-    @property
-    def length(self) -> int:
-        return max(self.row_lengths, default=0)
-
-    def head_lengths(self) -> torch.Tensor:
-        return torch.tensor(self.row_lengths, dtype=torch.int64).reshape(self._batch, self._heads)
-
-    def starts(self) -> torch.Tensor | None:
-        """``[batch, heads]`` int32: the first valid slot of each right-aligned row (None: 0 everywhere)."""
-        L = self.length
-        s = [L - n + p for n, p in zip(self.row_lengths, self.lead)]
-        if not any(s):
-            return None
-        return torch.tensor(s, dtype=torch.int32, device=self.tail.keys.device).reshape(self._batch, self._heads)
 
     def protected(self) -> tuple[int, int]:
         """The sinks, and a quantized tail's residual (it stays rectangular)."""
@@ -235,31 +211,9 @@ class PackedRaggedStorage(LayerStorage):
         rest = rest[1:] if had_sinks else rest
         return ([] if frozen is None else [frozen]) + rest
 
-    def read(self, new_keys=None, new_values=None):
-        raise RuntimeError(
-            "this layer keeps a different number of tokens per head (a shared budget): only the native "
-            "attention reads it; run the model inside kv_cache.compress(model, cache) with attention='native'"
-        )
-
     # ------------------------------------------------------------------ writing
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.tail.append(keys, values)
-
-    def gather(self, keep: torch.Tensor, in_place: bool = True) -> None:
-        """Keep the (virtual, right-aligned) slots ``keep`` ``[batch, heads, K]``; virtual padding
-        slots in it are ignored."""
-        L = self.length
-        rows = []
-        for r, n in enumerate(self.row_lengths):
-            b, h = divmod(r, self._heads)
-            k = keep[b, h] - (L - n)
-            rows.append(k[k >= 0])
-        self.gather_rows(rows, in_place)
-
-    def keep_rows(self, keeps: list[torch.Tensor], lead: list[int], in_place: bool = True) -> "PackedRaggedStorage":
-        """Row-local ``keeps`` (each row's own slots; its lead is tracked here, ``lead`` unused)."""
-        self.gather_rows(keeps, in_place)
-        return self
 
     def gather_rows(self, keeps: list[torch.Tensor], in_place: bool = True) -> None:
         """Row ``r`` keeps its own sorted slots ``keeps[r]`` (every protected slot included).
@@ -328,7 +282,7 @@ class PackedRaggedStorage(LayerStorage):
         self.__dict__.pop(self._VIEW, None)
 
     def row(self, b: int, h: int) -> LayerStorage:
-        raise NotImplementedError("a packed ragged layer's rows share one buffer; use gather_rows or map_tensors")
+        raise RuntimeError("a packed ragged layer's rows share one buffer: use gather_rows or map_tensors")
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Batch selection / repetition: ``fn`` acts on the batch axis, so it is applied to the

@@ -22,14 +22,61 @@ from ..attention.blocks import RaggedBlock
 from .storage import CATEGORIES, LayerStorage, register_layout
 
 
+class RaggedRows(LayerStorage):
+    """What every layout whose heads hold different numbers of tokens shares: ``row_lengths``
+    per ``(b, h)`` row (``r = b * heads + h``), right-aligned in ``length = max(row_lengths)``
+    slots, ``lead[r]`` leading padding slots a row had to keep, and the per-row eviction
+    (:meth:`gather_rows`). Subclasses define ``row_lengths``, ``gather_rows`` and ``_device``."""
+
+    ragged = True
+
+    @property
+    def batch(self) -> int:
+        return self._batch
+
+    @property
+    def heads(self) -> int:
+        return self._heads
+
+    @property
+    def length(self) -> int:
+        return max(self.row_lengths, default=0)
+
+    def head_lengths(self) -> torch.Tensor:
+        return torch.tensor(self.row_lengths, dtype=torch.int64).reshape(self._batch, self._heads)
+
+    def keep_rows(self, keeps: list[torch.Tensor], lead: list[int], in_place: bool = True) -> "RaggedRows":
+        """Row-local ``keeps`` (each row's own slots; its lead is tracked here, ``lead`` unused)."""
+        self.gather_rows(keeps, in_place)
+        return self
+
+    def starts(self) -> torch.Tensor | None:
+        """``[batch, heads]`` int32: the first valid slot of each right-aligned row (None: 0 everywhere)."""
+        L = self.length
+        s = [L - n + p for n, p in zip(self.row_lengths, self.lead)]
+        if not any(s):  # decided on the host: no read back from the device
+            return None
+        return torch.tensor(s, dtype=torch.int32, device=self._device).reshape(self._batch, self._heads)
+
+    def read(self, new_keys=None, new_values=None):
+        raise RuntimeError(
+            "this layer keeps a different number of tokens per head (a shared budget): only the native "
+            "attention reads it; run the model inside kv_cache.compress(model, cache) with attention='native'"
+        )
+
+    def gather(self, keep: torch.Tensor, in_place: bool = True) -> None:
+        """Keep the (virtual, right-aligned) slots ``keep`` ``[batch, heads, K]``; virtual padding
+        slots in it are ignored."""
+        self.gather_rows(row_local(keep, self.row_lengths, self._heads), in_place)
+
+
 @register_layout
-class RaggedStorage(LayerStorage):
+class RaggedStorage(RaggedRows):
     """``rows[b * heads + h]``: the tokens of row ``(b, h)``; ``lead[r]``: its leading padding
     slots that had to be kept (quantization sinks of a left-padded row)."""
 
     FIELDS = {"batch": "_batch", "heads": "_heads", "lead": "lead", "rows": "rows"}
     """Saved fields (:mod:`.serialize_state`) and the attributes that hold them."""
-    ragged = True
 
     def __init__(self, rows: list[LayerStorage], batch: int, heads: int, lead: list[int] | None = None):
         if len(rows) != batch * heads:
@@ -50,50 +97,19 @@ class RaggedStorage(LayerStorage):
             rows.append(row)
         return cls(rows, storage.batch, storage.heads, lead)
 
-    # ------------------------------------------------------------------ shape
-    @property
-    def batch(self) -> int:
-        return self._batch
-
-    @property
-    def heads(self) -> int:
-        return self._heads
-
     @property
     def row_lengths(self) -> list[int]:
         return [row.length for row in self.rows]
 
     @property
-    def length(self) -> int:
-        return max(self.row_lengths, default=0)
-
-    def head_lengths(self) -> torch.Tensor:
-        return torch.tensor(self.row_lengths, dtype=torch.int64).reshape(self._batch, self._heads)
-
-    def keep_rows(self, keeps: list[torch.Tensor], lead: list[int], in_place: bool = True) -> "RaggedStorage":
-        """Row-local ``keeps`` (each row's own slots; its lead is tracked here, ``lead`` unused)."""
-        self.gather_rows(keeps, in_place)
-        return self
-
-    def starts(self) -> torch.Tensor | None:
-        """``[batch, heads]`` int32: the first valid slot of each right-aligned row (None: 0 everywhere)."""
-        L = self.length
-        s = [L - n + p for n, p in zip(self.row_lengths, self.lead)]
-        if not any(s):  # decided on the host: no read back from the device
-            return None
-        return torch.tensor(s, dtype=torch.int32, device=self.rows[0].keys.device).reshape(self._batch, self._heads)
+    def _device(self) -> torch.device:
+        return self.rows[0].keys.device
 
     # ------------------------------------------------------------------ the contract
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         for r, row in enumerate(self.rows):
             b, h = divmod(r, self._heads)
             row.append(keys[b:b + 1, h:h + 1], values[b:b + 1, h:h + 1])
-
-    def read(self, new_keys=None, new_values=None):
-        raise RuntimeError(
-            "this layer keeps a different number of tokens per head (a shared budget): only the native "
-            "attention reads it; run the model inside kv_cache.compress(model, cache) with attention='native'"
-        )
 
     def blocks(self) -> list:
         if not self.length:
@@ -105,17 +121,6 @@ class RaggedStorage(LayerStorage):
         if len(sides) != 1:  # appends and flushes are the same in every row
             raise RuntimeError(f"rows of a ragged layer disagree on their protected slots: {sorted(sides)}")
         return sides.pop()
-
-    def gather(self, keep: torch.Tensor, in_place: bool = True) -> None:
-        """Keep the (virtual, right-aligned) slots ``keep`` ``[batch, heads, K]``; virtual padding
-        slots in it are ignored."""
-        L = self.length
-        rows = []
-        for r, n in enumerate(self.row_lengths):
-            b, h = divmod(r, self._heads)
-            k = keep[b, h] - (L - n)
-            rows.append(k[k >= 0])
-        self.gather_rows(rows, in_place)
 
     def gather_rows(self, keeps: list[torch.Tensor], in_place: bool = True) -> None:
         """Row ``r`` keeps its own slots ``keeps[r]`` (sorted int64, row-local indices)."""
@@ -150,6 +155,18 @@ class RaggedStorage(LayerStorage):
             for k, v in row.nbytes_by_category().items():
                 out[k] += v
         return out
+
+
+def row_local(keep: torch.Tensor, lengths: list[int], heads: int) -> list[torch.Tensor]:
+    """Virtual, right-aligned slots ``keep`` ``[batch, heads, K]`` of rows of ``lengths`` tokens
+    as each row's own slot indices (its virtual padding slots dropped)."""
+    L = max(lengths, default=0)
+    rows = []
+    for r, n in enumerate(lengths):
+        b, h = divmod(r, heads)
+        k = keep[b, h] - (L - n)
+        rows.append(k[k >= 0])
+    return rows
 
 
 def ragged_state(t: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:

@@ -109,3 +109,31 @@ class MemoryReport:
                    + f"; sliding windows saved {self.window_saved_fp16_bytes:,} fp16 B"
                    if len(self.bytes_by_layer_kind) > 1 else "")
                 + "".join(f"\nnote: {line}" for line in self.notes))
+
+
+def layer_tensors(storage, demoted, tail, state: dict, starts) -> dict:
+    """Every tensor a :class:`~kv_cache.cache.layer.CompressedLayer` holds, by slot name: its
+    storage's, ``demoted.*`` (the evicted tier), ``tail.*`` (a session's tokens), ``state.*``
+    (the policy's per-token state) and ``starts`` (each head's first valid slot)."""
+    out = {} if storage is None else dict(storage.named_tensors())
+    for prefix, part in (("demoted", demoted), ("tail", tail)):
+        if part is not None:
+            out.update({f"{prefix}.{k}": v for k, v in part.named_tensors().items()})
+    out.update({f"state.{k}": v for k, v in state.items()})
+    if starts is not None:
+        out["starts"] = starts
+    return out
+
+
+def layer_nbytes(storage, demoted, tail, state: dict, starts) -> dict[str, int]:
+    """Bytes of :func:`layer_tensors` by category: the storages' categories, ``scores`` (the
+    policy's state) and ``indices`` (the starts included)."""
+    out = {} if storage is None else storage.nbytes_by_category()
+    for part in (demoted, tail):
+        if part is not None:
+            for k, v in part.nbytes_by_category().items():
+                out[k] = out.get(k, 0) + v
+    out["scores"] = sum(t.nbytes for t in state.values())
+    if starts is not None:  # each head's first valid slot (padding, ragged heads)
+        out["indices"] = out.get("indices", 0) + starts.nbytes
+    return out

@@ -19,8 +19,8 @@ in token order, every tensor ``[batch, kv_heads, n, ...]``, and offers the same 
   ``(batch, head)`` row holds and the first valid slot of each row (a layout whose heads hold
   different numbers declares ``ragged = True``);
 * :meth:`LayerStorage.keep_rows` -- row ``r`` keeps its own slots: a rectangular layout returns
-  the ragged layout that holds only those (:mod:`~kv_cache.cache.ragged`), a ragged one gathers
-  in place;
+  the ragged layout that holds only those (:mod:`~kv_cache.cache.packed_ragged`), a ragged one
+  gathers in place;
 * ``FIELDS`` -- the saved fields (name -> attribute) a ``.kvc`` file writes and reads back.
 
 Every layout registers itself in :data:`LAYOUTS` (:func:`register_layout`); the serializer
@@ -29,8 +29,11 @@ saves and loads exactly the registered ones.
 Layouts: :class:`FullPrecisionStorage` (no quantization, exactly ``DynamicCache``) and
 :class:`QuantizedStorage` (KIVI: full-precision sinks | packed codes | full-precision
 residual), whose packed middle is a :class:`~kv_cache.cache.packed.PackedKV` (per-channel or
-per-token keys, uniform or Lloyd-Max levels, optionally rotated); :class:`~kv_cache.cache.ragged.RaggedStorage`
-(heads holding different numbers of tokens). New layouts implement :class:`LayerStorage`,
+per-token keys, uniform or Lloyd-Max levels, optionally rotated);
+:class:`~kv_cache.cache.packed_ragged.PackedRaggedStorage` (heads holding different numbers of
+tokens, every row's tokens in one buffer per layer, read at per-row offsets) and
+:class:`~kv_cache.cache.ragged.RaggedStorage` (the same, one storage per row: rows whose sinks
+are not full yet, and files saved with it). New layouts implement :class:`LayerStorage`,
 register, and plug into the layer unchanged.
 """
 

@@ -3,9 +3,9 @@
 
 When a one-shot policy (KVzip, SnapKV) selects the tokens a head keeps, the others are not
 dropped: they are re-quantized at ``evicted_bits`` into a second storage, ``layer.demoted``
-(:meth:`TiersMixin._demote`), in the layer's layout without sinks or residual
+(:func:`demote`), in the layer's layout without sinks or residual
 (:meth:`kv_cache.QuantConfig.evicted_config`). The native attention reads its blocks after
-the kept ones, in the same softmax (:meth:`TiersMixin.demoted_blocks`); decoding appends to
+the kept ones, in the same softmax (``CompressedLayer.demoted_blocks``); decoding appends to
 the kept tier only.
 """
 
@@ -23,54 +23,45 @@ TIERS_NEED_NATIVE = (
 )
 
 
-class TiersMixin:
-    """The evicted tier; mixed into ``CompressedLayer`` (which owns ``storage``, ``demoted``,
-    ``quant``, ``layer_idx`` and ``_starts``)."""
+def demote(storage: LayerStorage, masks: torch.Tensor, starts: torch.Tensor | None, quant, layer_idx: int
+           ) -> LayerStorage | None:
+    """The evicted tier of a layer: the valid slots of ``storage`` not in ``masks`` (bool
+    ``[batch, kv_heads, T]``), re-quantized at ``QuantConfig.evicted_bits`` (math dictionary §21)
+    in the layer's layout without sinks or residual (``quant.evicted_config()``), before they are
+    dropped from ``storage``. They are re-quantized from what the storage holds (dequantized
+    codes, sinks and residual); heads that demote different numbers of tokens share one buffer
+    (:class:`~kv_cache.cache.packed_ragged.PackedRaggedStorage`). Left padding (before
+    ``starts`` ``[batch, kv_heads]``) is dropped, never demoted. None when nothing is dropped.
+    """
+    if storage.ragged:
+        raise RuntimeError(
+            f"layer {layer_idx} already demoted its evicted tokens: QuantConfig.evicted_bits demotes once, "
+            "after the prefill (a policy with prefill_only)"
+        )
+    B, H, T = masks.shape
+    drop = ~masks
+    if starts is not None:
+        drop &= torch.arange(T, device=masks.device) >= starts.unsqueeze(-1).to(masks.device)
+    counts = drop.sum(-1)
+    if not bool(counts.any()):
+        return None
+    keys, values = storage.read()  # [B, H, T, d] in the model dtype
+    evicted = quant.evicted_config()
 
-    @property
-    def tiered(self) -> bool:
-        """True when evicted tokens are demoted, not dropped (``QuantConfig.evicted_bits``)."""
-        return self.quant is not None and self.quant.evicted_bits is not None
+    def fresh(b: int, h: int) -> LayerStorage:
+        return make_storage(evicted, keys.new_empty(b, h, 0, keys.shape[-1]),
+                            values.new_empty(b, h, 0, values.shape[-1]), track_groups=False, layer=layer_idx)
 
-    def demoted_blocks(self) -> list:
-        """The evicted tier's blocks (read after the kept ones; [] when there is none)."""
-        return [] if self.demoted is None else self.demoted.blocks()
-
-    def _demote(self, masks: torch.Tensor) -> None:
-        """Move the valid slots not in ``masks`` (bool ``[batch, kv_heads, T]``) to the evicted
-        tier at ``QuantConfig.evicted_bits`` (math dictionary §21), before they are dropped from
-        :attr:`storage`. They are re-quantized from what the storage holds (dequantized codes,
-        sinks and residual), one row per head when heads demote different numbers of tokens."""
-        if self.demoted is not None or self.storage.ragged:
-            raise RuntimeError(
-                f"layer {self.layer_idx} already demoted its evicted tokens: QuantConfig.evicted_bits demotes once, "
-                "after the prefill (a policy with prefill_only)"
-            )
-        B, H, T = masks.shape
-        drop = ~masks
-        if self._starts is not None:  # left padding is dropped, never demoted
-            drop &= torch.arange(T, device=masks.device) >= self._starts.unsqueeze(-1).to(masks.device)
-        counts = drop.sum(-1)
-        if not bool(counts.any()):
-            return
-        keys, values = self.storage.read()  # [B, H, T, d] in the model dtype
-        quant = self.quant.evicted_config()
-
-        def fresh(b: int, h: int) -> LayerStorage:
-            return make_storage(quant, keys.new_empty(b, h, 0, keys.shape[-1]),
-                                values.new_empty(b, h, 0, values.shape[-1]), track_groups=False, layer=self.layer_idx)
-
-        if bool((counts == counts.flatten()[0]).all()):
-            idx = drop.nonzero()[:, 2].reshape(B, H, -1)
-            low = fresh(B, H)
-            low.append(gather_tokens(keys, idx), gather_tokens(values, idx))
-        else:
-            rows = []
-            for b in range(B):
-                for h in range(H):
-                    idx = drop[b, h].nonzero().squeeze(1)
-                    row = fresh(1, 1)
-                    row.append(keys[b:b + 1, h:h + 1, idx], values[b:b + 1, h:h + 1, idx])
-                    rows.append(row)
-            low = PackedRaggedStorage.from_rows(rows, B, H)
-        self.demoted = low
+    if bool((counts == counts.flatten()[0]).all()):
+        idx = drop.nonzero()[:, 2].reshape(B, H, -1)
+        low = fresh(B, H)
+        low.append(gather_tokens(keys, idx), gather_tokens(values, idx))
+        return low
+    rows = []
+    for b in range(B):
+        for h in range(H):
+            idx = drop[b, h].nonzero().squeeze(1)
+            row = fresh(1, 1)
+            row.append(keys[b:b + 1, h:h + 1, idx], values[b:b + 1, h:h + 1, idx])
+            rows.append(row)
+    return PackedRaggedStorage.from_rows(rows, B, H)
