@@ -125,6 +125,17 @@ def _keeps(st, seed=0, keep_tail=0):
     return out
 
 
+def _per_block(view, q, scaling, starts):
+    """The per-block path: each block attended alone, merged by log-sum-exp."""
+    parts, offset = [], 0
+    for blk in view:
+        s = None if starts is None else (starts - offset).clamp(0, blk.length)
+        o, lse, _ = blk.attend(q, scaling, s, None)
+        parts.append((o, lse))
+        offset += blk.length
+    return blocks_mod.merge(parts)
+
+
 def _decode(st, q, k1, v1):
     view = st.attention_update(k1, v1)
     return fused_decode(view, q, 0.125, st.starts())
@@ -177,13 +188,7 @@ def test_packed_ragged_storage_matches_the_per_row_layout(quant, monkeypatch):
     # the row-by-row path (a question after the context) equals the one call
     view = flat.blocks()
     st = flat.starts()
-    parts, offset = [], 0
-    for blk in view:
-        s = None if st is None else (st - offset).clamp(0, blk.length)
-        o, lse, _ = blk.attend(q, 0.125, s, None)
-        parts.append((o, lse))
-        offset += blk.length
-    o, lse = blocks_mod.merge(parts)
+    o, lse = _per_block(view, q, 0.125, st)
     one = fused_decode(view, q, 0.125, st)
     assert torch.allclose(o, one[0], atol=1e-5)
     # batch selection keeps each row's tokens
@@ -209,3 +214,59 @@ def test_full_precision_rows_share_one_buffer_and_keep_their_tokens():
         rag.read()
     with pytest.raises(RuntimeError, match="share one buffer"):
         rag.row(0, 0)
+
+
+@pytest.mark.parametrize("quant", [QuantConfig(bits=4, evicted_bits=2), QuantConfig(bits=4, group_size=4, evicted_bits=2),
+                                   QuantConfig(bits=3, evicted_bits=2, rotation="hadamard", key_grouping="token",
+                                               levels="lloyd_max")])
+def test_evicted_tier_rows_keep_the_space_their_codes_were_made_in(quant):
+    """The evicted tier's rows are each quantized as a one-head storage (every row in head 0's
+    rotation, log-coded scales): in one buffer they attend exactly as row by row."""
+    g = torch.Generator().manual_seed(0)
+    evicted = quant.evicted_config()
+    rows = []
+    for n in [40, 7, 33, 64, 0, 12]:
+        st = make_storage(evicted, torch.zeros(1, 1, 0, D), torch.zeros(1, 1, 0, D), track_groups=False, layer=2)
+        if n:
+            st.append(torch.randn(1, 1, n, D, generator=g), torch.randn(1, 1, n, D, generator=g))
+        rows.append(st)
+    per_row = RaggedStorage(copy.deepcopy(rows), 2, 3)
+    flat = PackedRaggedStorage.from_rows(copy.deepcopy(rows), 2, 3)
+    assert isinstance(flat, PackedRaggedStorage)
+    q = torch.randn(2, 3, 4, D, generator=g)
+    want = _per_block(per_row.blocks(), q, 0.2, per_row.starts())  # row by row (an empty row included)
+    got = fused_decode(flat.blocks(), q, 0.2, flat.starts())
+    assert torch.allclose(got[0], want[0], atol=1e-5) and torch.allclose(got[1], want[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("quant", [QuantConfig(bits=4, evicted_bits=2), None])
+def test_model_answers_equal_the_per_row_layout(stories, monkeypatch, quant):
+    """A question after a compressed context (the row-by-row path) and the next decoded token (one
+    call per layer) give the per-row layout's logits: KVzip's model-wide budget, tiers included."""
+    from kv_cache import CompressedCache, KVzip, compress, prefill
+    from kv_cache.cache import storage as storage_mod
+    from kv_cache.cache import tiers as tiers_mod
+
+    model, tok = stories
+    ids = tok("Once upon a time there was a little girl named Lily. She loved to play outside with her ball. " * 6,
+              return_tensors="pt").input_ids
+    question = tok(" Lily loved to", return_tensors="pt", add_special_tokens=False).input_ids
+
+    def answer():
+        cache = CompressedCache(model.config, quant=quant, eviction=KVzip(budget=0.25, scope="model"))
+        with torch.no_grad():
+            prefill(model, cache, ids, tokenizer=tok)
+            with compress(model, cache):
+                first = model(input_ids=question, past_key_values=cache, use_cache=True).logits
+                nxt = model(input_ids=first[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
+        return cache, first, nxt
+
+    flat_cache, flat_q, flat_next = answer()
+    assert any(isinstance(layer.storage, PackedRaggedStorage) for layer in flat_cache.layers)
+    monkeypatch.setattr(storage_mod.LayerStorage, "keep_rows",
+                        lambda self, keeps, lead, in_place=True: RaggedStorage.split(self, keeps, lead))
+    monkeypatch.setattr(tiers_mod.PackedRaggedStorage, "from_rows",
+                        classmethod(lambda cls, rows, B, H, lead=None: RaggedStorage(rows, B, H, lead)))
+    rows_cache, rows_q, rows_next = answer()
+    assert all(not isinstance(layer.storage, PackedRaggedStorage) for layer in rows_cache.layers)
+    assert torch.allclose(flat_q, rows_q, atol=1e-4) and torch.allclose(flat_next, rows_next, atol=1e-4)

@@ -117,8 +117,10 @@ class PackedRaggedStorage(RaggedRows):
         if with_codes:
             out.packed = _concat_packed(with_codes)
             out.q_len = [r.packed.length for r in rows]
-            if first.quant.rotation is not None:  # the layer's: every head, as a tail flush makes it
-                out.rotation = _layer_rotation(with_codes, heads)
+            if first.quant.rotation is not None:  # the space each head's codes were made in
+                out.rotation = _layer_rotation(rows, heads)
+                if out.rotation is None:
+                    return RaggedStorage(rows, batch, heads, lead)
         tail = QuantizedStorage.__new__(QuantizedStorage)
         tail.quant, tail.dtype = first.quant, first.dtype
 
@@ -347,9 +349,31 @@ def _rows_of_packed(packed: PackedKV) -> list[PackedKV]:
     return [packed.row(i, j) for i in range(b) for j in range(h)]
 
 
-def _layer_rotation(parts: list[PackedKV], heads: int):
-    """The layer's rotation (every head), made as a tail flush makes it (seeded by layer and head)."""
-    from .packed import _make_rotation
+def _layer_rotation(rows: list[LayerStorage], heads: int):
+    """The rotation the rows' packed codes were made in, per head (row ``r`` is head ``r % heads``):
+    head ``h`` takes a row of that head's own rotation (a cut row keeps its head's; the evicted
+    tier's rows were all made in one). None when two rows of one head disagree (the per-row
+    layout then holds them)."""
+    from .packed import Rotation
 
-    first = parts[0]
-    return _make_rotation(first.quant, first.layer, heads, first.head_dim, first.k_codes.device)
+    per_head: list = [None] * heads
+    for r, row in enumerate(rows):
+        rot = row.packed.rotation if row.packed.length else None
+        if rot is None:
+            continue
+        have = per_head[r % heads]
+        if have is None:
+            per_head[r % heads] = rot
+        elif not _same_rotation(have, rot):
+            return None
+    known = next(x for x in per_head if x is not None)
+    per_head = [known if x is None else x for x in per_head]  # a head without codes: any space serves
+    if known.matrices is not None:
+        return Rotation.from_matrices(torch.cat([x.matrices for x in per_head], dim=0))
+    return Rotation.from_signs(torch.cat([x.signs for x in per_head], dim=0))
+
+
+def _same_rotation(a, b) -> bool:
+    if (a.matrices is None) != (b.matrices is None):
+        return False
+    return torch.equal(a.matrices, b.matrices) if a.matrices is not None else torch.equal(a.signs, b.signs)
