@@ -72,3 +72,35 @@ def test_wrong_shapes_are_refused():
     q = torch.zeros(1, 1, 6, 4)
     with pytest.raises(ValueError, match=r"q has 6 rows; expected group \(4\) x positions \(2\)"):
         attend_positions(q, torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), 1.0, 4, torch.arange(2), torch.arange(2))
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("n_stat", [1, 4, 7])
+def test_observed_sums_are_the_last_queries_probabilities(window, softcap, n_stat, monkeypatch):
+    """``attend_positions_observed``: the output of ``attend_positions`` and, per query head, the
+    probabilities of the last ``n`` queries summed over them (the same capped, windowed softmax)."""
+    from kv_cache.attention import dense
+    from kv_cache.attention.dense import attend_positions_observed
+
+    monkeypatch.setattr(dense, "CHUNK_BYTES", 4096)  # several query chunks: the sums span them
+    g = torch.Generator().manual_seed(2)
+    B, H, G, S, L, d = 2, 2, 3, 9, 7, 16
+    q = torch.randn(B, H, G * L, d, generator=g) * 2
+    k, v = torch.randn(B, H, S + L, d, generator=g), torch.randn(B, H, S + L, d, generator=g)
+    k_pos = torch.arange(S + L)
+    q_pos = k_pos[S:]
+    valid = torch.ones(B, H, S + L, dtype=torch.bool)
+    valid[1, :, :4] = False
+    out, lse, attn = attend_positions_observed(q, k, v, 0.3, G, q_pos, k_pos, n_stat, window=window,
+                                               softcap=softcap, key_valid=valid)
+    plain, _ = attend_positions(q, k, v, 0.3, G, q_pos, k_pos, window=window, softcap=softcap, key_valid=valid)
+    torch.testing.assert_close(out, plain)
+    # the oracle's probabilities: its output against the identity as values
+    eye = torch.eye(S + L, dtype=torch.float64).expand(B, H, S + L, S + L)
+    p = _oracle(q, k, eye, 0.3, G, q_pos, k_pos, window, softcap, valid).reshape(B, H, G, L, S + L)
+    want = p[:, :, :, L - n_stat:].sum(3).reshape(B, H * G, S + L)
+    assert attn.shape == (B, H * G, S + L) and attn.dtype == torch.float32
+    torch.testing.assert_close(attn.double(), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"stat_queries must be an int in \[1, 7\].*got 0"):
+        attend_positions_observed(q, k, v, 0.3, G, q_pos, k_pos, 0)

@@ -456,8 +456,10 @@ def reconstruction_scores(
     sinks: int,
     start: int,
     end: int,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """KVzip's scores of stored slots ``[start, end)`` from one repeat chunk (math dictionary §19.3).
+    """KVzip's scores of stored slots ``[start, end)`` from one repeat chunk (math dictionary §19.3;
+    soft-capped logits ``c tanh(s / c)`` with ``softcap`` ``c``, as the model's softmax has them, §22.4).
 
     ``q`` ``[B, Hkv, G * L, d]`` are the repeat chunk's queries (grouped as everywhere here),
     ``stored_keys`` ``[B, Hkv, T, d]`` the stored context in full precision, ``new_keys``
@@ -482,6 +484,9 @@ def reconstruction_scores(
         qc = q5[:, :, :, s:e]
         lc = (qc @ k_ctx[:, :, None].transpose(-1, -2)).mul_(scaling)  # [B, H, G, c, n_ctx]
         ln = (qc @ kn[:, :, None, :e].transpose(-1, -2)).mul_(scaling)  # [B, H, G, c, e]
+        if softcap is not None:  # before the mask: tanh(-inf) would unmask
+            lc.div_(softcap).tanh_().mul_(softcap)
+            ln.div_(softcap).tanh_().mul_(softcap)
         ln.masked_fill_(pos[None, :e] > pos[s:e, None], float("-inf"))
         lse = torch.logaddexp(torch.logsumexp(lc, dim=-1), torch.logsumexp(ln, dim=-1)).unsqueeze(-1)
         # max_i p_i = exp(max_i (s_i - lse_i)): one exp per slot, not per probability

@@ -17,6 +17,10 @@ the *view*: the blocks stored before them):
    ``layer.query_window(q_len)`` queries are summed per query head (``[B, Hq, T]``) and handed
    to the layer, which scores and evicts: no second pass over ``q_proj`` and RoPE.
 
+Calls the blocks cannot serve (a window that hides held tokens, logit soft-capping) go by
+positions (:mod:`.dense`), which hands the policy the same statistics; KVzip's repeat chunk on a
+full-attention layer is :func:`_reconstruction_pass` (soft-capped or not, math dictionary §22.7).
+
 GQA is handled by grouping the query heads of each KV head (K/V are never repeated). Masks are
 the layer's own: each stored row has a start (left padding, per KV head after eviction) and its
 own length, so layers and heads may hold different numbers of tokens.
@@ -31,7 +35,7 @@ from typing import Any, Iterator
 import torch
 
 from .blocks import attend_new, fused_decode, join_new_token, merge, reconstruction_scores
-from .dense import apply_learned_sinks, attend_positions, materialize
+from .dense import apply_learned_sinks, attend_positions, attend_positions_observed, materialize
 
 ATTENTION_NAME = "kv_cache"
 """The name under which :func:`compressed_attention` is registered in transformers."""
@@ -87,9 +91,8 @@ def compressed_attention(
     Raises
     ------
     ValueError
-        Dropout in training, a sliding window the cache's layer does not know, soft-capping
-        with a policy that needs attention statistics, or a padding pattern other than left
-        padding.
+        Dropout in training, a sliding window the cache's layer does not know, or a padding
+        pattern other than left padding.
     """
     cache = _ACTIVE.get()
     idx = getattr(module, "layer_idx", None)
@@ -108,8 +111,8 @@ def compressed_attention(
     q = query.reshape(B, Hkv, G * L, d)
     view = layer.take_attention_view()
     try:
-        if layer.reconstructing is not None and layer.window is None and softcap is None:
-            return _reconstruction_pass(layer, query, q, key, value, scaling, G, sinks), None
+        if layer.reconstructing is not None and layer.window is None:
+            return _reconstruction_pass(layer, query, q, key, value, scaling, G, sinks, softcap), None
         new_valid = _new_token_valid(attention_mask, L)
         starts = layer.stored_starts(new_valid, L)  # [B, Hkv] leading padding slots among the stored ones
         if softcap is not None or layer.reconstructing is not None or _window_hides(layer, view, L):
@@ -135,42 +138,43 @@ def _window_hides(layer, view: list, L: int) -> bool:
 
 def _positional(layer, view, q, key, value, scaling, G, L, starts, new_valid, softcap):
     """The call by positions (:mod:`.dense`): sliding windows, soft-capping, KVzip's repeat chunk
-    on a sliding layer. Returns ``(out, lse)`` ``[B, Hkv, G * L, ...]`` float32."""
-    if layer.awaits_observation and layer.query_window(L):
-        raise ValueError(
-            f"{type(layer.policy).__name__} needs attention statistics, which the positional path "
-            "(logit soft-capping) does not produce: use KVzip, StreamingLLM or quantization alone on this model"
-        )
-    if layer.reconstructing is not None and layer.window is None:
-        raise ValueError(
-            "KVzip's reconstruction scores are not implemented with logit soft-capping (a soft-capped "
-            "full-attention layer); use quantization or StreamingLLM on this model"
-        )
+    on a sliding layer. Returns ``(out, lse)`` ``[B, Hkv, G * L, ...]`` float32 and hands a waiting
+    policy the statistics of its queries over the same (soft-capped, windowed) softmax."""
+    stored = materialize(view)  # (keys, values, held) float32; a decoded token is the view's last token
+    held = None if stored is None else stored[2]
     if L == 1 and layer.reconstructing is None:
-        stored = materialize(view)  # the decoded token is the view's last token
-        keys, values = stored
+        keys, values = stored[0], stored[1]
         S = keys.shape[2] - 1
     else:
-        stored = materialize(view)
         S = 0 if stored is None else stored[0].shape[2]
         keys = key.float() if stored is None else torch.cat([stored[0], key.float()], 2)
         values = value.float() if stored is None else torch.cat([stored[1], value.float()], 2)
     B, H = keys.shape[:2]
     T = keys.shape[2]
     end = layer.position_end(L)  # one past the last query's position
+    # Stored positions are only ordered, not exact, after eviction: a layer that evicts has no
+    # window, so every stored key precedes every query and only the call's own tokens are causal.
     k_pos = torch.arange(end - T, end, device=keys.device)
     q_pos = k_pos[T - L:]
     valid = None
-    if starts is not None or new_valid is not None:
+    if starts is not None or new_valid is not None or held is not None:
         valid = torch.ones(B, H, T, dtype=torch.bool, device=keys.device)
         if starts is not None:
             valid[:, :, :S] = torch.arange(S, device=keys.device) >= starts.unsqueeze(-1)
+        if held is not None:  # a ragged block's virtual padding (math dictionary §19.2)
+            valid[:, :, :held.shape[2]] &= held
         if new_valid is not None:
             valid[:, :, T - L:] = new_valid[:, None, :]
-    out, lse = attend_positions(q, keys, values, scaling, G, q_pos, k_pos, window=layer.window, softcap=softcap,
-                                key_valid=valid)
+    n_stat = layer.query_window(L) if layer.awaits_observation else 0
+    if n_stat:
+        out, lse, attn = attend_positions_observed(q, keys, values, scaling, G, q_pos, k_pos, n_stat,
+                                                   window=layer.window, softcap=softcap, key_valid=valid)
+    else:
+        attn = None
+        out, lse = attend_positions(q, keys, values, scaling, G, q_pos, k_pos, window=layer.window,
+                                    softcap=softcap, key_valid=valid)
     if layer.awaits_observation:
-        layer.observe_attention(None, 0, scaling)
+        layer.observe_attention(attn, n_stat, scaling)
     return out, lse
 
 
@@ -216,18 +220,19 @@ def _blocks(layer, view, q, key, value, scaling, G, L, starts, new_valid, need_l
 
 
 def _reconstruction_pass(layer, query, q, key, value, scaling: float, G: int,
-                         learned: torch.Tensor | None = None) -> torch.Tensor:
-    """KVzip's repeat chunk (batch 1, nothing stored): the output attends to every stored token
-    and causally to the chunk (one fused sdpa call over the full-precision states, or with
-    ``learned`` sinks the chunked path that returns the log-sum-exp they need); the layer
-    receives the chunk's reconstruction scores (:func:`.blocks.reconstruction_scores`, without
-    the learned sinks' share)."""
+                         learned: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    """KVzip's repeat chunk on a full-attention layer (batch 1, nothing stored): the output
+    attends to every stored token and causally to the chunk (one fused sdpa call over the
+    full-precision states, or with ``learned`` sinks or ``softcap`` the chunked path by positions,
+    which returns the log-sum-exp the sinks need and caps every logit); the layer receives the
+    chunk's reconstruction scores (:func:`.blocks.reconstruction_scores`: of the soft-capped
+    logits, without the learned sinks' share; math dictionary §19.3, §22.4)."""
     B, Hq, L, d = query.shape
     sinks, start, end = layer.reconstructing
     keys, values = layer.reconstruction_states()  # [B, Hkv, T, d], dequantized when packed
     T = keys.shape[2]
     all_k, all_v = torch.cat([keys, key.to(keys.dtype)], 2), torch.cat([values, value.to(values.dtype)], 2)
-    if learned is None:
+    if learned is None and softcap is None:
         pos = torch.arange(L, device=query.device)
         mask = torch.cat([torch.ones(L, T, dtype=torch.bool, device=query.device), pos[None, :] <= pos[:, None]],
                          dim=1)
@@ -235,10 +240,11 @@ def _reconstruction_pass(layer, query, q, key, value, scaling: float, G: int,
                                                                enable_gqa=True).transpose(1, 2)
     else:
         pos = torch.arange(T + L, device=query.device)
-        o, lse = attend_positions(q, all_k, all_v, scaling, G, pos[T:], pos)
-        o, _ = apply_learned_sinks(o, lse, learned, key.shape[1])
+        o, lse = attend_positions(q, all_k, all_v, scaling, G, pos[T:], pos, softcap=softcap)
+        if learned is not None:
+            o, _ = apply_learned_sinks(o, lse, learned, key.shape[1])
         out = o.reshape(B, Hq, L, -1).transpose(1, 2)
-    layer.observe_reconstruction(reconstruction_scores(q, keys, key, scaling, G, sinks, start, end))
+    layer.observe_reconstruction(reconstruction_scores(q, keys, key, scaling, G, sinks, start, end, softcap))
     return out.to(query.dtype)
 
 
