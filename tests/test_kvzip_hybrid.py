@@ -14,13 +14,14 @@ import sys
 
 import pytest
 import torch
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 import kv_cache
 from kv_cache import H2O, CompressedCache, KVzip, SnapKV
 from kv_cache.cache.architecture import layer_windows
-from kv_cache.context import reconstruct
+from kv_cache.attention.dense import materialize
+from kv_cache.context import forward_at, reconstruct
 
 WINDOW = 16
 HYBRID = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
@@ -204,3 +205,71 @@ def test_softcapped_statistics_match_float64_eager_oracle(policy):
         torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-4, msg=f"layer {i}")
     full = [layer for layer in cache.layers if layer.window is None]
     assert all(int(layer.head_lengths().max()) == layer.resolved_budget()[1] < T for layer in full)
+
+
+def _kept_slots(cache, reference: DynamicCache, T: int) -> dict[int, torch.Tensor]:
+    """``{layer: [Hkv, T] bool}``: which context slots each full-attention head of ``cache`` kept,
+    found by matching its keys against the uncompressed prefill's (every key is distinct)."""
+    kept = {}
+    for i, layer in enumerate(cache.layers):
+        if layer.policy is None:
+            continue
+        k, _, held = materialize(layer.storage.blocks())
+        ref = reference.layers[i].keys.float()[0]  # [Hkv, T, d]
+        mask = torch.zeros(ref.shape[0], T, dtype=torch.bool)
+        for h in range(ref.shape[0]):
+            rows = k[0, h] if held is None else k[0, h][held[0, h]]
+            dist = (rows[:, None] - ref[h][None]).abs().amax(-1)  # [kept, T]
+            assert float(dist.min(1).values.max()) < 1e-4
+            mask[h, dist.argmin(1)] = True
+        kept[i] = mask
+    return kept
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_after_kvzip_the_continuation_is_the_model_with_the_evicted_slots_masked(name):
+    """After KVzip on a hybrid model, a continuation longer than the window gives the logits of the
+    model itself (float64 eager, no cache) with exactly the evicted context slots hidden from the
+    full-attention layers' queries: the sliding layers' window, positions and local / global RoPE
+    after the repeat pass and the eviction are the model's."""
+    model = _model(name)
+    T, C = 70, 24  # C > WINDOW: the continuation's sliding layers go by positions
+    ids, tok = _context(T + C), _Tok()
+    reference = DynamicCache(config=model.config)
+    cache = CompressedCache(model.config, eviction=KVzip(budget=0.5, chunk_size=32))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids[:T]]), past_key_values=reference, use_cache=True)
+        with kv_cache.compress(model, cache):
+            kv_cache.prefill(model, cache, torch.tensor([ids[:T]]), tokenizer=tok)
+            kept = _kept_slots(cache, reference, T)
+            got = forward_at(model, cache, torch.tensor([ids[T:]]), T)[0].double()
+    assert sorted(kept) == [1, 3] and sum(int(m.sum()) for m in kept.values()) == round(0.5 * T) * 2 * 2
+    want = _masked_logits(model, ids, T, kept)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    full = _masked_logits(model, ids, T, {})
+    assert float((full - want).abs().max()) > 1e-2  # the eviction changed the answer: the test can fail
+
+
+def _masked_logits(model, ids: list[int], T: int, kept: dict[int, torch.Tensor]) -> torch.Tensor:
+    """float64 eager logits ``[len(ids) - T, vocab]`` of positions ``T..``, with the context slots
+    not in ``kept[layer]`` (``[Hkv, T]``) hidden from those queries in each listed layer."""
+    name = ORACLE + "_masked"
+
+    def attend(module, query, key, value, attention_mask, **kw):
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        m = kept.get(module.layer_idx)
+        if m is not None:
+            G = query.shape[1] // key.shape[1]
+            mask = attention_mask.expand(1, query.shape[1], *attention_mask.shape[2:]).clone()
+            hide = ~m.repeat_interleave(G, 0)[:, None, :]  # [Hq, 1, T]
+            mask[0, :, T:, :T] = mask[0, :, T:, :T].masked_fill(hide, float("-inf"))
+            attention_mask = mask
+        return eager(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register(name, attend)
+    AttentionMaskInterface.register(name, eager_mask)
+    twin = AutoModelForCausalLM.from_config(model.config, attn_implementation="eager").double().eval()
+    twin.load_state_dict(model.state_dict())
+    twin.set_attn_implementation(name)
+    with torch.no_grad():
+        return twin(input_ids=torch.tensor([ids])).logits[0, T:]
