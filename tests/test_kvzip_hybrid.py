@@ -273,3 +273,17 @@ def _masked_logits(model, ids: list[int], T: int, kept: dict[int, torch.Tensor])
     twin.set_attn_implementation(name)
     with torch.no_grad():
         return twin(input_ids=torch.tensor([ids])).logits[0, T:]
+
+
+def test_memory_report_says_what_eviction_reaches_on_a_hybrid_model():
+    """``1 - (1 - b) rho_f`` (math dictionary §22.8): 2 full layers of 70 tokens, 2 sliding ones of
+    ``W - 1 = 15``: eviction reaches 140 / 170 = 82%, KVzip at 0.5 holds 70 + 30 of the 170."""
+    model = _model("gemma3_text")
+    cache = CompressedCache(model.config, eviction=KVzip(budget=0.5))
+    with torch.no_grad(), kv_cache.compress(model, cache):
+        kv_cache.prefill(model, cache, torch.tensor([_context(70)]), tokenizer=_Tok())
+    notes = [n for n in cache.memory_report().notes if n.startswith("eviction acts on")]
+    assert notes == ["eviction acts on the 2 full-attention layers only, 82% of the tokens an uncompressed cache "
+                     "would hold here (the sliding layers keep their window): 100 of those 170 tokens per KV head, "
+                     "summed over the layers, are held (math dictionary §22.8)"]
+    assert not [n for n in CompressedCache(model.config).memory_report().notes if n.startswith("eviction acts")]

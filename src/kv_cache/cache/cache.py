@@ -240,7 +240,7 @@ class CompressedCache(Cache):
             residual_bytes=cat["residual"], indices_bytes=cat["indices"], scores_bytes=cat["scores"],
             fp16_bytes=fp16, tokens_seen=seen, tokens_kept=kept / n, elements_kept=elements,
             per_layer_bytes=per_layer, tables_bytes=cat["tables"], budget_raised=self.raised_budgets(),
-            notes=self._budget_notes(), bytes_by_layer_kind=kinds, window_saved_fp16_bytes=saved,
+            notes=self._budget_notes() + self._hybrid_notes(), bytes_by_layer_kind=kinds, window_saved_fp16_bytes=saved,
         )
 
     def raised_budgets(self) -> dict[int, tuple[int, int]]:
@@ -256,6 +256,23 @@ class CompressedCache(Cache):
                 if budget > requested:
                     out[i] = (requested, budget)
         return out
+
+    def _hybrid_notes(self) -> list[str]:
+        """On a hybrid model with an eviction policy: the share of the held tokens that the policy
+        reaches (the full-attention layers'; math dictionary §22.8), one line (none otherwise)."""
+        full = [x for x in self.layers if x.policy is not None and x.is_initialized]
+        sliding = [x for x in self.layers if x.window is not None and x.is_initialized]
+        if not full or not sliding:
+            return []
+        def held(layers):
+            return sum(float(x.head_lengths().float().mean()) for x in layers)
+        def seen(layers):
+            return sum(min(x.seen, x.seen if x.window is None else x.window - 1) for x in layers)
+        reach = seen(full) / (seen(full) + seen(sliding))
+        return [f"eviction acts on the {len(full)} full-attention layers only, {100 * reach:.0f}% of the tokens an "
+                f"uncompressed cache would hold here (the sliding layers keep their window): "
+                f"{held(full) + held(sliding):.0f} of those {seen(full) + seen(sliding)} tokens per KV head, "
+                "summed over the layers, are held (math dictionary §22.8)"]
 
     def _budget_notes(self) -> list[str]:
         """One line per distinct raise of :meth:`raised_budgets`."""
