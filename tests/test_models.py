@@ -244,7 +244,7 @@ def test_smollm2_loads_and_is_cached(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("the second load must not fetch or convert")
 
-    monkeypatch.setattr(loading, "fetch_smollm2", forbidden)  # where load_model looks them up
+    monkeypatch.setattr(loading, "fetch_gguf", forbidden)  # where load_model looks them up
     monkeypatch.setattr(loading, "convert_gguf_to_hf", forbidden)
     model2, _ = load_model("smollm2")
     assert model2.name_or_path == str(converted)
