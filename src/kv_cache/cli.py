@@ -34,7 +34,8 @@ tasks: ppl (teacher-forced continuation perplexity), needle (=niah_single), mult
 EVAL_OUT = "runs/eval"
 # What the demo changes from the defaults of `kvcache eval` (those are EvalConfig's).
 DEMO_DEFAULTS = dict(
-    model="smollm2", tasks="ppl,needle", methods="full,q8,q4,q4d,q2,q2d,snapkv@0.5,h2o@0.5,q4+h2o@0.5",
+    model="smollm2", tasks="ppl,needle",
+    methods="full,q8,q4,q4d,q2d,8x,16x,kvzip@0.25,kvzap@0.25,snapkv@0.5,h2o@0.5,q4+h2o@0.5",
     samples=2, context=1024, continuation=128, out="runs/demo",
 )
 
@@ -179,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     _eval_parser(sub, "eval", "evaluate compression methods on a model and tasks", {})
-    _eval_parser(sub, "demo", "the README's main job: SmolLM2, wikitext-2, 9 configurations", DEMO_DEFAULTS)
+    _eval_parser(sub, "demo", "the README's main job: SmolLM2, wikitext-2, 12 configurations", DEMO_DEFAULTS)
     b = sub.add_parser("bill", help="byte bill of one captured KV cache")
     b.add_argument("--model", default="stories260K")
     b.add_argument("--prompt-tokens", type=int, default=256)

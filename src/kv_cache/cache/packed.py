@@ -443,6 +443,10 @@ class PackedKV:
 
     def gather(self, idx: torch.Tensor) -> None:
         """Keep tokens ``idx`` (``[b, h, k]``) and drop key scale groups no head uses any more."""
+        if self.per_channel_keys and self.k_group is None:  # whole groups so far: token t uses group t // g
+            b, h, n = self.k_codes.shape[:3]
+            gid = torch.arange(n, device=self.k_codes.device, dtype=torch.int32) // self.quant.group_size
+            self.k_group = gid.expand(b, h, n).contiguous()
         per_token = ("k_codes", "v_codes", "v_scale", "v_zero", "k_group")
         if not self.per_channel_keys:
             per_token += ("k_scale", "k_zero")
