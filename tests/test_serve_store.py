@@ -14,6 +14,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai", reason="the tests drive the server with the openai client")
 
 from kv_cache import CompressedContext  # noqa: E402
+from kv_cache.serve.auth import key_id  # noqa: E402
 from kv_cache.serve.store import ContextStore  # noqa: E402
 from serve_support import AUTH, DOC, KEY, MODEL, QUESTION, REPO, ask, create, error, free_port, serving  # noqa: E402
 
@@ -60,8 +61,9 @@ def test_truncated_file_is_listed_corrupted_at_start(stories, tmp_path):
     cid = store.add(ctx, {"model": MODEL, "method": "full"})["id"]
     path = tmp_path / f"{cid}.kvc"
     path.write_bytes(path.read_bytes()[:-100])
-    with serving(model, tok, tmp_path) as server:
-        r = httpx.get(server.base_url + f"/v1/contexts/{cid}", headers=AUTH)
+    # stored without a key: seen by a server without keys (owner None), by no key of one with keys
+    with serving(model, tok, tmp_path, api_key=None) as server:
+        r = httpx.get(server.base_url + f"/v1/contexts/{cid}")
         err = error(r, 422, "context_corrupted")
         assert "truncated" in err["message"]
 
@@ -113,10 +115,11 @@ def test_kill_during_compression_leaves_no_partial_entry(stories, tmp_path, paus
         child.stderr.close()
 
     store = ContextStore(store_dir, model, tok)  # what a restarted server sees
-    assert [d["id"] for d in store.list()] == [first["id"]] and store.list()[0]["status"] == "ready"
+    listed = store.list(key_id(KEY))
+    assert [d["id"] for d in listed] == [first["id"]] and listed[0]["status"] == "ready"
     assert not [p.name for p in store_dir.iterdir() if p.name.startswith(".tmp-")]
     assert sorted(p.name for p in store_dir.iterdir()) == [f"{first['id']}.kvc"]
-    assert store.get(first["id"]).ask(QUESTION, max_new_tokens=4)
+    assert store.get(first["id"], key_id(KEY)).ask(QUESTION, max_new_tokens=4)
 
 
 # ------------------------------------------------------------------------------ the store

@@ -12,6 +12,11 @@ test) takes the same lock.
   queued at its deadline is dropped; a running one checks it between tokens and stops with
   ``request_timeout`` (504). A job whose client went away (:meth:`Job.cancel`) is dropped or
   stopped the same way.
+* Requests are admitted (:meth:`Engine.reserve`) before their tokenization, which runs outside the
+  model lock: the jobs being prepared count against ``queue_size`` with the queued ones.
+* :meth:`Engine.begin_shutdown` (SIGTERM) refuses new jobs, answers the queued ones
+  ``shutting_down`` (503) and cancels the running one, which stops at its next check (between
+  tokens; a compression before it writes its file).
 * A job talks to its request through events on an ``asyncio.Queue`` of the server's event loop
   (``("start", None)``, ``("delta", text)``, ``("done", result)``, ``("error", ApiError)``),
   put there thread-safely.
@@ -22,9 +27,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import secrets
 import threading
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from .errors import ApiError
 
@@ -38,8 +45,12 @@ class Job:
         self.fn, self.deadline, self.loop = fn, deadline, loop
         self.events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
+        self._why = ApiError("request_timeout", "the request was cancelled")
 
-    def cancel(self) -> None:
+    def cancel(self, why: ApiError | None = None) -> None:
+        """Stop this job at its next :meth:`check` (which then raises ``why``)."""
+        if why is not None and not self._cancelled.is_set():
+            self._why = why
         self._cancelled.set()
 
     @property
@@ -50,7 +61,10 @@ class Job:
         return time.monotonic() >= self.deadline
 
     def check(self) -> None:
-        """Raise ``request_timeout`` past the deadline; called by the job between steps."""
+        """Raise ``request_timeout`` past the deadline, or why it was cancelled; called by the job
+        between steps."""
+        if self._cancelled.is_set():
+            raise self._why
         if self.expired():
             raise ApiError("request_timeout", "the request ran past the server's per-request timeout "
                                               "(kvcache serve --request-timeout)")
@@ -77,36 +91,85 @@ class Engine:
         self.model_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._thread: threading.Thread | None = None
+        self._admit_lock = threading.Lock()
+        self._preparing = 0
+        self._running: Job | None = None
+        self._stopping = threading.Event()
+
+    def _full(self) -> ApiError:
+        return ApiError("queue_full", f"the server is busy: {self.queue_size} requests are already waiting; "
+                                      f"retry after {self.retry_after} s", headers={"Retry-After": str(self.retry_after)})
+
+    def _refuse_if_stopping(self) -> None:
+        if self._stopping.is_set():
+            raise ApiError("shutting_down", "the server is shutting down; retry on another server or later",
+                           headers={"Retry-After": str(self.retry_after)})
+
+    @contextmanager
+    def reserve(self) -> Iterator[None]:
+        """Admit one request for its preparation (tokenization, outside the model lock): 503
+        ``queue_full`` when ``queue_size`` requests are already being prepared or waiting."""
+        self._refuse_if_stopping()
+        with self._admit_lock:
+            if self._preparing + self._queue.qsize() >= self.queue_size:
+                raise self._full()
+            self._preparing += 1
+        try:
+            yield
+        finally:
+            with self._admit_lock:
+                self._preparing -= 1
+
+    def begin_shutdown(self) -> None:
+        """Stop taking jobs; answer the queued ones ``shutting_down``; cancel the running one."""
+        self._stopping.set()
+        self._drain("the server is shutting down before this request ran")
+        running = self._running
+        if running is not None:
+            running.cancel(ApiError("shutting_down", "the server is shutting down; this request was stopped",
+                                    headers={"Retry-After": str(self.retry_after)}))
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def _drain(self, why: str) -> None:
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.emit("error", ApiError("shutting_down", why, headers={"Retry-After": str(self.retry_after)}))
 
     def start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="kv_cache-serve-worker", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Finish the running job, drop the queued ones (their clients get a timeout), stop."""
+    def stop(self, timeout: float = 10.0) -> bool:
+        """:meth:`begin_shutdown`, then wait at most ``timeout`` seconds for the worker to end.
+        True when it ended (a job it could not interrupt may still be running otherwise)."""
+        self.begin_shutdown()
         if self._thread is None:
-            return
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.emit("error", ApiError("server_error", "the server is shutting down"))
-        self._queue.put(None)
+            return True
+        try:
+            self._queue.put(None, timeout=max(timeout, 0.0))
+        except queue.Full:
+            pass
         self._thread.join(timeout)
+        ended = not self._thread.is_alive()
         self._thread = None
+        return ended
 
     def submit(self, fn: Callable[[Job], Any], loop: asyncio.AbstractEventLoop | None = None) -> Job:
         """Queue ``fn``; :class:`ApiError` ``queue_full`` when ``queue_size`` jobs already wait."""
+        self._refuse_if_stopping()
         job = Job(fn, time.monotonic() + self.request_timeout, loop)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            raise ApiError("queue_full", f"the server is busy: {self.queue_size} requests are already waiting; "
-                                         f"retry after {self.retry_after} s",
-                           headers={"Retry-After": str(self.retry_after)}) from None
+            raise self._full() from None
         return job
 
     @property
@@ -120,17 +183,31 @@ class Engine:
                 return
             if job.cancelled:
                 continue
+            if self._stopping.is_set():
+                job.emit("error", ApiError("shutting_down", "the server is shutting down before this request ran",
+                                           headers={"Retry-After": str(self.retry_after)}))
+                continue
             if job.expired():
                 job.emit("error", ApiError("request_timeout", "the request waited in the queue past the server's "
                                                               "per-request timeout (kvcache serve --request-timeout)"))
                 continue
             with self.model_lock:
+                self._running = job
                 try:
                     job.emit("done", job.fn(job))
                 except ApiError as exc:
                     log.info("request refused: %s (%s)", exc.message, exc.code)
                     job.emit("error", exc)
-                except Exception as exc:  # logged with its traceback; the server keeps serving
-                    log.exception("request failed")
-                    job.emit("error", ApiError("server_error", f"the server failed on this request: "
-                                                               f"{type(exc).__name__}: {exc}"))
+                except Exception:  # logged with its traceback; the server keeps serving
+                    job.emit("error", internal_error())
+                finally:
+                    self._running = None
+
+
+def internal_error() -> ApiError:
+    """The answer to an unexpected failure: a generic message and an incident id; the exception,
+    its class and traceback go to the log only (under that id). Call it inside ``except``."""
+    incident = secrets.token_hex(6)
+    log.exception("request failed (incident %s)", incident)
+    return ApiError("server_error", f"the server failed on this request (incident {incident}; the server's log "
+                                    "has the details)")
