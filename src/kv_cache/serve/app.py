@@ -95,9 +95,12 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
         engine.start()
         try:
             yield
-        finally:
+        finally:  # within about shutdown_timeout: jobs cancelled, a write in progress finished, no new one
+            deadline = time.monotonic() + shutdown_timeout
             engine.stop(shutdown_timeout)
-            service.store.close(shutdown_timeout)
+            if not service.store.close(max(deadline - time.monotonic(), 1.0)):
+                log.error("a context was still being written at shutdown; its temporary file is removed at the "
+                          "next start")
             pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kv_cache", summary="OpenAI-compatible chat over compressed KV-cache contexts",
