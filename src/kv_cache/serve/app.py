@@ -153,6 +153,8 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
     async def create_context(request: Request) -> JSONResponse:
         owner = request.state.owner
         req = parse_context(await body(request), limits)
+        if req.method is not None:  # a spec naming a file: 400 even when the queue is full
+            service.files.resolve_spec(req.method)
         with engine.reserve():
             prep = await prepare(service.prepare_compress, req, owner)
             job = engine.submit(lambda j: service.compress(prep, j), asyncio.get_running_loop())
@@ -182,6 +184,11 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
     async def chat(request: Request) -> Response:
         owner = request.state.owner
         req = parse_chat(await body(request), service.model_id, limits)
+        if req.context_id is not None:  # another key's or a missing context: 404 even when the queue is full
+            try:
+                service.store.describe(req.context_id, owner)
+            except (ContextNotFound, ContextCorrupted) as exc:
+                raise _store_error(exc, req.context_id[:64], "context_id") from None
         with engine.reserve():
             prep = await prepare(service.prepare_chat, req, owner)
             job = engine.submit(lambda j: service.chat(prep, j), asyncio.get_running_loop())
