@@ -389,3 +389,28 @@ def test_contexts_stored_without_keys_belong_to_none_until_assigned(stories, tmp
         assert ask(c, cid, QUESTION).choices[0].message.content
     assert main(["contexts", "--store", str(tmp_path), "--model", MODEL, "delete", cid]) == 0
     assert not (tmp_path / f"{cid}.kvc").exists()
+
+
+def test_refusals_come_before_the_queue(srv, http, http2):
+    """With the worker busy and the queue full, a spec naming a file is still a 400 and another
+    key's context a 404 (no 503): both are refused before any work is queued."""
+    mine = create(http, method="q4d")["id"]
+    started, release = threading.Event(), threading.Event()
+    srv.engine.submit(lambda job: (started.set(), release.wait(30)))
+    try:
+        assert started.wait(30)
+        for _ in range(srv.engine.queue_size):
+            srv.engine.submit(lambda job: None)
+        error(http2.post("/v1/contexts", json={"document": DOC, "method": "plan[/etc/passwd]"}), 400, "invalid_method")
+        error(http2.post("/v1/chat/completions", json={"model": MODEL, "context_id": mine,
+                                                       "messages": [{"role": "user", "content": "hi"}]}),
+              404, "context_not_found")
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "context_id": mine,
+                                                    "messages": [{"role": "user", "content": "hi"}]})
+        error(r, 503, "queue_full")  # its owner's request is well formed: it waits for room
+    finally:
+        release.set()
+    deadline = time.monotonic() + 30
+    while srv.engine.waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _clean(http)
