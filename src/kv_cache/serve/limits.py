@@ -3,21 +3,21 @@
 :class:`Limits` holds them (each is a ``kvcache serve`` flag with the same default). In the order
 a request meets them:
 
-==========================  ==========  =====================================================
-limit (flag)                default     past it
-==========================  ==========  =====================================================
-``--max-body-bytes``        8 MiB       413 ``payload_too_large``, while reading, before parsing
-``--max-json-depth``        32          400 ``json_too_deep``, before parsing
-``--max-document-chars``    1,000,000   400 ``text_too_long`` (the document; a chat's messages)
-``--max-tokens``            1024        400 ``invalid_parameter`` (a chat's ``max_tokens``)
-``--max-stop-chars``        256         400 ``invalid_parameter`` (each ``stop`` string; 4 at most)
-``--max-contexts``          10,000      429 ``storage_quota_exceeded`` (all keys together)
-``--max-contexts-per-key``  1,000       429 ``storage_quota_exceeded``
-``--max-store-bytes``       16 GiB      429 ``storage_quota_exceeded`` (``.kvc`` bytes on disk)
-``--max-store-bytes-per-key`` 2 GiB     429 ``storage_quota_exceeded``
-``--max-document-tokens``   positions   400 ``document_too_long``, after tokenizing, before the queue
-``--queue-size``            16          503 ``queue_full`` with ``Retry-After``
-==========================  ==========  =====================================================
+=============================  =========  =============================================================
+limit (flag)                   default    past it
+=============================  =========  =============================================================
+``--max-body-bytes``           8 MiB      413 ``payload_too_large``, while reading, before parsing
+``--max-json-depth``           32         400 ``json_too_deep``, before parsing
+``--max-document-chars``       1,000,000  400 ``text_too_long`` (the document; a chat's messages)
+``--max-tokens``               1024       400 ``invalid_parameter`` (a chat's ``max_tokens``)
+``--max-stop-chars``           256        400 ``invalid_parameter`` (each ``stop`` string; 4 at most)
+``--max-contexts``             10,000     429 ``storage_quota_exceeded`` (all keys together)
+``--max-contexts-per-key``     1,000      429 ``storage_quota_exceeded``
+``--max-store-bytes``          16 GiB     429 ``storage_quota_exceeded`` (``.kvc`` bytes on disk)
+``--max-store-bytes-per-key``  2 GiB      429 ``storage_quota_exceeded``
+``--max-document-tokens``      positions  400 ``document_too_long``, after tokenizing, before the queue
+``--queue-size``               16         503 ``queue_full`` with ``Retry-After``
+=============================  =========  =============================================================
 
 A body past ``--max-body-bytes`` is read to its end and dropped chunk by chunk (memory does not
 grow with it) before the 413 is sent, so a client still sending gets the status rather than a
