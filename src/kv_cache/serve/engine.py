@@ -98,7 +98,8 @@ class Engine:
 
     def _full(self) -> ApiError:
         return ApiError("queue_full", f"the server is busy: {self.queue_size} requests are already waiting; "
-                                      f"retry after {self.retry_after} s", headers={"Retry-After": str(self.retry_after)})
+                                      f"retry after {self.retry_after} s",
+                        headers={"Retry-After": str(self.retry_after)})
 
     def _refuse_if_stopping(self) -> None:
         if self._stopping.is_set():

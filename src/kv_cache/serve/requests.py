@@ -12,9 +12,10 @@ Every bad value is an :class:`~kv_cache.serve.errors.ApiError` (400) naming the 
 allowed and what was received. The server's :class:`~kv_cache.serve.limits.Limits` are checked
 here, before any work: the document's characters and the messages' (``text_too_long``),
 ``max_tokens`` (at most ``--max-tokens``), each ``stop`` string's characters. A plan object that
-names a file is refused here, before it is decoded (:mod:`kv_cache.serve.files`). Fields OpenAI defines that this server does not implement are
-refused when they ask for something (``n`` > 1, penalties, ``logit_bias``, ``logprobs``,
-``tools``); others (``user``, ``metadata``, ...) are ignored.
+names a file is refused here, before it is decoded (:mod:`kv_cache.serve.files`). Fields OpenAI
+defines that this server does not implement are refused when they ask for something (``n`` > 1,
+penalties, ``logit_bias``, ``logprobs``, ``tools``); others (``user``, ``metadata``, ...) are
+ignored.
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ def parse_chat(body: Any, served_model: str, limits: Limits | None = None) -> Ch
         raise bad_param("stream_options", f"stream_options must be {{\"include_usage\": bool}}; got {_shown(opts)}")
     context_id = body.get("context_id")
     if context_id is not None and (not isinstance(context_id, str) or not context_id):
-        raise bad_param("context_id", f"context_id must be the id of a stored context (a string); got {_shown(context_id)}")
+        raise bad_param("context_id", "context_id must be the id of a stored context (a string); "
+                                      f"got {_shown(context_id)}")
     return ChatRequest(model, tuple(messages), SamplingParams(temperature, top_p, seed), max_tokens, stops, stream,
                        bool(opts.get("include_usage", False)), context_id)
 
