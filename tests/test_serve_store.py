@@ -253,3 +253,45 @@ def test_sigterm_while_answering_stops_within_bounded_time(tmp_path):
     statuses = [r for kind, r in results if kind == "wait"]
     assert statuses == [503] * 4, statuses  # queued when the signal came: answered shutting_down
     assert not [p for p in store_dir.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_shutdown_during_a_long_compression_answers_at_once_and_writes_nothing(stories, tmp_path, monkeypatch):
+    """What SIGTERM does (uvicorn's handle_exit: Engine.begin_shutdown, then should_exit) while a
+    compression runs for a long time: its request is answered 503 at once, the server stops in
+    seconds without waiting for the work, and the compression, when it ends, writes nothing."""
+    import kv_cache.serve.service as service_module
+
+    model, tok = stories
+    building, built = threading.Event(), threading.Event()
+    real = CompressedContext.build
+
+    class SlowContext(CompressedContext):
+        @classmethod
+        def build(cls, *a, **kw):
+            building.set()
+            time.sleep(5)  # a large document
+            try:
+                return real(*a, **kw)
+            finally:
+                built.set()
+
+    monkeypatch.setattr(service_module, "CompressedContext", SlowContext)
+    store_dir = tmp_path / "store"
+    with serving(model, tok, store_dir, shutdown_timeout=10) as server:
+        pool = ThreadPoolExecutor(1)
+        pending = pool.submit(httpx.post, server.base_url + "/v1/contexts", headers=AUTH, timeout=60,
+                              json={"document": DOC, "method": "q4d"})
+        assert building.wait(60)
+        t0 = time.monotonic()
+        server.engine.begin_shutdown()  # what the CLI's Server.handle_exit starts on SIGTERM
+        server.should_exit = True
+        r = pending.result(timeout=30)
+        answered = time.monotonic() - t0
+        error(r, 503, "shutting_down")
+        assert answered < 2
+        pool.shutdown()
+        server.thread.join(timeout=30)
+        assert not server.thread.is_alive() and time.monotonic() - t0 < 5  # before the 5 s build ends
+    assert built.wait(30)
+    time.sleep(0.5)
+    assert list(store_dir.iterdir()) == []  # the compression ended after the shutdown: nothing written

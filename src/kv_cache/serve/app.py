@@ -96,9 +96,10 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
         try:
             yield
         finally:  # within about shutdown_timeout: jobs cancelled, a write in progress finished, no new one
-            deadline = time.monotonic() + shutdown_timeout
-            engine.stop(shutdown_timeout)
-            if not service.store.close(max(deadline - time.monotonic(), 1.0)):
+            # the running job was answered and cancelled (a compression stops before its write):
+            # wait briefly for the worker, fully for a write in progress
+            engine.stop(min(shutdown_timeout, 2.0))
+            if not service.store.close(shutdown_timeout):
                 log.error("a context was still being written at shutdown; its temporary file is removed at the "
                           "next start")
             pool.shutdown(wait=False, cancel_futures=True)

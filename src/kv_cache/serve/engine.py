@@ -15,7 +15,8 @@ test) takes the same lock.
 * Requests are admitted (:meth:`Engine.reserve`) before their tokenization, which runs outside the
   model lock: the jobs being prepared count against ``queue_size`` with the queued ones.
 * :meth:`Engine.begin_shutdown` (SIGTERM) refuses new jobs, answers the queued ones
-  ``shutting_down`` (503) and cancels the running one, which stops at its next check (between
+  ``shutting_down`` (503) and the running one too, at once, unless it is writing its result
+  (:meth:`Job.commit`: then it finishes); the running work stops at its next check (between
   tokens; a compression before it writes its file).
 * A job talks to its request through events on an ``asyncio.Queue`` of the server's event loop
   (``("start", None)``, ``("delta", text)``, ``("done", result)``, ``("error", ApiError)``),
@@ -46,12 +47,31 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
         self._why = ApiError("request_timeout", "the request was cancelled")
+        self._state = threading.Lock()
+        self._committing = False
 
     def cancel(self, why: ApiError | None = None) -> None:
         """Stop this job at its next :meth:`check` (which then raises ``why``)."""
         if why is not None and not self._cancelled.is_set():
             self._why = why
         self._cancelled.set()
+
+    def commit(self) -> None:
+        """Called by a job right before it writes its result (a stored context): from then on it
+        is not stopped by a shutdown but finishes. Raises why it was cancelled, if it was."""
+        with self._state:
+            self.check()
+            self._committing = True
+
+    def interrupt(self, why: ApiError) -> bool:
+        """Cancel the job and answer its request ``why`` now, unless it is committing (then it
+        finishes, and False is returned)."""
+        with self._state:
+            if self._committing:
+                return False
+            self.cancel(why)
+        self.emit("error", why)
+        return True
 
     @property
     def cancelled(self) -> bool:
@@ -126,9 +146,9 @@ class Engine:
         self._stopping.set()
         self._drain("the server is shutting down before this request ran")
         running = self._running
-        if running is not None:
-            running.cancel(ApiError("shutting_down", "the server is shutting down; this request was stopped",
-                                    headers={"Retry-After": str(self.retry_after)}))
+        if running is not None:  # answered now; the work stops at its next check, or finishes its write
+            running.interrupt(ApiError("shutting_down", "the server is shutting down; this request was stopped",
+                                       headers={"Retry-After": str(self.retry_after)}))
 
     @property
     def stopping(self) -> bool:

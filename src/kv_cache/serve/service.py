@@ -187,7 +187,7 @@ class Service:
             ctx = CompressedContext.build(self.model, self.tokenizer, prep.kept, quant=prep.quant,
                                           eviction=prep.eviction)
         ctx.document_tokens, ctx.question_suffix = prep.document_tokens, prep.suffix
-        job.check()  # cancelled (the client left, a timeout, a shutdown): keep nothing
+        job.commit()  # cancelled (the client left, a timeout, a shutdown): keep nothing; else finish the write
         st = ctx.stats
         try:
             return self.store.add(ctx, {"model": self.model_id, "method": prep.spec,
