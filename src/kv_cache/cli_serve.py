@@ -99,6 +99,8 @@ def add_parser(sub) -> None:
     lim.add_argument("--request-timeout", type=float, default=120.0,
                      help="seconds per request, queue included; then 504 [120]")
     p.add_argument("--cache-bytes", default="1G", help="bytes of contexts kept loaded in memory, LRU [1G]")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="chats without a stored context decoded together at most; 1: one at a time [8]")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds SIGTERM waits for requests in flight before it stops them [10]")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="[float32]")
@@ -172,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     files = ServedFiles.register(args.plan, args.scorer, args.bit_profile, model_config=model.config)
     app, service, engine = build(model, tok, args.store, model_id=name, api_keys=keys, cache_bytes=cache_bytes,
                                  queue_size=args.queue_size, request_timeout=args.request_timeout, limits=limits,
-                                 files=files, shutdown_timeout=args.shutdown_timeout)
+                                 files=files, shutdown_timeout=args.shutdown_timeout, max_batch=args.max_batch)
 
     class Server(uvicorn.Server):
         """uvicorn's server, which on SIGTERM / SIGINT also stops the model worker's jobs."""

@@ -30,7 +30,7 @@ from .store import ContextStore
 def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key: str | None = None,
           api_keys: Iterable[str] = (), cache_bytes: int = 1 << 30, queue_size: int = 16,
           request_timeout: float = 120.0, max_document_tokens: int | None = None, limits: Limits | None = None,
-          files: ServedFiles | None = None, shutdown_timeout: float = 10.0):
+          files: ServedFiles | None = None, shutdown_timeout: float = 10.0, max_batch: int = 8):
     """``(app, service, engine)`` serving ``model`` with contexts in ``store_dir``.
 
     Parameters
@@ -44,6 +44,8 @@ def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key:
         overrides its field of that name.
     files : ServedFiles, optional
         The plans, scorers and bit profiles requests may name (default: none).
+    max_batch : int, default 8
+        Chats without a stored context decoded together at most (1: one at a time).
     """
     from .app import create_app
 
@@ -59,7 +61,7 @@ def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key:
                          max_bytes=limits.max_store_bytes, max_contexts_per_key=limits.max_contexts_per_key,
                          max_bytes_per_key=limits.max_store_bytes_per_key)
     service = Service(model, tokenizer, store, model_id, limits.max_document_tokens, files or ServedFiles(), limits)
-    engine = Engine(queue_size=queue_size, request_timeout=request_timeout)
+    engine = Engine(queue_size=queue_size, request_timeout=request_timeout, max_batch=max_batch)
     app = create_app(service, engine, api_key=api_key, api_keys=api_keys, shutdown_timeout=shutdown_timeout)
     return app, service, engine
 

@@ -13,7 +13,8 @@ has keys, ``/docs`` and ``/openapi.json`` included; :mod:`kv_cache.serve.auth`):
   lists the key's contexts, ``GET /v1/contexts/{id}`` describes, ``DELETE /v1/contexts/{id}``
   removes one (another key's context answers 404, as a missing one).
 
-``GET /health`` answers ``{"status": "ok"}`` without a key. A POST body is read up to
+Concurrent chats without a stored context are decoded together, up to ``--max-batch`` at once
+(:mod:`kv_cache.serve.batch`). ``GET /health`` answers ``{"status": "ok"}`` without a key. A POST body is read up to
 ``--max-body-bytes`` and its depth checked before it is parsed (:mod:`kv_cache.serve.limits`);
 the request is then checked and tokenized outside the model lock, in a thread of its own, and
 only then queued for the worker. Every error is OpenAI's JSON body with the status of its case
@@ -24,6 +25,7 @@ logged with its traceback and answered 500 with an incident id, and the server k
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
@@ -36,6 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .auth import ApiKeys
+from .batch import chat_batch
 from .engine import Engine, Job, internal_error
 from .errors import ApiError, redact
 from .limits import parse_json, read_body
@@ -192,7 +195,10 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
                 raise _store_error(exc, req.context_id[:64], "context_id") from None
         with engine.reserve():
             prep = await prepare(service.prepare_chat, req, owner)
-            job = engine.submit(lambda j: service.chat(prep, j), asyncio.get_running_loop())
+            # chats without a context may run together with others waiting (kv_cache.serve.batch)
+            batch = {} if req.context_id is not None else {"batch_key": "plain", "item": prep,
+                                                           "batch_fn": functools.partial(chat_batch, service)}
+            job = engine.submit(lambda j: service.chat(prep, j), asyncio.get_running_loop(), **batch)
         cid, now = "chatcmpl-" + secrets.token_hex(12), int(time.time())
         if not req.stream:
             result = await _result(job)

@@ -40,10 +40,16 @@ log = logging.getLogger(__name__)
 
 
 class Job:
-    """One request's work: ``fn(job)`` runs on the worker thread and returns the result."""
+    """One request's work: ``fn(job)`` runs on the worker thread and returns the result.
 
-    def __init__(self, fn: Callable[["Job"], Any], deadline: float, loop: asyncio.AbstractEventLoop | None):
+    A job with a ``batch_key`` may instead run together with other queued jobs of the same key:
+    ``batch_fn(jobs)`` then answers each of them (its results emitted on each job's events);
+    ``item`` is what ``batch_fn`` reads from each job."""
+
+    def __init__(self, fn: Callable[["Job"], Any], deadline: float, loop: asyncio.AbstractEventLoop | None,
+                 batch_key: Any = None, batch_fn: Callable[[list["Job"]], None] | None = None, item: Any = None):
         self.fn, self.deadline, self.loop = fn, deadline, loop
+        self.batch_key, self.batch_fn, self.item = batch_key, batch_fn, item
         self.events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
         self._why = ApiError("request_timeout", "the request was cancelled")
@@ -99,21 +105,43 @@ class Job:
             self.cancel()
 
 
-class Engine:
-    """The single model worker (see the module docstring)."""
+class _JobQueue(queue.Queue):
+    """A bounded FIFO of jobs from which the worker can also take the queued jobs of one batch key."""
 
-    def __init__(self, *, queue_size: int = 16, request_timeout: float = 120.0, retry_after: int = 1):
+    def take_matching(self, key: Any, n: int) -> list[Job]:
+        """Remove and return up to ``n`` queued jobs whose ``batch_key`` is ``key``, oldest first."""
+        with self.mutex:
+            found = [j for j in self.queue if j is not None and j.batch_key == key and not j.cancelled][:n]
+            for j in found:
+                self.queue.remove(j)
+            if found:
+                self.not_full.notify(len(found))
+        return found
+
+
+class Engine:
+    """The single model worker (see the module docstring).
+
+    ``max_batch``: at most this many queued jobs of one batch key run together (1: one at a time)."""
+
+    def __init__(self, *, queue_size: int = 16, request_timeout: float = 120.0, retry_after: int = 1,
+                 max_batch: int = 8):
         if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
             raise ValueError(f"queue_size must be an int >= 1; got {queue_size!r}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1; got {max_batch!r}")
+        self.max_batch = max_batch
+        self.batch_sizes: list[int] = []  # the size of each batch run (more than one job), in order
         if not isinstance(request_timeout, (int, float)) or not request_timeout > 0:
             raise ValueError(f"request_timeout must be a number of seconds > 0; got {request_timeout!r}")
         self.queue_size, self.request_timeout, self.retry_after = queue_size, float(request_timeout), retry_after
         self.model_lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._queue: _JobQueue = _JobQueue(maxsize=queue_size)
         self._thread: threading.Thread | None = None
         self._admit_lock = threading.Lock()
         self._preparing = 0
         self._running: Job | None = None
+        self._batch: list[Job] = []
         self._stopping = threading.Event()
 
     def _full(self) -> ApiError:
@@ -145,10 +173,10 @@ class Engine:
         """Stop taking jobs; answer the queued ones ``shutting_down``; cancel the running one."""
         self._stopping.set()
         self._drain("the server is shutting down before this request ran")
-        running = self._running
-        if running is not None:  # answered now; the work stops at its next check, or finishes its write
-            running.interrupt(ApiError("shutting_down", "the server is shutting down; this request was stopped",
-                                       headers={"Retry-After": str(self.retry_after)}))
+        running = [*self._batch] or ([self._running] if self._running is not None else [])
+        for job in running:  # answered now; the work stops at its next check, or finishes its write
+            job.interrupt(ApiError("shutting_down", "the server is shutting down; this request was stopped",
+                                   headers={"Retry-After": str(self.retry_after)}))
 
     @property
     def stopping(self) -> bool:
@@ -183,10 +211,12 @@ class Engine:
         self._thread = None
         return ended
 
-    def submit(self, fn: Callable[[Job], Any], loop: asyncio.AbstractEventLoop | None = None) -> Job:
-        """Queue ``fn``; :class:`ApiError` ``queue_full`` when ``queue_size`` jobs already wait."""
+    def submit(self, fn: Callable[[Job], Any], loop: asyncio.AbstractEventLoop | None = None, *,
+               batch_key: Any = None, batch_fn: Callable[[list[Job]], None] | None = None, item: Any = None) -> Job:
+        """Queue ``fn``; :class:`ApiError` ``queue_full`` when ``queue_size`` jobs already wait.
+        ``batch_key`` / ``batch_fn`` / ``item``: see :class:`Job`."""
         self._refuse_if_stopping()
-        job = Job(fn, time.monotonic() + self.request_timeout, loop)
+        job = Job(fn, time.monotonic() + self.request_timeout, loop, batch_key, batch_fn, item)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -212,6 +242,12 @@ class Engine:
                 job.emit("error", ApiError("request_timeout", "the request waited in the queue past the server's "
                                                               "per-request timeout (kvcache serve --request-timeout)"))
                 continue
+            mates = []
+            if job.batch_key is not None and job.batch_fn is not None and self.max_batch > 1:
+                mates = self._queue.take_matching(job.batch_key, self.max_batch - 1)
+            if mates:
+                self._run_batch([job, *mates])
+                continue
             with self.model_lock:
                 self._running = job
                 try:
@@ -223,6 +259,35 @@ class Engine:
                     job.emit("error", internal_error())
                 finally:
                     self._running = None
+
+    def _run_batch(self, jobs: list[Job]) -> None:
+        """Run ``jobs`` (one batch key) together: ``jobs[0].batch_fn(jobs)`` answers each one."""
+        live = []
+        for j in jobs:
+            if j.expired():
+                j.emit("error", ApiError("request_timeout", "the request waited in the queue past the server's "
+                                                            "per-request timeout (kvcache serve --request-timeout)"))
+            elif not j.cancelled:
+                live.append(j)
+        if not live:
+            return
+        self.batch_sizes.append(len(live))
+        with self.model_lock:
+            self._running = live[0]
+            self._batch = live
+            try:
+                live[0].batch_fn(live)
+            except ApiError as exc:
+                _batch_error(live, exc)
+            except Exception:  # logged with its traceback; the server keeps serving
+                _batch_error(live, internal_error())
+            finally:
+                self._running, self._batch = None, []
+
+
+def _batch_error(jobs: list[Job], exc: ApiError) -> None:
+    for j in jobs:
+        j.emit("error", exc)
 
 
 def internal_error() -> ApiError:
