@@ -3,9 +3,10 @@
 ``kvcache serve --model stories260K --store contexts/ --port 8000 --api-key K`` loads the model
 once and serves ``/v1/models``, ``/v1/chat/completions`` (streaming or not) and ``/v1/contexts``
 (compress a document once, ask it with ``context_id``). Contexts are ``.kvc`` files in
-``--store`` and survive a restart; each API key has its own. Requests run one at a time on one
-model worker; at most ``--queue-size`` wait (then 503 with ``Retry-After``), each at most
-``--request-timeout`` seconds (then 504). Every input is bounded (the --max-* flags). Requests
+``--store`` and survive a restart; each API key has its own. Requests run on one model worker
+(concurrent chats without a stored context decoded together, up to ``--max-batch``); at most
+``--queue-size`` wait (then 503 with ``Retry-After``), each at most ``--request-timeout`` seconds
+(then 504). Every input is bounded (the --max-* flags). Requests
 never name files: plans, scorers and bit profiles are registered here by name (--plan,
 --scorer, --bit-profile). SIGTERM stops it within --shutdown-timeout seconds, leaving no
 partial file. Needs ``pip install kv_cache[serve]``.

@@ -6,7 +6,8 @@
 * :mod:`.store`: the ``.kvc`` files (atomic writes) and the in-memory LRU capped in bytes;
 * :mod:`.requests`: the request bodies, checked; :mod:`.errors`: OpenAI-style errors;
 * :mod:`.limits`: the bound of every input; :mod:`.auth`: API keys and their tenants;
-* :mod:`.files`: the files a request may name (registered by the operator, by name).
+* :mod:`.files`: the files a request may name (registered by the operator, by name);
+* :mod:`.batch`: concurrent chats without a stored context decoded together.
 
 :func:`build` puts them together for a loaded model; ``kvcache serve`` (:mod:`kv_cache.cli_serve`)
 runs it with uvicorn.

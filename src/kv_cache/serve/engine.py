@@ -12,6 +12,9 @@ test) takes the same lock.
   queued at its deadline is dropped; a running one checks it between tokens and stops with
   ``request_timeout`` (504). A job whose client went away (:meth:`Job.cancel`) is dropped or
   stopped the same way.
+* A job with a ``batch_key`` (a chat without a stored context) takes with it the queued jobs of
+  the same key, up to ``max_batch`` in all, and they run as one batch (``batch_fn``;
+  :mod:`kv_cache.serve.batch`).
 * Requests are admitted (:meth:`Engine.reserve`) before their tokenization, which runs outside the
   model lock: the jobs being prepared count against ``queue_size`` with the queued ones.
 * :meth:`Engine.begin_shutdown` (SIGTERM) refuses new jobs, answers the queued ones
