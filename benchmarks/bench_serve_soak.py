@@ -233,12 +233,13 @@ def run(args: argparse.Namespace) -> dict:
             "unexpected": bad, "peak_rss_mib": peak["rss"], "vm_hwm_mib": mem.get("VmHWM"),
             "shutdown_s": shutdown_s, "exit": rc, "stored": len(listed), "verified": verified,
             "verify_failures": failed, "temp_files_left": leftovers,
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
             "ok": not bad and not failed and not leftovers}
 
 
 def table(r: dict) -> str:
     lines = [f"# kvcache serve soak: {r['clients']} clients x {r['seconds']} s, {r['model']}, 4 keys, hostile "
-             "requests mixed in", "",
+             f"requests mixed in, OMP_NUM_THREADS={r.get('omp_num_threads', 'unset')}", "",
              f"{r['requests']:,} requests in {r['wall_s']:.1f} s ({r['requests_per_s']:.1f}/s); "
              f"unexpected answers (5xx other than 503/504, hostile requests not 4xx): **{len(r['unexpected'])}**; "
              f"peak RSS {r['peak_rss_mib']:.0f} MiB (VmHWM {r['vm_hwm_mib'] or 0:.0f} MiB); SIGTERM to exit "
