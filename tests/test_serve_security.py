@@ -143,6 +143,7 @@ def test_registered_files_are_asked_by_name(http, client_factory):
     assert desc["method"].startswith("plan[half] (") and desc["ratio"] > 1
     mixed = create(http, method="q4p[mixed]+kvzip@0.5")
     assert mixed["method"] == "q4p[mixed]+kvzip@0.5"  # the name, never the file
+    assert mixed["bytes"] < create(http, method="q4+kvzip@0.5")["bytes"]  # the profile's 2-bit values
     assert ask(client_factory(KEY), mixed["id"]).choices[0].message.content
     err = error(http.post("/v1/contexts", json={"document": DOC, "method": "plan[other]"}), 400, "invalid_method")
     assert "['half']" in err["message"] and "--plan NAME=PATH" in err["message"]
@@ -150,16 +151,34 @@ def test_registered_files_are_asked_by_name(http, client_factory):
 
 
 def test_served_files_resolve_names_only():
-    files = ServedFiles(scorers={"s1": "/srv/s1.safetensors"}, bit_profiles={"b": "/srv/b.json"})
-    assert files.resolve_spec("kvzap@0.25[s1]") == ("kvzap@0.25[/srv/s1.safetensors]", None)
-    assert files.resolve_spec("q4p[b]+kvzap@0.5[s1]")[0] == "q4p[/srv/b.json]+kvzap@0.5[/srv/s1.safetensors]"
-    assert files.resolve_spec("q4+kvzip@0.3") == ("q4+kvzip@0.3", None)
-    for bad in ("kvzap@0.25[b]", "q4p[s1]", "kvzap@0.25[/srv/s1.safetensors]", "plan[s1]", "q4p[b"):
+    widths = {0: (4, 2), 1: (2, 2)}
+    files = ServedFiles(scorers={"s1": "/srv/s1.safetensors"}, bit_profiles={"b": widths})
+    assert files.resolve_spec("kvzap@0.25[s1]") == ("kvzap@0.25[/srv/s1.safetensors]", None, {})
+    assert files.resolve_spec("q4p[b]+kvzap@0.5[s1]") == ("q4+kvzap@0.5[/srv/s1.safetensors]", None,
+                                                          {"layer_bits": widths})
+    assert files.resolve_spec("q4o2u[b]+kvzip@0.5") == ("q4o2+kvzip@0.5", None, {"evicted_layer_bits": widths})
+    assert files.resolve_spec("q4+kvzip@0.3") == ("q4+kvzip@0.3", None, {})
+    for bad in ("kvzap@0.25[b]", "q4p[s1]", "kvzap@0.25[/srv/s1.safetensors]", "plan[s1]", "q4p[b", "q4g[b]"):
         with pytest.raises(ApiError) as exc:
             files.resolve_spec(bad)
         assert exc.value.code == "invalid_method"
     with pytest.raises(ValueError, match="a name is letters"):
         ServedFiles.register(plans=["../x=/etc/passwd"])
+
+
+def test_a_bit_profile_in_a_folder_with_capitals_and_spaces(stories, tmp_path):
+    """Its path never goes through the (lower-casing) spec parser: loaded at start-up."""
+    from kv_cache.plan.bit_allocation import save_bit_profile
+
+    model, tok = stories
+    path = save_bit_profile(tmp_path / "My Profiles" / "Mixed.json",
+                            {i: (4, 2) for i in range(model.config.num_hidden_layers)}, {"model": MODEL})
+    files = ServedFiles.register(bit_profiles=[f"mixed={path}"])
+    with serving(model, tok, tmp_path / "store", files=files) as server:
+        with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60) as h:
+            desc = create(h, method="q4p[mixed]")
+            plain = create(h, method="q4")
+    assert desc["method"] == "q4p[mixed]" and desc["bytes"] < plain["bytes"]  # values at 2 bits
 
 
 # ------------------------------------------------------------------------------ errors leak nothing

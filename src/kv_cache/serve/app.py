@@ -158,7 +158,7 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
         owner = request.state.owner
         req = parse_context(await body(request), limits)
         if req.method is not None:  # a spec naming a file: 400 even when the queue is full
-            service.files.resolve_spec(req.method)
+            service.files.resolve_spec(req.method)  # the result is used in the tokenizer thread
         with engine.reserve():
             prep = await prepare(service.prepare_compress, req, owner)
             job = engine.submit(lambda j: service.compress(prep, j), asyncio.get_running_loop())

@@ -5,7 +5,8 @@ A request is data, never a path. Over HTTP, a method is
 * a method spec without file references (``q4+kvzip@0.3``, ``kvzap@0.25``: the scorer shipped
   with the package for the model), or one whose file references are *names* the operator
   registered at start-up: ``plan[NAME]`` (``--plan NAME=PATH``), ``kvzap@0.25[NAME]``
-  (``--scorer NAME=PATH``), ``q4p[NAME]`` / ``...u[NAME]`` (``--bit-profile NAME=PATH``);
+  (``--scorer NAME=PATH``), ``q4p[NAME]`` / ``...u[NAME]`` (``--bit-profile NAME=PATH``, loaded
+  at start-up: its widths are set on the quantization, its path never reaches the parser);
 * a preset (``"8x"``);
 * a plan as a JSON object that names no file (``layout.rotation_path`` and the policy's
   ``scorer`` null: a plan with a calibrated rotation or its own scorer is registered with
@@ -61,7 +62,7 @@ class ServedFiles:
 
     plans: Mapping[str, Any] = field(default_factory=dict)  # name -> kv_cache.plan.CachePlan
     scorers: Mapping[str, str] = field(default_factory=dict)  # name -> path
-    bit_profiles: Mapping[str, str] = field(default_factory=dict)  # name -> path
+    bit_profiles: Mapping[str, Any] = field(default_factory=dict)  # name -> {layer: (key_bits, value_bits)}
     paths: tuple[str, ...] = ()  # every registered file (absolute), for kv_cache.serve.errors.redact
 
     @classmethod
@@ -91,9 +92,8 @@ class ServedFiles:
                 elif kind == "scorer":
                     read_header(path)
                     out[kind][name] = str(Path(path).resolve())
-                else:
-                    load_bit_profile(path)
-                    out[kind][name] = str(Path(path).resolve())
+                else:  # loaded now: a request's spec never carries its path into the parser
+                    out[kind][name] = load_bit_profile(path)
                 paths.append(str(Path(path).resolve()))
         return cls(out["plan"], out["scorer"], out["bit_profile"], tuple(paths))
 
@@ -107,17 +107,21 @@ class ServedFiles:
                                           f"files, only {kind.replace('_', ' ')}s the operator registered by name "
                                           f"({KINDS[kind]} NAME=PATH); registered: {names}", param="method")
 
-    def resolve_spec(self, spec: str) -> tuple[str, Any]:
-        """``(spec for the parser, plan)`` of a request's method spec: registered names replaced
-        by their files (``plan`` is the registered :class:`~kv_cache.plan.CachePlan` of
-        ``plan[NAME]``, else None). :class:`ApiError` ``invalid_method`` for a spec that names
-        anything else inside brackets; nothing is read from the filesystem here."""
+    def resolve_spec(self, spec: str) -> tuple[str, Any, dict[str, Any]]:
+        """``(spec for the parser, plan, quant overrides)`` of a request's method spec, by the
+        registered names it holds: ``plan`` is the registered :class:`~kv_cache.plan.CachePlan`
+        of ``plan[NAME]`` (else None); a scorer's name becomes its file; a bit profile's
+        ``p[NAME]`` / ``u[NAME]`` is taken out of the spec and returned as the
+        ``layer_bits`` / ``evicted_layer_bits`` override of its :class:`~kv_cache.QuantConfig`.
+        :class:`ApiError` ``invalid_method`` for a spec that names anything else inside
+        brackets; nothing is read from the filesystem here."""
         whole = re.fullmatch(r"\s*plan\[([^\[\]]*)\]\s*", spec, flags=re.IGNORECASE)
         if whole:
             name = whole[1]
             if NAME_RE.match(name) and name in self.plans:
-                return spec, self.plans[name]
+                return spec, self.plans[name], {}
             raise self._refuse(spec, whole[0].strip(), "plan")
+        overrides: dict[str, Any] = {}
 
         def substitute(m: re.Match[str]) -> str:
             start = max(spec.rfind("+", 0, m.start()), spec.rfind(",", 0, m.start())) + 1
@@ -127,14 +131,21 @@ class ServedFiles:
             name = m[1]
             if kind == "plan" or not NAME_RE.match(name) or name not in table:
                 raise self._refuse(spec, m[0], kind)
-            return f"[{table[name]}]"
+            if kind == "scorer":
+                return f"[{table[name]}]"
+            letter = head[-1:]  # p: the widths per layer; u: the evicted tier's
+            if letter not in ("p", "u"):
+                raise self._refuse(spec, m[0], kind)
+            overrides["layer_bits" if letter == "p" else "evicted_layer_bits"] = table[name]
+            return "\x00"  # the letter and its bracket are taken out below
 
         resolved = _GROUP.sub(substitute, spec)
+        resolved = re.sub(r"[pPuU]\x00", "", resolved)
         leftover = _GROUP.sub("", resolved)
-        if "[" in leftover or "]" in leftover:
+        if "[" in leftover or "]" in leftover or "\x00" in resolved:
             raise ApiError("invalid_method", f"method {spec!r}: unbalanced brackets (a bracket holds the name of a "
                                              "registered file)", param="method")
-        return resolved, None
+        return resolved, None, overrides
 
     @staticmethod
     def check_plan_object(doc: Any) -> None:

@@ -24,6 +24,7 @@ tokens plus the rendered messages (``prompt_tokens_details.cached_tokens``: the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -133,11 +134,16 @@ class Service:
                 plan = CachePlan.from_json(json.dumps(req.plan), "plan")
                 plan.check_model(self.model.config)
                 return None, plan.eviction(), plan, f"plan {plan.name} ({plan.fingerprint})"
-            spec, plan = self.files.resolve_spec(req.method)  # registered names only: no path is read
+            spec, plan, overrides = self.files.resolve_spec(req.method)  # registered names only: no path is read
             if plan is not None:
                 plan.check_model(self.model.config)
                 return None, plan.eviction(), plan, f"{req.method} ({plan.fingerprint})"
             quant, eviction, _ = method_settings(spec, None, self.model)
+            if overrides:  # a registered bit profile: its widths, loaded at start-up
+                if quant is None:
+                    raise ValueError(f"method {req.method!r}: a bit profile p[NAME] / u[NAME] needs a quantization "
+                                     "part (e.g. q4p[NAME])")
+                quant = dataclasses.replace(quant, **overrides)
             return quant, eviction, None, req.method  # as the client gave it: names, never the files
         except ApiError:
             raise
