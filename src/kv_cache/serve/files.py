@@ -91,7 +91,11 @@ class ServedFiles:
                     out[kind][name] = plan
                 elif kind == "scorer":
                     read_header(path)
-                    out[kind][name] = str(Path(path).resolve())
+                    full = str(Path(path).resolve())
+                    if any(c in full for c in "+[],"):  # it goes into a spec: kvzap@<budget>[<path>]
+                        raise ValueError(f"--scorer {name}={path}: the file's path may not hold '+', ',', '[' or "
+                                         "']' (move or link the file)")
+                    out[kind][name] = full
                 else:  # loaded now: a request's spec never carries its path into the parser
                     out[kind][name] = load_bit_profile(path)
                 paths.append(str(Path(path).resolve()))
