@@ -27,7 +27,7 @@ VICTIM = "victim-key"
 VICTIM_AUTH = {"Authorization": f"Bearer {VICTIM}"}
 LIMITS = Limits(max_body_bytes=32 << 10, max_json_depth=8, max_document_chars=2_000, max_tokens=8,
                 max_stop_chars=8, max_contexts_per_key=4)
-SPECS = ["q4d", "full", "kvzip@0.5", "q2+snapkv@0.5", "4x", "plan[/etc/hostname]", "kvzap@0.25[/etc/passwd]",
+SPECS = ["q4d", "full", "kvzip@0.5", "kvzap@0.25", "q4+kvzap@t-6", "q2+snapkv@0.5", "4x", "plan[/etc/hostname]", "kvzap@0.25[/etc/passwd]",
          "q4p[/etc/os-release]", "plan[x]", "q4+q4", "hf-quanto-int4", "kvpress-snapkv@0.5", "h2o@-1", "q99",
          "snapkv@0.5:nope", "../../etc/passwd", "[", "]", "q4p[", "kvzap@t-1e999"]
 EXAMPLES = 80

@@ -32,7 +32,8 @@ SMALL = Limits(max_body_bytes=64 << 10, max_json_depth=16, max_document_chars=5_
                max_stop_chars=8, max_contexts=4, max_contexts_per_key=3)
 HOSTILE_SPECS = ["plan[/etc/hostname]", "plan[/nope/x.json]", "kvzap@0.25[/etc/passwd]", "q4p[/etc/os-release]",
                  "q4+kvzap@0.25[../../x]", "q4u[/etc/hosts]+kvzip@0.5", "plan[plan.json]", "PLAN[/ETC/HOSTNAME]",
-                 "q4+kvzip@0.5[/etc/passwd]", "plan[/etc/hostname", "kvzap@0.25[/etc/passwd]]"]
+                 "q4+kvzip@0.5[/etc/passwd]", "plan[/etc/hostname", "kvzap@0.25[/etc/passwd]]",
+                 "kvzap@0.25", "q4+kvzap@t-6"]  # no scorer is shipped for stories260K: a 400 before the queue
 
 
 @pytest.fixture(scope="module")

@@ -182,16 +182,26 @@ class Service:
                            ) from None
         if req.preset is not None and len(kept) < len(ids):  # a preset is sized for what is compressed
             quant, eviction, plan, spec = self.settings(req, len(kept))
+        if hasattr(eviction, "bind") and hasattr(eviction, "scorer"):  # KVzap: its scorer exists and fits the model
+            try:
+                eviction.bind(self.model)
+            except (ValueError, FileNotFoundError, RuntimeError) as exc:
+                raise ApiError("invalid_method", str(exc), param="method" if req.method else "plan") from None
         return PreparedContext(req, owner, len(ids), kept, suffix, quant, eviction, plan, spec)
 
     def compress(self, prep: PreparedContext, job: Job) -> dict[str, Any]:
         """Compress and store a prepared document (on the worker, under the model lock)."""
         job.check()
-        if prep.plan is not None:
-            ctx = CompressedContext.build(self.model, self.tokenizer, prep.kept, plan=prep.plan)
-        else:
-            ctx = CompressedContext.build(self.model, self.tokenizer, prep.kept, quant=prep.quant,
-                                          eviction=prep.eviction)
+        try:
+            if prep.plan is not None:
+                ctx = CompressedContext.build(self.model, self.tokenizer, prep.kept, plan=prep.plan)
+            else:
+                ctx = CompressedContext.build(self.model, self.tokenizer, prep.kept, quant=prep.quant,
+                                              eviction=prep.eviction)
+        except ValueError as exc:  # settings this model cannot take that only the prefill finds: the request's
+            log.warning("compression refused: %s", exc, exc_info=True)
+            raise ApiError("invalid_method", f"this method cannot compress this document on this model: {exc}",
+                           param="method" if prep.req.method else "plan" if prep.req.plan else "preset") from None
         ctx.document_tokens, ctx.question_suffix = prep.document_tokens, prep.suffix
         job.commit()  # cancelled (the client left, a timeout, a shutdown): keep nothing; else finish the write
         st = ctx.stats
