@@ -126,6 +126,22 @@ def test_generated_chat_bodies_never_5xx(world, data):
         assert r.status_code in (400, 404), r.text  # another key's context: never answered from
 
 
+spec_strings = st.from_regex(r"q[0-9]{1,2}d?(g[0-9]{1,3})?(r[0-9]{1,3})?(s[0-9]{1,2})?(k[0-9])?(v[0-9])?h?t?(c[0-9]{1,3})?"
+                             r"l?(o[0-9])?(\+(h2o|snapkv|kvzip|streaming|kvzap|tova)@(t-?)?[0-9]{1,3}(\.[0-9]{1,2})?"
+                             r"(w[0-9]{1,3})?(e[0-9]{1,2})?(:(layer|head|model|nope))?)?", fullmatch=True)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=spec_strings)
+def test_generated_method_specs_never_5xx(world, spec):
+    """Specs from the grammar's letters with any numbers: compressed (201) or refused (400 / 429)."""
+    server, attacker, *_ = world
+    r = _send(attacker, "/v1/contexts", {"document": DOC, "method": spec})
+    assert r.status_code in (201, 400, 429), r.text
+    if r.status_code == 201:
+        attacker.delete(f"/v1/contexts/{r.json()['id']}")
+
+
 def test_the_victims_context_is_unchanged(world):
     """Runs after the generated requests (same module, in order)."""
     server, attacker, victim, listed, path, digest = world
@@ -210,3 +226,4 @@ def test_header_valid_files_with_wrong_types_are_corrupted_never_fatal(stories, 
             assert r.status_code == 200, r.text
             for cid in bad:  # deletable, whatever they hold
                 assert h.delete(f"/v1/contexts/{cid}").status_code in (200, 404)
+
