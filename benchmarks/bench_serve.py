@@ -211,7 +211,8 @@ def batching_table(rows: list[dict], args: argparse.Namespace) -> str:
         lines.append(f"| {r['config']} | {r['answers_per_s']:.2f} | {r['tokens_per_s']:.1f} | {r['ttft_p50']:.2f} / "
                      f"{r['ttft_p95']:.2f} | {r['latency_p50']:.2f} / {r['latency_p95']:.2f} | "
                      f"{r['peak_rss_mib']:.0f} |")
-    lines += ["", f"answers/s ratio (batched / one at a time): **{many['answers_per_s'] / one['answers_per_s']:.2f}x**; "
+    ratio = many["answers_per_s"] / one["answers_per_s"]
+    lines += ["", f"answers/s ratio (batched / one at a time): **{ratio:.2f}x**; "
               f"TTFT p50 ratio: {many['ttft_p50'] / one['ttft_p50']:.2f}x; greedy answers identical: **{same}**."]
     return "\n".join(lines) + "\n"
 

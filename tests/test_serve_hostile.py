@@ -27,7 +27,8 @@ VICTIM = "victim-key"
 VICTIM_AUTH = {"Authorization": f"Bearer {VICTIM}"}
 LIMITS = Limits(max_body_bytes=32 << 10, max_json_depth=8, max_document_chars=2_000, max_tokens=8,
                 max_stop_chars=8, max_contexts_per_key=4)
-SPECS = ["q4d", "full", "kvzip@0.5", "kvzap@0.25", "q4+kvzap@t-6", "q2+snapkv@0.5", "4x", "plan[/etc/hostname]", "kvzap@0.25[/etc/passwd]",
+SPECS = ["q4d", "full", "kvzip@0.5", "kvzap@0.25", "q4+kvzap@t-6", "q2+snapkv@0.5", "4x", "plan[/etc/hostname]",
+         "kvzap@0.25[/etc/passwd]",
          "q4p[/etc/os-release]", "plan[x]", "q4+q4", "hf-quanto-int4", "kvpress-snapkv@0.5", "h2o@-1", "q99",
          "snapkv@0.5:nope", "../../etc/passwd", "[", "]", "q4p[", "kvzap@t-1e999"]
 EXAMPLES = 80
@@ -126,8 +127,8 @@ def test_generated_chat_bodies_never_5xx(world, data):
         assert r.status_code in (400, 404), r.text  # another key's context: never answered from
 
 
-spec_strings = st.from_regex(r"q[0-9]{1,2}d?(g[0-9]{1,3})?(r[0-9]{1,3})?(s[0-9]{1,2})?(k[0-9])?(v[0-9])?h?t?(c[0-9]{1,3})?"
-                             r"l?(o[0-9])?(\+(h2o|snapkv|kvzip|streaming|kvzap|tova)@(t-?)?[0-9]{1,3}(\.[0-9]{1,2})?"
+spec_strings = st.from_regex(r"q[0-9]{1,2}d?(g[0-9]{1,3})?(r[0-9]{1,3})?(s[0-9]{1,2})?(k[0-9])?(v[0-9])?h?t?"
+                             r"(c[0-9]{1,3})?l?(o[0-9])?(\+(h2o|snapkv|kvzip|streaming|kvzap|tova)@(t-?)?[0-9]{1,3}(\.[0-9]{1,2})?"
                              r"(w[0-9]{1,3})?(e[0-9]{1,2})?(:(layer|head|model|nope))?)?", fullmatch=True)
 
 
