@@ -434,3 +434,16 @@ def test_refusals_come_before_the_queue(srv, http, http2):
     while srv.engine.waiting and time.monotonic() < deadline:
         time.sleep(0.01)
     _clean(http)
+
+
+@pytest.mark.parametrize("patch", [{"layers": [5]}, {"layers": [{}]}, {"layers": "x"}, {"policy": [1]},
+                                   {"policy": {"class": "KVzip", "fields": [1]}}, {"layout": {"bits": "four"}},
+                                   {"layout": {"nope": 1}}, {"model": 3}])
+def test_malformed_plan_objects_400_without_exception_names(http, stories, patch):
+    from kv_cache import KVzip, QuantConfig
+    from kv_cache.plan import CachePlan
+
+    model, _ = stories
+    doc = {**json.loads(CachePlan.uniform(model.config, QuantConfig(bits=4), KVzip(budget=0.5)).to_json()), **patch}
+    err = error(http.post("/v1/contexts", json={"document": DOC, "plan": doc}), 400, "invalid_method")
+    assert err["param"] == "plan" and "Error" not in err["message"] and "Traceback" not in err["message"], err
