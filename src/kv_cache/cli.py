@@ -14,6 +14,7 @@ plan       a cache plan from a byte target (kvcache plan --ratio 8 -o plan.json)
 compress   compress a document once into a file (kvcache compress doc.txt -o doc.kvc --method kvzip@0.3)
 ask        answer questions from that file (kvcache ask doc.kvc "question" ...)
 serve      an OpenAI-compatible server over compressed contexts (pip install kv_cache[serve])
+contexts   the operator's tool over a server's store: list (with owners), assign to a key, delete
 """
 
 from __future__ import annotations
@@ -215,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()  # the CLI owns the terminal; library code never does this
         if args.command == "bill":
             return _run_bill(args)
-        if args.command in ("calibrate", "calibrate-scorer", "allocate", "plan", "compress", "ask", "serve"):
+        if args.command in ("calibrate", "calibrate-scorer", "allocate", "plan", "compress", "ask", "serve",
+                            "contexts"):
             return args._run(args)
         return _run_eval(args)
     except (ValueError, PermissionError, FileNotFoundError) as exc:
