@@ -131,3 +131,27 @@ def test_padded_batch_is_checked_per_row(stories):
         warnings.simplefilter("error", FidelityWarning)
         kv_cache.prefill(model, cache, enc.input_ids, attention_mask=enc.attention_mask)
     assert cache.memory_report().max_attention_error < 0.05
+
+
+def test_serve_strict_refuses_a_wrecking_method(stories, tmp_path):
+    """``kvcache serve --strict``: a method that fails the fidelity check is a 400 and stores nothing;
+    without it the context is stored (and the server logs the warning)."""
+    import contextlib
+
+    import httpx
+    from serve_support import AUTH, create, error, serving
+
+    model, tok = stories
+    with contextlib.ExitStack() as stack:
+        strict = stack.enter_context(serving(model, tok, tmp_path / "s", strict=True))
+        lenient = stack.enter_context(serving(model, tok, tmp_path / "l"))
+        with httpx.Client(base_url=strict.base_url, headers=AUTH, timeout=120) as http:
+            err = error(http.post("/v1/contexts", json={"document": "Once upon a time there was a cat. " * 12,
+                                                        "method": "q2dtn"}), 400, "invalid_method")
+            assert "wrecks the attention" in err["message"] and "strict=False" in err["message"]
+            assert http.get("/v1/contexts").json()["data"] == []
+            assert create(http, document="Once upon a time there was a cat. " * 12, method="q8")["id"]
+        with httpx.Client(base_url=lenient.base_url, headers=AUTH, timeout=120) as http, \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore", FidelityWarning)
+            assert create(http, document="Once upon a time there was a cat. " * 12, method="q2dtn")["id"]

@@ -71,6 +71,9 @@ def add_parser(sub) -> None:
     g.add_argument("--api-keys-file", default=None, metavar="FILE",
                    help="keys, one a line (blank lines and # comments skipped)")
     g.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without any key")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse (400, nothing stored) a context whose compressed cache fails the fidelity check "
+                        "(math dictionary §26) instead of storing it with a warning")
     f = p.add_argument_group("files requests may name (by NAME; requests never name paths)")
     f.add_argument("--plan", action="append", default=[], metavar="NAME=PATH", help="a plan file: method 'plan[NAME]'")
     f.add_argument("--scorer", action="append", default=[], metavar="[NAME=]PATH",
@@ -175,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
     files = ServedFiles.register(args.plan, args.scorer, args.bit_profile, model_config=model.config)
     app, service, engine = build(model, tok, args.store, model_id=name, api_keys=keys, cache_bytes=cache_bytes,
                                  queue_size=args.queue_size, request_timeout=args.request_timeout, limits=limits,
-                                 files=files, shutdown_timeout=args.shutdown_timeout, max_batch=args.max_batch)
+                                 files=files, shutdown_timeout=args.shutdown_timeout, max_batch=args.max_batch,
+                                 strict=args.strict)
 
     class Server(uvicorn.Server):
         """uvicorn's server, which on SIGTERM / SIGINT also stops the model worker's jobs."""

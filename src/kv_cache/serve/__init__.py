@@ -31,7 +31,8 @@ from .store import ContextStore
 def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key: str | None = None,
           api_keys: Iterable[str] = (), cache_bytes: int = 1 << 30, queue_size: int = 16,
           request_timeout: float = 120.0, max_document_tokens: int | None = None, limits: Limits | None = None,
-          files: ServedFiles | None = None, shutdown_timeout: float = 10.0, max_batch: int = 8):
+          files: ServedFiles | None = None, shutdown_timeout: float = 10.0, max_batch: int = 8,
+          strict: bool = False):
     """``(app, service, engine)`` serving ``model`` with contexts in ``store_dir``.
 
     Parameters
@@ -47,6 +48,9 @@ def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key:
         The plans, scorers and bit profiles requests may name (default: none).
     max_batch : int, default 8
         Chats without a stored context decoded together at most (1: one at a time).
+    strict : bool, default False
+        Refuse (400 ``invalid_method``, nothing stored) a context whose compressed cache fails the
+        fidelity check (math dictionary §26) instead of storing it with a warning in the log.
     """
     from .app import create_app
 
@@ -61,7 +65,8 @@ def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key:
     store = ContextStore(store_dir, model, tokenizer, cache_bytes=cache_bytes, max_contexts=limits.max_contexts,
                          max_bytes=limits.max_store_bytes, max_contexts_per_key=limits.max_contexts_per_key,
                          max_bytes_per_key=limits.max_store_bytes_per_key)
-    service = Service(model, tokenizer, store, model_id, limits.max_document_tokens, files or ServedFiles(), limits)
+    service = Service(model, tokenizer, store, model_id, limits.max_document_tokens, files or ServedFiles(), limits,
+                      strict=strict)
     engine = Engine(queue_size=queue_size, request_timeout=request_timeout, max_batch=max_batch)
     app = create_app(service, engine, api_key=api_key, api_keys=api_keys, shutdown_timeout=shutdown_timeout)
     return app, service, engine

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..cache import compress
+from ..cache import FidelityError, compress
 from ..context import CompressedContext, _ids, _text_ids, fit_context, forward_at, max_positions
 from ..generation import generate_tokens, stop_scan
 from .engine import Job
@@ -110,6 +110,7 @@ class Service:
     files: ServedFiles = field(default_factory=ServedFiles)  # the operator's registered files
     limits: Limits = field(default_factory=Limits)
     tokenizer_lock: Any = field(default_factory=threading.Lock, repr=False)
+    strict: bool = False  # refuse a context whose cache fails the fidelity check (§26) instead of warning
 
     def __post_init__(self) -> None:
         if self.max_document_tokens is None:
@@ -194,10 +195,13 @@ class Service:
         job.check()
         try:
             if prep.plan is not None:
-                ctx = CompressedContext.build(self.model, self.tokenizer, prep.kept, plan=prep.plan)
+                ctx = CompressedContext.build(self.model, self.tokenizer, prep.kept, plan=prep.plan,
+                                              strict=self.strict)
             else:
                 ctx = CompressedContext.build(self.model, self.tokenizer, prep.kept, quant=prep.quant,
-                                              eviction=prep.eviction)
+                                              eviction=prep.eviction, strict=self.strict)
+        except FidelityError as exc:  # --strict: this method wrecks this model's attention; nothing is stored
+            raise ApiError("invalid_method", str(exc), param="method" if prep.req.method else "plan") from None
         except ValueError as exc:  # settings this model cannot take that only the prefill finds: the request's
             log.warning("compression refused: %s", exc, exc_info=True)
             raise ApiError("invalid_method", f"this method cannot compress this document on this model: {exc}",
