@@ -36,14 +36,17 @@ from kv_cache.cache.packed import PackedKV  # noqa: E402
 from kv_cache.models import load_model, shared_data_dir  # noqa: E402
 
 LAYOUTS = {
-    "q4d": QuantConfig(bits=4, center_keys=False),
-    "q4d+center": QuantConfig(bits=4, center_keys=True),
-    "q4d+center+scale": (QuantConfig(bits=4, center_keys=True), 1.0),
-    "q4d+center+sqrtscale": (QuantConfig(bits=4, center_keys=True), 0.5),
+    "q4 per-token (before)": QuantConfig(bits=4, key_grouping="token", center_keys=False),
+    "+offset": QuantConfig(bits=4, key_grouping="token", center_keys=True),
+    "+offset+scale": (QuantConfig(bits=4, key_grouping="token", center_keys=True), 1.0),
+    "q4d (now)": QuantConfig(bits=4),
     "q4 (KIVI)": QuantConfig.kivi(bits=4),
-    "q2d": QuantConfig(bits=2, center_keys=False),
-    "q2d+center": QuantConfig(bits=2, center_keys=True),
+    "q2 per-token (before)": QuantConfig(bits=2, key_grouping="token", center_keys=False),
+    "q2d (now)": QuantConfig(bits=2),
 }
+"""The layouts compared: the previous per-token default (and the two repairs tried on it: the
+per-channel key offset, then channels scaled to unit RMS before the rotation), the current
+default (per-channel keys, §25.3) and KIVI."""
 
 
 def channel_stats(x: torch.Tensor) -> tuple[float, float, float]:
@@ -108,7 +111,7 @@ def main() -> None:
     rows = []
     for i, layer in enumerate(cache.layers):
         k, v = layer.keys.float(), layer.values.float()  # [1, h, n, d] post-RoPE
-        rot = PackedKV(LAYOUTS["q4d"], k.dtype, k.shape[-1], False, i)
+        rot = PackedKV(LAYOUTS["+offset"], k.dtype, k.shape[-1], False, i)
         rot.append(k[:, :, :4], v[:, :, :4])
         kr = rot.rotation.forward(k)
         stats = channel_stats(k[0, :, 4:]) + channel_stats(kr[0, :, 4:]) + channel_stats(v[0, :, 4:])[:1]
