@@ -258,6 +258,8 @@ def _encode_layer(layer: CompressedLayer, i: int, w: _Writer) -> dict[str, Any]:
     out["_starts"] = None if layer._starts is None else w.tensor(f"layer{i}._starts", layer._starts)["tensor"]
     if layer.key_offset is not None:
         out["key_offset"] = w.tensor(f"layer{i}.key_offset", layer.key_offset)["tensor"]
+    err = layer.attention_error  # the fidelity check at prefill (§26): a figure of the stored context
+    out["attention_error"] = None if err is None or err != err else float(err)
     return out
 
 
@@ -272,6 +274,10 @@ def _decode_layer(layer: CompressedLayer, d: dict[str, Any], r: _Reader) -> None
     layer.state = {k: r.tensor(name) for k, name in d["state"].items()}
     layer._starts = None if d["_starts"] is None else r.tensor(d["_starts"])
     layer.key_offset = r.tensor(d["key_offset"]) if d.get("key_offset") is not None else None
+    err = d.get("attention_error")  # absent from files written before the check existed
+    if err is not None and (isinstance(err, bool) or not isinstance(err, (int, float))):
+        raise ValueError(f"kv_cache file is corrupted: layer attention_error must be a number; got {err!r}")
+    layer.attention_error = None if err is None else float(err)
     layer.is_initialized = True
 
 
