@@ -33,7 +33,7 @@ def _window(tok) -> torch.Tensor:
 
 
 def _ppl(model, tok, ids: torch.Tensor, cache) -> float:
-    with torch.no_grad():
+    with torch.no_grad(), kv_cache.compress(model, cache):  # the native attention reads ragged heads
         last, _ = kv_cache.prefill(model, cache, ids[:, :PREFIX], tokenizer=tok, last_only=True)
         cont = forward_at(model, cache, ids[:, PREFIX:-1], PREFIX)
     logits = torch.cat([last[:, -1:].float(), cont], 1)[0]  # predicts tokens PREFIX..end
