@@ -21,6 +21,11 @@ server runs with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``, as
 
 Run: ``python benchmarks/bench_serve.py [--clients 4] [--questions 2] [--context 4096]
 [--method q4+kvzip@0.3] [--model smollm2] [--out benchmarks/results/]``
+
+``--batching``: instead, N clients x M short chats without a stored context (each a one-line
+story opening), on a server run one at a time (``--max-batch 1``) and on one that decodes
+concurrent chats together (``--max-batch N``); reported as above, plus the ratio of answers/s.
+Greedy answers of both runs are compared (they must be equal).
 """
 
 from __future__ import annotations
@@ -70,7 +75,13 @@ def _document(model: str, tokens: int) -> str:
     return tok.decode(ids)
 
 
-def run_config(name: str, method: str | None, doc: str, args: argparse.Namespace, store: Path) -> dict:
+OPENINGS = ["Once upon a time, there was a dog", "Lily went to the park", "The big red ball",
+            "One day, a little girl named Sue saw a bird", "Tom was sad", "The sun was hot",
+            "Ben and Mia found a box", "A cat sat on the mat"]
+
+
+def run_config(name: str, method: str | None, doc: str, args: argparse.Namespace, store: Path,
+               max_batch: int | None = None) -> dict:
     import httpx
     import openai
 
@@ -80,6 +91,8 @@ def run_config(name: str, method: str | None, doc: str, args: argparse.Namespace
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))}
     cmd = [sys.executable, "-m", "kv_cache.cli", "serve", "--model", args.model, "--store", str(store / name),
            "--port", str(port), "--api-key", KEY, "--request-timeout", "1200", "--log-level", "warning"]
+    if max_batch is not None:
+        cmd += ["--max-batch", str(max_batch), "--queue-size", str(max(16, 2 * args.clients))]
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -109,7 +122,7 @@ def run_config(name: str, method: str | None, doc: str, args: argparse.Namespace
                        compress_request_s=time.perf_counter() - t0)
 
         def ask(client, question: str) -> dict:
-            content = question if cid else f"{doc}\n\n{question}"
+            content = question if cid or not doc else f"{doc}\n\n{question}"
             t0 = time.perf_counter()
             first, tokens, text = None, 0, []
             stream = client.chat.completions.create(
@@ -126,7 +139,7 @@ def run_config(name: str, method: str | None, doc: str, args: argparse.Namespace
                     prompt = ch.usage.prompt_tokens
             done = time.perf_counter() - t0
             return {"ttft": first if first is not None else done, "latency": done, "tokens": tokens,
-                    "prompt_tokens": prompt, "answer": "".join(text)}
+                    "prompt_tokens": prompt, "answer": "".join(text), "question": question}
 
         warm = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=1200)
         ask(warm, QUESTIONS[0])
@@ -135,8 +148,9 @@ def run_config(name: str, method: str | None, doc: str, args: argparse.Namespace
 
         def client_loop(i: int) -> None:
             c = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=1200)
+            pool = OPENINGS if not doc else QUESTIONS
             for k in range(args.questions):
-                res = ask(c, QUESTIONS[(i * args.questions + k) % len(QUESTIONS)])
+                res = ask(c, pool[(i * args.questions + k) % len(pool)])
                 with lock:
                     results.append(res)
 
@@ -154,7 +168,8 @@ def run_config(name: str, method: str | None, doc: str, args: argparse.Namespace
                    prompt_tokens=statistics.mean(r["prompt_tokens"] for r in results),
                    ttft_p50=_pct(ttft, 0.5), ttft_p95=_pct(ttft, 0.95), latency_p50=_pct(lat, 0.5),
                    latency_p95=_pct(lat, 0.95), rss_mib=mem.get("VmRSS"), peak_rss_mib=mem.get("VmHWM"),
-                   sample_answer=results[0]["answer"])
+                   sample_answer=results[0]["answer"],
+                   answers_by_question=sorted({(r["question"], r["answer"]) for r in results}))
         return row
     finally:
         server.terminate()
@@ -184,6 +199,41 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def batching_table(rows: list[dict], args: argparse.Namespace) -> str:
+    one, many = rows
+    same = one["answers_by_question"] == many["answers_by_question"]
+    lines = [f"# kvcache serve: batching, {args.clients} clients x {args.questions} chats without a stored context, "
+             f"{args.model}, max_tokens {args.max_tokens}, greedy, streaming, OMP_NUM_THREADS="
+             f"{os.environ.get('OMP_NUM_THREADS', 'unset')}", "",
+             "| server | answers/s | tokens/s | TTFT p50 / p95 s | latency p50 / p95 s | peak RSS MiB |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['answers_per_s']:.2f} | {r['tokens_per_s']:.1f} | {r['ttft_p50']:.2f} / "
+                     f"{r['ttft_p95']:.2f} | {r['latency_p50']:.2f} / {r['latency_p95']:.2f} | "
+                     f"{r['peak_rss_mib']:.0f} |")
+    ratio = many["answers_per_s"] / one["answers_per_s"]
+    lines += ["", f"answers/s ratio (batched / one at a time): **{ratio:.2f}x**; "
+              f"TTFT p50 ratio: {many['ttft_p50'] / one['ttft_p50']:.2f}x; greedy answers identical: **{same}**."]
+    return "\n".join(lines) + "\n"
+
+
+def main_batching(args: argparse.Namespace) -> None:
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as store:
+        for name, mb in (("one at a time (--max-batch 1)", 1), (f"batched (--max-batch {args.clients})", args.clients)):
+            print(f"== {name} ...", flush=True)
+            rows.append(run_config(name, None, "", args, Path(store), max_batch=mb))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_serve_batching_{args.model}_n{args.clients}_m{args.questions}_t{args.max_tokens}"
+    (out / f"{stem}.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    md = batching_table(rows, args)
+    (out / f"{stem}.md").write_text(md)
+    print(md)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -193,7 +243,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--method", default="q4+kvzip@0.3", help="the compressed configuration [q4+kvzip@0.3]")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--batching", action="store_true", help="compare --max-batch 1 and N on chats without a context")
     args = ap.parse_args()
+    if args.batching:
+        return main_batching(args)
     import tempfile
 
     doc = _document(args.model, args.context)

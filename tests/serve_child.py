@@ -10,7 +10,9 @@ the next write stops at ``PAUSE``:
 * ``inner``: right before the serializer renames its finished file onto ``.tmp-<id>.kvc``;
 * ``rename``: right before the store renames the finished ``.tmp-<id>.kvc`` onto ``<id>.kvc``.
 
-It then creates ``MARKER`` and sleeps, waiting for the test's SIGKILL.
+It then creates ``MARKER`` and sleeps, waiting for the test's SIGKILL. With ``sleep-rename`` it
+creates ``MARKER`` at the store's rename, sleeps 3 s (a write in progress when the test's SIGTERM
+comes) and lets the write finish.
 """
 
 import os
@@ -29,7 +31,7 @@ def main() -> None:
         if pause == "open" and event == "open" and args and isinstance(args[0], (str, os.PathLike)):
             name, mode = os.path.basename(os.fspath(args[0])), args[1] if len(args) > 1 else None
             hit = name.startswith(".tmp-ctx-") and name.endswith(".kvc.tmp") and isinstance(mode, str) and "w" in mode
-        elif pause in ("inner", "rename") and event == "os.rename":
+        elif pause in ("inner", "rename", "sleep-rename") and event == "os.rename":
             dst = os.path.basename(os.fspath(args[1]))
             hit = dst.startswith(".tmp-ctx-") if pause == "inner" else dst.startswith("ctx-")
         else:
@@ -43,6 +45,9 @@ def main() -> None:
                         f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"__metadata__\"")  # a header cut short
                 with open(marker, "w") as f:
                     f.write("paused\n")
+                if pause == "sleep-rename":
+                    time.sleep(3)
+                    return
                 time.sleep(600)
 
     sys.addaudithook(hook)

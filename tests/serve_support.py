@@ -38,6 +38,7 @@ def serving(model, tok, store_dir, **kw):
             raise RuntimeError("the test server did not start within 30 s")
         time.sleep(0.02)
     server.base_url, server.service, server.engine = f"http://127.0.0.1:{port}", service, engine
+    server.thread = thread
     try:
         yield server
     finally:

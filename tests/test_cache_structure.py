@@ -218,7 +218,8 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_low_bit_layouts_read_back_their_reference(name):
-    """Each layout stores what the plain pipeline gives: rotate -> quantize -> dequantize -> rotate back."""
+    """Each layout stores what the plain pipeline gives: rotate -> quantize -> dequantize -> rotate back
+    (keys only when grouped per token: per-channel keys are never rotated, math dictionary §25.3)."""
     from kv_cache.compression import RandomizedHadamard, dequantize_norm_codebook, quantize_norm_codebook
 
     q = LAYOUTS[name]
@@ -230,7 +231,8 @@ def test_low_bit_layouts_read_back_their_reference(name):
     rots = None
     if q.rotation:
         rots = [RandomizedHadamard.for_head(16, 0, h, q.rotation_seed) for h in range(2)]
-        k = torch.stack([rots[h].forward(k[:, h]) for h in range(2)], 1)
+        if q.key_grouping == "token":
+            k = torch.stack([rots[h].forward(k[:, h]) for h in range(2)], 1)
         v = torch.stack([rots[h].forward(v[:, h]) for h in range(2)], 1)
     if q.levels == "lloyd_max":
         def rt(x, bits):
@@ -242,7 +244,8 @@ def test_low_bit_layouts_read_back_their_reference(name):
         ref_k = dequantize(quantize(k, kb, axis=key_axis, group_size=key_group, scale_dtype=torch.float16))
         ref_v = dequantize(quantize(v, vb, axis=-1, group_size=q.channel_group_for(16), scale_dtype=torch.float16))
     if rots:
-        ref_k = torch.stack([rots[h].inverse(ref_k[:, h]) for h in range(2)], 1)
+        if q.key_grouping == "token":
+            ref_k = torch.stack([rots[h].inverse(ref_k[:, h]) for h in range(2)], 1)
         ref_v = torch.stack([rots[h].inverse(ref_v[:, h]) for h in range(2)], 1)
     torch.testing.assert_close(got_k, ref_k, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_v, ref_v, rtol=1e-5, atol=1e-5)
@@ -257,8 +260,8 @@ def test_quant_config_options_are_validated():
         QuantConfig.kivi(key_bits=5)
     with pytest.raises(ValueError, match=r"rotation must be one of \[None, 'hadamard', 'calibrated'\]; got 'random'"):
         QuantConfig.kivi(rotation="random")
-    with pytest.raises(ValueError, match="needs key_grouping='token'"):
-        QuantConfig.kivi(levels="lloyd_max")
+    lm = QuantConfig.kivi(levels="lloyd_max")  # per-channel keys keep uniform levels; values take Lloyd-Max
+    assert lm.key_grouping == "channel" and lm.levels == "lloyd_max"
     with pytest.raises(ValueError, match=r"lloyd_max' supports bits \[1, 2, 3, 4\]; got \[2, 8\]"):
         QuantConfig.kivi(bits=2, key_grouping="token", levels="lloyd_max", layer_bits={3: 8})
     with pytest.raises(ValueError, match="layer_bits maps layer indices"):

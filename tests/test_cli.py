@@ -256,7 +256,8 @@ def test_cli_defaults_are_the_config_dataclass(monkeypatch, capsys):
 
     assert _config_from_cli(monkeypatch, ["eval"]) == (EvalConfig(), "runs/eval")
     demo = EvalConfig(model="smollm2", tasks=["ppl", "needle"], samples=2, context=1024, continuation=128,
-                      methods=["full", "q8", "q4", "q4d", "q2", "q2d", "snapkv@0.5", "h2o@0.5", "q4+h2o@0.5"])
+                      methods=["full", "q8", "q4", "q4d", "q2d", "8x", "16x", "kvzip@0.25", "kvzap@0.25",
+                               "snapkv@0.5", "h2o@0.5", "q4+h2o@0.5"])
     assert _config_from_cli(monkeypatch, ["demo"]) == (demo, "runs/demo")
     flags = ["eval", "--tasks", "ppl,needle", "--query-aware", "--depths", "0.1,0.9", "--samples", "3",
              "--haystack", "noise", "--text", str(TEXT), "--out", "o"]

@@ -1,4 +1,5 @@
-"""``QuantConfig(bits=b)``'s defaults: the best measured layout at 2-4 bits, KIVI with 8 bits."""
+"""``QuantConfig(bits=b)``'s defaults: the measured layout at 2-4 bits (per-channel keys, rotated
+Lloyd-Max values; math dictionary §25), KIVI with 8 bits."""
 
 from __future__ import annotations
 
@@ -39,12 +40,14 @@ def test_eight_bits_and_kivi_keep_the_original_layout():
 
 
 def test_explicit_fields_win_and_dependent_fields_follow():
-    q = QuantConfig(bits=4, key_grouping="channel")  # per-channel keys: KIVI groups, uniform levels
-    assert (q.group_size, q.residual_length, q.levels, q.scale_dtype, q.channel_group) == (
-        32, 32, "uniform", torch.float16, None)
+    q = QuantConfig(bits=4, key_grouping="token")  # the previous default: per-token keys, rotated and centered
+    assert (q.group_size, q.residual_length, q.levels, q.scale_dtype, q.channel_group, q.center_keys) == (
+        4, 4, "lloyd_max", torch.uint8, "head", True)
     assert q.rotation == "hadamard" and q.sink_tokens == 4
+    q = QuantConfig(bits=4, levels="uniform")  # uniform levels everywhere: KIVI's keys and fp16 scales
+    assert (q.group_size, q.levels, q.scale_dtype, q.center_keys) == (32, "uniform", torch.float16, False)
     q = QuantConfig(bits=2, levels="uniform")  # uniform levels: fp16 scales and zero points, 32-channel groups
-    assert (q.scale_dtype, q.channel_group, q.key_grouping) == (torch.float16, 32, "token")
+    assert (q.scale_dtype, q.channel_group_for(64), q.key_grouping) == (torch.float16, 32, "channel")
     q = QuantConfig(bits=3, rotation=None, sink_tokens=0, residual_dtype=None, scale_dtype=torch.float16)
     assert (q.rotation, q.sink_tokens, q.residual_dtype, q.scale_dtype, q.levels) == (
         None, 0, None, torch.float16, "lloyd_max")
@@ -87,7 +90,9 @@ def test_default_cache_in_generate_counts_every_byte(stories, tmp_path):
     rep = cache.memory_report()
     assert rep.total_bytes == walked_nbytes(cache)
     layer = cache.layers[0].storage
-    assert layer.packed.k_scale.dtype == torch.uint8 and layer.sink_keys.dtype == torch.float16
+    # per-channel keys: float16 scales and zero points per 32-token group; values: 8-bit log-coded norms
+    assert layer.packed.k_scale.dtype == torch.float16 and layer.packed.v_scale.dtype == torch.uint8
+    assert layer.sink_keys.dtype == torch.float16 and not layer.packed.rotation.keys
     assert layer.packed.rotation is not None and layer.n_sinks == 4
     path = tmp_path / "c.kvc"
     save_cache(cache, path, model_config=model.config)

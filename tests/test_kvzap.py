@@ -215,8 +215,9 @@ def _generate(model, cache, ids, n=24, **kw):
                               min_new_tokens=n)
 
 
-@pytest.mark.parametrize("quant", [None, QuantConfig(bits=4), QuantConfig.kivi(bits=2, group_size=16, residual_length=16)],
-                         ids=["fp", "q4", "kivi2"])
+@pytest.mark.parametrize("quant", [None, QuantConfig(bits=4, key_grouping="token"), QuantConfig(bits=4, sink_tokens=0),
+                                   QuantConfig.kivi(bits=2, group_size=16, residual_length=16)],
+                         ids=["fp", "q4", "q4-channel", "kivi2"])
 @pytest.mark.parametrize("policy", [
     dict(budget=0.25), dict(budget=0.25, scope="layer"), dict(budget=0.25, scope="head"), dict(budget=64, scope="head"),
     dict(threshold=-2.0), dict(budget=0.25, evict_every=1)], ids=["model", "layer", "head", "tokens", "threshold", "every1"])
@@ -226,6 +227,11 @@ def test_kvzap_matrix_bounded_memory(stories, scorer_path, quant, policy, batch)
     texts = [STORY, STORY[: len(STORY) // 2]][:batch]
     enc = tok(texts, return_tensors="pt", padding=True)
     pol = KVzap(scorer=scorer_path, **policy)
+    if quant is not None and quant.key_grouping == "channel" and quant.bits == 4 and policy.get("budget") == 64:
+        # per-channel key groups hold up to 31 tokens in full precision: 64 tokens cannot hold them and the window
+        with pytest.raises(ValueError, match=r"budget \(64\) must be >= 67"):
+            CompressedCache(model.config, quant=quant, eviction=pol)
+        return
     cache = CompressedCache(model.config, quant=quant, eviction=pol)
     with kv_cache.compress(model, cache):
         out = model.generate(**enc, past_key_values=cache, max_new_tokens=40, min_new_tokens=40, do_sample=False)
@@ -249,7 +255,8 @@ def test_kvzap_matrix_bounded_memory(stories, scorer_path, quant, policy, batch)
 def test_memory_is_flat_while_decoding(stories, scorer_path):
     model, tok = stories
     ids = tok(STORY, return_tensors="pt").input_ids
-    cache = CompressedCache(model.config, quant=QuantConfig(bits=4), eviction=KVzap(budget=48, scorer=scorer_path))
+    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, key_grouping="token"),
+                            eviction=KVzap(budget=48, scorer=scorer_path))
     held = []
     with torch.no_grad(), kv_cache.compress(model, cache):
         logits = kv_cache.context.forward_at(model, cache, ids, 0, last_only=True)

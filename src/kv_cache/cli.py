@@ -14,6 +14,7 @@ plan       a cache plan from a byte target (kvcache plan --ratio 8 -o plan.json)
 compress   compress a document once into a file (kvcache compress doc.txt -o doc.kvc --method kvzip@0.3)
 ask        answer questions from that file (kvcache ask doc.kvc "question" ...)
 serve      an OpenAI-compatible server over compressed contexts (pip install kv_cache[serve])
+contexts   the operator's tool over a server's store: list (with owners), assign to a key, delete
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ tasks: ppl (teacher-forced continuation perplexity), needle (=niah_single), mult
 EVAL_OUT = "runs/eval"
 # What the demo changes from the defaults of `kvcache eval` (those are EvalConfig's).
 DEMO_DEFAULTS = dict(
-    model="smollm2", tasks="ppl,needle", methods="full,q8,q4,q4d,q2,q2d,snapkv@0.5,h2o@0.5,q4+h2o@0.5",
+    model="smollm2", tasks="ppl,needle",
+    methods="full,q8,q4,q4d,q2d,8x,16x,kvzip@0.25,kvzap@0.25,snapkv@0.5,h2o@0.5,q4+h2o@0.5",
     samples=2, context=1024, continuation=128, out="runs/demo",
 )
 
@@ -179,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     _eval_parser(sub, "eval", "evaluate compression methods on a model and tasks", {})
-    _eval_parser(sub, "demo", "the README's main job: SmolLM2, wikitext-2, 9 configurations", DEMO_DEFAULTS)
+    _eval_parser(sub, "demo", "the README's main job: SmolLM2, wikitext-2, 12 configurations", DEMO_DEFAULTS)
     b = sub.add_parser("bill", help="byte bill of one captured KV cache")
     b.add_argument("--model", default="stories260K")
     b.add_argument("--prompt-tokens", type=int, default=256)
@@ -214,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()  # the CLI owns the terminal; library code never does this
         if args.command == "bill":
             return _run_bill(args)
-        if args.command in ("calibrate", "calibrate-scorer", "allocate", "plan", "compress", "ask", "serve"):
+        if args.command in ("calibrate", "calibrate-scorer", "allocate", "plan", "compress", "ask", "serve",
+                            "contexts"):
             return args._run(args)
         return _run_eval(args)
     except (ValueError, PermissionError, FileNotFoundError) as exc:

@@ -50,6 +50,9 @@ def add_parsers(sub) -> None:
                         "[the whole document, refused if it does not fit]")
     c.add_argument("--keep", choices=KEEP, default=None,
                    help="which tokens --max-tokens keeps: the first (head) or the last (tail) [head]")
+    c.add_argument("--strict", action="store_true",
+                   help="refuse to write a context whose compressed cache fails the fidelity check (an error "
+                        "naming the layers) instead of warning (math dictionary §26)")
     c.add_argument("--raw-text", action="store_true",
                    help="append questions to the document as raw text, not through the tokenizer's chat template")
     c.set_defaults(_run=run_compress)
@@ -156,9 +159,9 @@ def run_compress(args: argparse.Namespace) -> int:
         kept = fit_context(ids, model.config, tok, eviction, max_tokens=args.max_tokens, keep=args.keep,
                            names=("--max-tokens ", "--keep "))
     if not args.raw_text and len(kept) == len(ids):  # the whole document: through the chat template if any
-        ctx = CompressedContext.build(model, tok, text, quant=quant, eviction=eviction)
+        ctx = CompressedContext.build(model, tok, text, quant=quant, eviction=eviction, strict=args.strict)
     else:  # raw text, or the tokens --max-tokens kept
-        ctx = CompressedContext.build(model, tok, kept, quant=quant, eviction=eviction)
+        ctx = CompressedContext.build(model, tok, kept, quant=quant, eviction=eviction, strict=args.strict)
     extra = {"context_tokens": ctx.context_tokens, "model": _model_ref(args.model), "method": spec,
              "document": doc.name}
     if ctx.question_suffix is not None:  # questions follow the chat template (kv_cache.chat)

@@ -1,50 +1,151 @@
 """``kvcache serve``: an OpenAI-compatible server over compressed contexts (FastAPI + uvicorn).
 
-``kvcache serve --model stories260K --store contexts/ --port 8000 [--api-key K]`` loads the
-model once and serves ``/v1/models``, ``/v1/chat/completions`` (streaming or not) and
-``/v1/contexts`` (compress a document once, ask it from any client with ``context_id``).
-Contexts are ``.kvc`` files in ``--store`` and survive a restart; ``--cache-bytes`` caps the
-bytes of the contexts kept loaded in memory. Requests run one at a time on one model worker;
-at most ``--queue-size`` wait (then 503 with ``Retry-After``), each at most
-``--request-timeout`` seconds (then 504). Needs ``pip install kv_cache[serve]``.
+``kvcache serve --model stories260K --store contexts/ --port 8000 --api-key K`` loads the model
+once and serves ``/v1/models``, ``/v1/chat/completions`` (streaming or not) and ``/v1/contexts``
+(compress a document once, ask it with ``context_id``). Contexts are ``.kvc`` files in
+``--store`` and survive a restart; each API key has its own. Requests run on one model worker
+(concurrent chats without a stored context decoded together, up to ``--max-batch``); at most
+``--queue-size`` wait (then 503 with ``Retry-After``), each at most ``--request-timeout`` seconds
+(then 504). Every input is bounded (the --max-* flags). Requests
+never name files: plans, scorers and bit profiles are registered here by name (--plan,
+--scorer, --bit-profile). SIGTERM stops it within --shutdown-timeout seconds, leaving no
+partial file. Needs ``pip install kv_cache[serve]``.
+
+``kvcache contexts --store DIR list|assign|delete`` is the operator's tool over a store no
+server is using: list every context with its owner, give one to a key, delete one.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
+import sys
+import threading
+from pathlib import Path
 
 SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, flag: str = "--cache-bytes") -> int:
     """``"1073741824"``, ``"512M"``, ``"1G"``, ``"64k"`` -> bytes (binary units)."""
     m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)(?:i?[bB])?\s*", str(text))
     if m is None:
-        raise ValueError(f"--cache-bytes must be a byte count with an optional unit K, M or G (e.g. 512M); "
-                         f"got {text!r}")
+        raise ValueError(f"{flag} must be a byte count with an optional unit K, M or G (e.g. 512M); got {text!r}")
     return int(m[1]) * SIZE_UNITS[m[2].lower()]
 
 
+def _optional(text: str, flag: str, as_bytes: bool = False) -> int | None:
+    """A limit flag's value: a count (or bytes), or ``none`` for no limit."""
+    if str(text).strip().lower() == "none":
+        return None
+    if as_bytes:
+        return parse_bytes(text, flag)
+    if not str(text).strip().isdigit():
+        raise ValueError(f"{flag} must be an integer >= 1 or 'none'; got {text!r}")
+    return int(text)
+
+
+def served_model_name(model: str) -> str:
+    """The default ``--served-model-name``: the model folder's name (an alias as it is)."""
+    return Path(str(model).rstrip("/\\")).name or str(model)
+
+
 def add_parser(sub) -> None:
-    """Register ``serve`` on ``sub`` (an argparse subparsers object)."""
+    """Register ``serve`` and ``contexts`` on ``sub`` (an argparse subparsers object)."""
+    from .serve.limits import Limits
+
+    d = Limits()
     p = sub.add_parser("serve", help="an OpenAI-compatible server over compressed contexts",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="as `kvcache eval --model` (an alias or a path) [smollm2]")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's id in /v1/models and chat requests [the model folder's name]")
     p.add_argument("--store", required=True, metavar="DIR", help="folder of the stored contexts (created if absent)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind [127.0.0.1]")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind; a non-loopback one needs a key or "
+                                                       "--insecure [127.0.0.1]")
     p.add_argument("--port", type=int, default=8000, help="port [8000]")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $KVCACHE_API_KEY if set, else none)")
+    g = p.add_argument_group("keys (each key has its own contexts)")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="a key clients send as 'Authorization: Bearer KEY' (repeatable; default: $KVCACHE_API_KEY "
+                        "when no key flag is given, else none)")
+    g.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="keys, one a line (blank lines and # comments skipped)")
+    g.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without any key")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse (400, nothing stored) a context whose compressed cache fails the fidelity check "
+                        "(math dictionary §26) instead of storing it with a warning")
+    f = p.add_argument_group("files requests may name (by NAME; requests never name paths)")
+    f.add_argument("--plan", action="append", default=[], metavar="NAME=PATH", help="a plan file: method 'plan[NAME]'")
+    f.add_argument("--scorer", action="append", default=[], metavar="[NAME=]PATH",
+                   help="a KVzap scorer file: method 'kvzap@0.25[NAME]' (NAME: the file's stem if omitted)")
+    f.add_argument("--bit-profile", action="append", default=[], metavar="NAME=PATH",
+                   help="a `kvcache allocate` bit profile: method 'q4p[NAME]'")
+    lim = p.add_argument_group("limits (checked before any work)")
+    lim.add_argument("--max-body-bytes", default="8M", help="a request body's bytes; then 413 [8M]")
+    lim.add_argument("--max-json-depth", type=int, default=d.max_json_depth,
+                     help=f"nesting of a body's arrays and objects; then 400 [{d.max_json_depth}]")
+    lim.add_argument("--max-document-chars", type=int, default=d.max_document_chars,
+                     help=f"characters of a document, and of a chat's messages; then 400 [{d.max_document_chars}]")
+    lim.add_argument("--max-document-tokens", type=int, default=None,
+                     help="tokens of a document; then 400 [what the model's positions allow]")
+    lim.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                     help=f"the max_tokens a chat may ask; then 400 [{d.max_tokens}]")
+    lim.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
+                     help=f"characters of each stop string (4 strings at most); then 400 [{d.max_stop_chars}]")
+    lim.add_argument("--max-contexts", default=str(d.max_contexts),
+                     help=f"stored contexts in all, or 'none'; then 429 [{d.max_contexts}]")
+    lim.add_argument("--max-contexts-per-key", default=str(d.max_contexts_per_key),
+                     help=f"stored contexts per key, or 'none'; then 429 [{d.max_contexts_per_key}]")
+    lim.add_argument("--max-store-bytes", default="16G", help="bytes of stored files in all, or 'none'; then 429 [16G]")
+    lim.add_argument("--max-store-bytes-per-key", default="2G",
+                     help="bytes of stored files per key, or 'none'; then 429 [2G]")
+    lim.add_argument("--queue-size", type=int, default=16, help="requests waiting at most; then 503 [16]")
+    lim.add_argument("--request-timeout", type=float, default=120.0,
+                     help="seconds per request, queue included; then 504 [120]")
     p.add_argument("--cache-bytes", default="1G", help="bytes of contexts kept loaded in memory, LRU [1G]")
-    p.add_argument("--queue-size", type=int, default=16, help="requests waiting at most; then 503 [16]")
-    p.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request, queue included [120]")
-    p.add_argument("--max-document-tokens", type=int, default=None,
-                   help="longest document POST /v1/contexts takes, in tokens [what the model's positions allow]")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="chats without a stored context decoded together at most; 1: one at a time [8]")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds SIGTERM waits for requests in flight before it stops them [10]")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="[float32]")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="[info]")
     p.set_defaults(_run=run)
+
+    c = sub.add_parser("contexts", help="the operator's tool over a server's store: list, assign, delete",
+                       description="List every context of a store with its owner, give a context to an API key, "
+                                   "or delete one. Run it while no server uses the store.")
+    c.add_argument("--store", required=True, metavar="DIR")
+    c.add_argument("--model", default="smollm2", help="the model the store serves [smollm2]")
+    c.add_argument("action", choices=("list", "assign", "delete"))
+    c.add_argument("id", nargs="?", help="the context (assign, delete)")
+    c.add_argument("--key", default=None, help="assign: the API key that gets it (default $KVCACHE_API_KEY); "
+                                               "--no-key: no key's")
+    c.add_argument("--no-key", action="store_true", help="assign: to no key (then no key sees it)")
+    c.set_defaults(_run=run_contexts)
+
+
+def limits_from_args(args: argparse.Namespace):
+    from .serve.limits import Limits
+
+    return Limits(max_body_bytes=parse_bytes(args.max_body_bytes, "--max-body-bytes"),
+                  max_json_depth=args.max_json_depth, max_document_chars=args.max_document_chars,
+                  max_document_tokens=args.max_document_tokens, max_tokens=args.max_tokens,
+                  max_stop_chars=args.max_stop_chars,
+                  max_contexts=_optional(args.max_contexts, "--max-contexts"),
+                  max_contexts_per_key=_optional(args.max_contexts_per_key, "--max-contexts-per-key"),
+                  max_store_bytes=_optional(args.max_store_bytes, "--max-store-bytes", as_bytes=True),
+                  max_store_bytes_per_key=_optional(args.max_store_bytes_per_key, "--max-store-bytes-per-key",
+                                                    as_bytes=True))
+
+
+def check_exposure(host: str, keys: list[str], insecure: bool) -> None:
+    """Refuse a non-loopback ``host`` without any key unless ``insecure``."""
+    from .serve.auth import is_loopback
+
+    if not keys and not is_loopback(host) and not insecure:
+        raise ValueError(f"--host {host} is not a loopback address and no API key is set: anyone who reaches it "
+                         "could use the model and read every context. Give --api-key / --api-keys-file (or "
+                         "$KVCACHE_API_KEY), or --insecure to serve without keys anyway")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,20 +158,80 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from .models import load_model
+    from .serve.auth import collect_keys
+    from .serve.files import ServedFiles
+    from .serve.store import ANY_OWNER
 
     cache_bytes = parse_bytes(args.cache_bytes)
-    if args.max_document_tokens is not None and args.max_document_tokens < 1:
-        raise ValueError(f"--max-document-tokens must be >= 1; got {args.max_document_tokens}")
+    limits = limits_from_args(args)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535]; got {args.port}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0; got {args.shutdown_timeout}")
+    keys = collect_keys(args.api_key, args.api_keys_file)
+    check_exposure(args.host, keys, args.insecure)
+    name = args.served_model_name if args.served_model_name is not None else served_model_name(args.model)
+    if not name.strip():
+        raise ValueError(f"--served-model-name must be a non-empty name; got {name!r}")
     logging.getLogger("kv_cache").setLevel(args.log_level.upper())
     model, tok = load_model(args.model, dtype=args.dtype)
-    api_key = args.api_key if args.api_key is not None else os.environ.get("KVCACHE_API_KEY") or None
-    app, service, _ = build(model, tok, args.store, model_id=args.model, api_key=api_key, cache_bytes=cache_bytes,
-                            queue_size=args.queue_size, request_timeout=args.request_timeout,
-                            max_document_tokens=args.max_document_tokens)
-    n = len(service.store.list())
-    print(f"kvcache serve: {args.model} on http://{args.host}:{args.port}/v1, {n} stored context(s) in {args.store}"
-          + (", API key required" if api_key else ""), flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    files = ServedFiles.register(args.plan, args.scorer, args.bit_profile, model_config=model.config)
+    app, service, engine = build(model, tok, args.store, model_id=name, api_keys=keys, cache_bytes=cache_bytes,
+                                 queue_size=args.queue_size, request_timeout=args.request_timeout, limits=limits,
+                                 files=files, shutdown_timeout=args.shutdown_timeout, max_batch=args.max_batch,
+                                 strict=args.strict)
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, which on SIGTERM / SIGINT also stops the model worker's jobs."""
+
+        def handle_exit(self, sig, frame) -> None:
+            # not in the signal handler itself: it may have interrupted a thread holding a queue lock
+            threading.Thread(target=engine.begin_shutdown, name="kv_cache-serve-shutdown", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    n = len(service.store.list(ANY_OWNER))
+    print(f"kvcache serve: {name} on http://{args.host}:{args.port}/v1, {n} stored context(s), "
+          + (f"{len(keys)} API key(s)" if keys else "no API key"), flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    Server(config).run()
+    return 0
+
+
+def run_contexts(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from .models import load_model
+    from .serve.auth import KEY_ENV, key_id
+    from .serve.store import ANY_OWNER, ContextNotFound, ContextStore
+
+    model, tok = load_model(args.model)
+    store = ContextStore(args.store, model, tok, cache_bytes=0)
+    if args.action == "list":
+        for d in store.list(ANY_OWNER):
+            print(json.dumps({k: d.get(k) for k in ("id", "status", "owner", "method", "tokens", "file_bytes",
+                                                   "error") if k in d}))
+        return 0
+    if not args.id:
+        raise ValueError(f"kvcache contexts {args.action} needs the context's id")
+    if args.id not in {d["id"] for d in store.list(ANY_OWNER)}:
+        raise ValueError(f"no context {args.id!r} in {args.store} (kvcache contexts --store {args.store} list)")
+    if args.action == "delete":
+        try:
+            store.delete(args.id, ANY_OWNER)
+        except ContextNotFound:
+            raise ValueError(f"no context {args.id!r} in {args.store}") from None
+        print(f"deleted {args.id}")
+        return 0
+    if args.no_key:
+        owner = None
+    else:
+        key = args.key if args.key is not None else os.environ.get(KEY_ENV, "")
+        if not key.strip():
+            raise ValueError("kvcache contexts assign needs --key KEY (or $KVCACHE_API_KEY), or --no-key")
+        owner = key_id(key.strip())
+    store.assign(args.id, owner)
+    print(f"assigned {args.id} to " + ("no key" if owner is None else f"the key with owner id {owner}"),
+          file=sys.stdout)
     return 0

@@ -313,7 +313,7 @@ class CompressedContext:
     @classmethod
     def build(cls, model: torch.nn.Module, tokenizer: Any, text_or_ids: str | Sequence[int] | torch.Tensor, *,
               quant=None, eviction=None, max_tokens: int | None = None, keep: str | None = None,
-              chat: bool | None = None, plan=None) -> "CompressedContext":
+              chat: bool | None = None, plan=None, strict: bool = False) -> "CompressedContext":
         """Prefill and compress a document (text, or token ids with their BOS if the model wants one).
 
         The document must fit the model's positions (``max_position_embeddings``; with
@@ -334,6 +334,8 @@ class CompressedContext:
         and the document are compressed, and each question comes with the template's tail. The
         default (None) uses it for a text when the tokenizer has one; False keeps the raw text.
         ``plan``: a :class:`kv_cache.plan.CachePlan` instead of ``quant`` / ``eviction``.
+        ``strict``: raise :class:`~kv_cache.FidelityError` when the fidelity check finds layers the
+        compression wrecks, instead of warning (:class:`~kv_cache.CompressedCache`).
         """
         from .chat import has_chat_template, split_chat
 
@@ -364,8 +366,8 @@ class CompressedContext:
                 raise ValueError("pass either plan= or quant=/eviction=, not both (a plan holds both)")
             eviction = plan.eviction()
         ids = fit_context(ids, model.config, tokenizer, eviction, max_tokens=max_tokens, keep=keep)
-        cache = (CompressedCache(model.config, plan=plan) if plan is not None
-                 else CompressedCache(model.config, quant=quant, eviction=eviction))
+        cache = (CompressedCache(model.config, plan=plan, strict=strict) if plan is not None
+                 else CompressedCache(model.config, quant=quant, eviction=eviction, strict=strict))
         logits, stats = prefill(model, cache, torch.tensor([ids], dtype=torch.long), tokenizer=tokenizer,
                                 last_only=True)
         return cls(model, tokenizer, cache, len(ids), logits[0, -1].float(), stats, document_tokens, suffix)

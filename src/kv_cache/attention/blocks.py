@@ -112,7 +112,7 @@ class QuantBlock:
         B, H, M, d = q.shape
         R = B * H
         if self.rotation is not None:  # q.k = (qR).(kR): rotate the query once, not every key
-            q = self.rotation.forward(q.float())
+            q = self.rotation.forward_keys(q.float())
         qf = q.reshape(R, M, d).float()
         st = None if start is None else start.reshape(R).to(torch.int32)
         want_all = stat_rows is not None and stat_rows.numel() == M
@@ -213,7 +213,9 @@ def _same_rotation(a: Any, b: Any) -> bool:
     hit = _SAME_SPACE.get((id(a), id(b)))
     if hit is not None and hit[0]() is a and hit[1]() is b:
         return hit[2]
-    if a.matrices is not None or b.matrices is not None:
+    if a.keys != b.keys:
+        same = False
+    elif a.matrices is not None or b.matrices is not None:
         same = a.matrices is not None and b.matrices is not None and torch.equal(a.matrices, b.matrices)
     else:
         same = torch.equal(a.signs, b.signs)
@@ -243,7 +245,8 @@ def _one_call(blocks: list, q: torch.Tensor, scaling: float, starts: list) -> tu
         space = next((sp for sp in spaces if _same_rotation(sp[0], blk.rotation)), None)
         if space is None:
             rot = blk.rotation
-            space = (rot, None, None) if rot is None else (rot, rot.forward(q).reshape(R, G, d), rot.inverse_matrices())
+            space = (rot, None, None) if rot is None else (rot, rot.forward_keys(q).reshape(R, G, d),
+                                                           rot.inverse_matrices())
             spaces.append(space)
         packed.append((blk.keys, blk.values, start, q.reshape(R, G, d) if space[1] is None else space[1], space[2]))
     out, lse = attend_mixed(q.reshape(R, G, d), scaling, packed=packed or None, dense=dense)

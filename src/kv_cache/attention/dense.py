@@ -57,7 +57,7 @@ def materialize(view: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | 
             k = dequantize_block(blk.keys).reshape(B, H, n, -1)
             v = dequantize_block(blk.values).reshape(B, H, n, -1)
             if blk.rotation is not None:
-                k, v = blk.rotation.inverse(k), blk.rotation.inverse(v)
+                k, v = blk.rotation.inverse_keys(k), blk.rotation.inverse(v)
             held = None
         elif isinstance(blk, RaggedBlock):
             k, v, held = _materialize_rows(blk)

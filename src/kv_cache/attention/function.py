@@ -35,6 +35,8 @@ from typing import Any, Iterator
 import torch
 
 from .blocks import attend_new, fused_decode, join_new_token, merge, reconstruction_scores
+from ..cache.fidelity import FIDELITY_QUERIES, attention_output_error, checked_rows, masked_attention
+from ..cache.key_offset import lse_shift, unshift_keys
 from .dense import apply_learned_sinks, attend_positions, attend_positions_observed, materialize
 
 ATTENTION_NAME = "kv_cache"
@@ -119,11 +121,50 @@ def compressed_attention(
             out, lse = _positional(layer, view, q, key, value, scaling, G, L, starts, new_valid, softcap)
         else:
             out, lse = _blocks(layer, view, q, key, value, scaling, G, L, starts, new_valid, sinks is not None)
+            if sinks is not None and layer.key_offset is not None:  # learned sinks see true logits (§25)
+                lse = lse + lse_shift(q, layer.key_offset, scaling)
+        if layer.checks_fidelity(view, L):
+            layer.record_fidelity(_prefill_error(layer, q, key, value, scaling, G, L, softcap, new_valid))
     finally:
         layer.attention_done()
     if sinks is not None:
         out, lse = apply_learned_sinks(out, lse, sinks, Hkv)
     return out.reshape(B, Hkv * G, L, -1).transpose(1, 2).to(query.dtype), None
+
+
+def _prefill_error(layer, q, key, value, scaling, G, L, softcap, new_valid) -> float:
+    """The fidelity check (:mod:`kv_cache.cache.fidelity`, §26): the largest relative error, over
+    rows and KV heads, of the last queries' attention output over the stored (compressed)
+    prompt against the full-precision prompt of this first prefill. NaN when the stored blocks
+    cannot be read densely under soft-capping (heads of different lengths)."""
+    m = min(FIDELITY_QUERIES, L)
+    qs = q[:, :, checked_rows(G, L, m, q.device)]
+    blocks = layer.storage.blocks() + layer.demoted_blocks()
+    starts = layer._starts  # [B, Hkv] leading padding slots of the stored rows, or None
+    valid = None if new_valid is None else new_valid[:, None, :].expand(-1, key.shape[1], -1)
+    if softcap is None:
+        parts, offset = [], 0
+        for blk in blocks:
+            start = None if starts is None else (starts - offset).clamp(0, blk.length)
+            out, lse, _ = blk.attend(qs, scaling, start, None)
+            parts.append((out, lse))
+            offset += blk.length
+        approx = parts[0][0] if len(parts) == 1 else merge(parts)[0]
+    else:
+        try:
+            dense = materialize(blocks)
+        except ValueError:
+            return float("nan")
+        k_hat, v_hat = unshift_keys(dense[0], layer.key_offset), dense[1]
+        approx_valid = dense[2] if len(dense) > 2 else None  # ragged heads: their virtual padding
+        if starts is not None:
+            after = torch.arange(k_hat.shape[2], device=k_hat.device) >= starts.unsqueeze(-1)
+            approx_valid = after if approx_valid is None else approx_valid & after
+        approx = masked_attention(qs, k_hat, v_hat, scaling, softcap, approx_valid)
+        key = unshift_keys(key, layer.key_offset)
+    exact_key = key if valid is None else key.masked_fill(~valid[..., None], 0)
+    err = attention_output_error(qs, exact_key, value, approx, scaling, softcap, key_valid=valid)
+    return float(err.max())
 
 
 def _window_hides(layer, view: list, L: int) -> bool:
@@ -149,6 +190,7 @@ def _positional(layer, view, q, key, value, scaling, G, L, starts, new_valid, so
         S = 0 if stored is None else stored[0].shape[2]
         keys = key.float() if stored is None else torch.cat([stored[0], key.float()], 2)
         values = value.float() if stored is None else torch.cat([stored[1], value.float()], 2)
+    keys = unshift_keys(keys, layer.key_offset)  # soft-capping is not shift-invariant: true keys (§25)
     B, H = keys.shape[:2]
     T = keys.shape[2]
     end = layer.position_end(L)  # one past the last query's position
@@ -229,7 +271,8 @@ def _reconstruction_pass(layer, query, q, key, value, scaling: float, G: int,
     logits, without the learned sinks' share; math dictionary §19.3, §22.4)."""
     B, Hq, L, d = query.shape
     sinks, start, end = layer.reconstructing
-    keys, values = layer.reconstruction_states()  # [B, Hkv, T, d], dequantized when packed
+    keys, values = layer.reconstruction_states()  # [B, Hkv, T, d], dequantized when packed, offset added back
+    key = unshift_keys(key, layer.key_offset)
     T = keys.shape[2]
     all_k, all_v = torch.cat([keys, key.to(keys.dtype)], 2), torch.cat([values, value.to(values.dtype)], 2)
     if learned is None and softcap is None:

@@ -13,6 +13,9 @@ from ..policies.base import EvictionPolicy
 from .architecture import check_decoder, layer_windows
 from .config import QuantConfig
 from .budgets import fixed_parts
+import warnings
+
+from .fidelity import FIDELITY_THRESHOLD, broken_layers, fidelity_message
 from .layer import CompressedLayer
 from .report import MemoryReport, fp16_kv_bytes, kv_geometry
 
@@ -21,6 +24,14 @@ TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "
 """Model types in the test grid (tiny random configs, ``tests/test_architectures.py``). Support is
 by capability, not by this list: any decoder whose attention modules update the cache and then
 call transformers' attention interface works (:mod:`.architecture`)."""
+
+class FidelityWarning(UserWarning):
+    """The fidelity check found layers whose attention the compressed cache wrecks (§26)."""
+
+
+class FidelityError(RuntimeError):
+    """Raised instead of :class:`FidelityWarning` by a cache made with ``strict=True``."""
+
 
 REFERENCE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose queries the reference path's hooks can recompute (``q_proj`` [+ ``q_norm``])."""
@@ -56,6 +67,16 @@ class CompressedCache(Cache):
     eviction : EvictionPolicy or None
         Which tokens survive (:class:`~kv_cache.SnapKV`, :class:`~kv_cache.H2O`,
         :class:`~kv_cache.StreamingLLM`); policies need ``with kv_cache.compress(model, cache):``.
+    strict : bool, default False
+        The fidelity check (math dictionary §26): at the first prefill under
+        :func:`kv_cache.compress` (or :func:`kv_cache.prefill`), every compressed layer compares
+        the attention output of the prompt's last 8 queries over what it stored with the output
+        over the full-precision prompt. A layer whose relative error passes
+        ``fidelity_threshold`` makes the cache warn (:class:`FidelityWarning`) or, with
+        ``strict=True``, raise (:class:`FidelityError`), naming the layers and what to do. The
+        figures are in :meth:`memory_report` (``attention_errors``) either way.
+    fidelity_threshold : float, default 0.5
+        The relative attention-output error past which a layer counts as wrecked.
 
     With both None the cache behaves exactly like ``DynamicCache``.
 
@@ -68,8 +89,14 @@ class CompressedCache(Cache):
     """
 
     def __init__(self, config: Any, *, quant: QuantConfig | None = None, eviction: EvictionPolicy | None = None,
-                 plan: Any = None):
+                 plan: Any = None, strict: bool = False, fidelity_threshold: float = FIDELITY_THRESHOLD):
         check_decoder(config)
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be True or False; got {strict!r}")
+        if isinstance(fidelity_threshold, bool) or not isinstance(fidelity_threshold, (int, float)) \
+                or not fidelity_threshold > 0:
+            raise ValueError(f"fidelity_threshold must be a number > 0; got {fidelity_threshold!r}")
+        self.strict, self.fidelity_threshold = strict, float(fidelity_threshold)
         if plan is not None:  # a kv_cache.plan.CachePlan (duck-typed: the plan layer sits above this one)
             if quant is not None or eviction is not None:
                 raise ValueError("pass either plan= or quant=/eviction=, not both (a plan holds both)")
@@ -131,6 +158,26 @@ class CompressedCache(Cache):
         self._shared: dict[int, tuple] = {}
         for layer in self.layers:
             layer.share = self._share_budget
+            layer.on_fidelity = self._fidelity_recorded
+        checked = [i for i, layer in enumerate(self.layers) if layer.quant is not None or layer.policy is not None]
+        self._last_checked = checked[-1] if checked else None
+
+    def attention_errors(self) -> dict[int, float]:
+        """``{layer: e}``: the fidelity check's relative attention-output error per layer (§26)."""
+        return {i: layer.attention_error for i, layer in enumerate(self.layers) if layer.attention_error is not None}
+
+    def _fidelity_recorded(self, layer: CompressedLayer) -> None:
+        """Once the last checked layer has its figure (the end of the prefill's forward): warn, or
+        raise with ``strict``, naming every layer past the threshold."""
+        if layer.layer_idx != self._last_checked:
+            return
+        bad = broken_layers(self.attention_errors(), self.fidelity_threshold)
+        if not bad:
+            return
+        message = fidelity_message(bad, self.fidelity_threshold, self.strict)
+        if self.strict:
+            raise FidelityError(message)
+        warnings.warn(message, FidelityWarning, stacklevel=2)
 
     def _share_budget(self, layer: CompressedLayer, scores, valid, forced, budget: int, floor: int,
                       before_attention: bool) -> None:
@@ -240,7 +287,9 @@ class CompressedCache(Cache):
             residual_bytes=cat["residual"], indices_bytes=cat["indices"], scores_bytes=cat["scores"],
             fp16_bytes=fp16, tokens_seen=seen, tokens_kept=kept / n, elements_kept=elements,
             per_layer_bytes=per_layer, tables_bytes=cat["tables"], budget_raised=self.raised_budgets(),
-            notes=self._budget_notes() + self._hybrid_notes(), bytes_by_layer_kind=kinds, window_saved_fp16_bytes=saved,
+            notes=self._budget_notes() + self._hybrid_notes(), bytes_by_layer_kind=kinds,
+            window_saved_fp16_bytes=saved, attention_errors=self.attention_errors(),
+            fidelity_threshold=self.fidelity_threshold,
         )
 
     def raised_budgets(self) -> dict[int, tuple[int, int]]:

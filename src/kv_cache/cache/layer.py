@@ -35,6 +35,7 @@ from .budgets import check_budget_fits, forced_slots, layer_masks, resolved_budg
 from .checks import check_policy_can_act
 from .context_layer import RECONSTRUCTION_MISSING, running_max, session_tail
 from .ragged import ragged_state
+from .key_offset import key_offset, shift_keys, unshift_keys
 from .report import layer_nbytes, layer_tensors
 from .tiers import TIERS_NEED_NATIVE, demote
 from .window import slide
@@ -88,6 +89,9 @@ class CompressedLayer(CacheLayerMixin):
         self.hidden_in: torch.Tensor | None = None  # set by compress()'s hook for a policy with needs_hidden
         self._hidden: torch.Tensor | None = None  # this call's hidden states, until the policy scored them
         self._since_evict = 0  # tokens appended since the last eviction (decode-time evict_every)
+        self.key_offset: torch.Tensor | None = None  # [b, h, 1, d] float32: keys are held as k - mu (§25)
+        self.attention_error: float | None = None  # the fidelity check at prefill (§26)
+        self.on_fidelity = None  # the cache's callback once this layer's check is recorded
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -116,6 +120,9 @@ class CompressedLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.seen == 0 and self.key_offset is None and self.quant is not None and self.quant.center_keys:
+            self.key_offset = key_offset(key_states, self.quant.sink_tokens)  # from the prompt, once
+        key_states = shift_keys(key_states, self.key_offset)
         hidden, self.hidden_in = self.hidden_in, None
         if self._reconstruct is not None:  # KVzip's repeat pass: attend, never store, positions unchanged
             self._view = self.storage.blocks()
@@ -144,7 +151,7 @@ class CompressedLayer(CacheLayerMixin):
                 self._pending = keys
             else:  # a policy that needs no attention (checked above) evicts here; attention still sees all
                 self._evict(self._score_inputs(keys.shape[:3], keys=keys), None, before_attention=True)
-        return keys, values
+        return unshift_keys(keys, self.key_offset), values  # the model's own attention may soft-cap
 
     def get_seq_length(self) -> int:
         """Tokens seen (absolute length), not tokens kept: positions stay absolute after eviction."""
@@ -163,9 +170,9 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        observed, native, share = self.observed, self.native, self.share
+        observed, native, share, on_fidelity = self.observed, self.native, self.share, self.on_fidelity
         self.__init__(self.layer_idx, self.quant, self.policy, self.window)
-        self.observed, self.native, self.share = observed, native, share
+        self.observed, self.native, self.share, self.on_fidelity = observed, native, share, on_fidelity
 
     def crop(self, max_length: int) -> None:
         raise RuntimeError(
@@ -188,6 +195,8 @@ class CompressedLayer(CacheLayerMixin):
             self.storage.map_tensors(fn)
         if self.demoted is not None:
             self.demoted.map_tensors(fn)
+        if self.key_offset is not None:
+            self.key_offset = fn(self.key_offset)
         self.state = {name: fn(t) for name, t in self.state.items()}
         if self._starts is not None:
             self._starts = fn(self._starts)
@@ -243,6 +252,18 @@ class CompressedLayer(CacheLayerMixin):
         inputs = self._score_inputs(keys.shape[:3], keys=keys, query=query, scaling=scaling,
                                     key_valid=None if bool(valid.all()) else valid)
         self._evict(inputs, valid[:, None, :])
+
+    # ------------------------------------------------------------------ the fidelity check (§26)
+    def checks_fidelity(self, view: list, q_len: int) -> bool:
+        """Whether this attention call is the layer's first prefill of a compressed cache (the
+        fidelity check runs once, then)."""
+        return (self.attention_error is None and not view and q_len > 1 and self._reconstruct is None
+                and self._tail is None and (self.quant is not None or self.policy is not None))
+
+    def record_fidelity(self, error: float) -> None:
+        self.attention_error = error
+        if self.on_fidelity is not None:
+            self.on_fidelity(self)
 
     # ------------------------------------------------------------------ the native-attention seam
     @property
@@ -460,8 +481,10 @@ class CompressedLayer(CacheLayerMixin):
         self._reconstruct = (sinks, start, end)
 
     def reconstruction_states(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored keys and values in full precision ``[batch, kv_heads, T, d]``: what the repeat chunks attend."""
-        return self.storage.read()
+        """The stored keys and values in full precision ``[batch, kv_heads, T, d]`` (keys as the
+        model computed them, the offset added back): what the repeat chunks attend."""
+        keys, values = self.storage.read()
+        return unshift_keys(keys, self.key_offset), values
 
     def observe_reconstruction(self, scores: torch.Tensor) -> None:
         """``scores`` ``[batch, kv_heads, end - start]``: this chunk's max probabilities; kept as the max."""
@@ -491,8 +514,8 @@ class CompressedLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ accounting
     def held_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor this layer holds, by slot name (:func:`.report.layer_tensors`)."""
-        return layer_tensors(self.storage, self.demoted, self._tail, self.state, self._starts)
+        return layer_tensors(self.storage, self.demoted, self._tail, self.state, self._starts, self.key_offset)
 
     def nbytes_by_category(self) -> dict[str, int]:
         """Bytes held by category (:func:`.report.layer_nbytes`)."""
-        return layer_nbytes(self.storage, self.demoted, self._tail, self.state, self._starts)
+        return layer_nbytes(self.storage, self.demoted, self._tail, self.state, self._starts, self.key_offset)

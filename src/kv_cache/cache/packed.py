@@ -133,8 +133,13 @@ class Rotation:
     """
 
     matrices: torch.Tensor | None = None
-    FIELDS = {"signs": "signs", "matrices": "matrices"}
+    keys: bool = True
+    """Whether keys are stored in the rotated space too (values always are). False for per-channel
+    keys (math dictionary §25): the query is then not rotated, only the output is rotated back."""
+    FIELDS = {"signs": "signs", "matrices": "matrices", "keys": "keys"}
     """Saved fields (:mod:`kv_cache.cache.serialize_state`)."""
+    FIELD_DEFAULTS = {"keys": True}
+    """Fields a file written before they existed may lack (format 2 files rotated keys always)."""
 
     def __init__(self, layer: int, kv_heads: int, head_dim: int, seed: int, device) -> None:
         self.signs = torch.stack([RandomizedHadamard.for_head(head_dim, layer, h, seed).signs()
@@ -158,11 +163,25 @@ class Rotation:
     def head(self, h: int) -> "Rotation":
         """The rotation of KV head ``h`` alone (its own copy of the signs, ``[1, d]``)."""
         if self.matrices is not None:
-            return Rotation.from_matrices(self.matrices[h:h + 1].clone())
-        return Rotation.from_signs(self.signs[h:h + 1].clone())
+            return Rotation.from_matrices(self.matrices[h:h + 1].clone()).with_keys(self.keys)
+        return Rotation.from_signs(self.signs[h:h + 1].clone()).with_keys(self.keys)
+
+    def with_keys(self, keys: bool) -> "Rotation":
+        """This rotation, with keys rotated (``keys``) or stored as computed; returns ``self``."""
+        self.keys = bool(keys)
+        return self
+
+    def forward_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """Keys (or queries, which must live in the keys' space) into the stored space: ``x R`` when
+        keys are rotated, else ``x`` unchanged."""
+        return self.forward(x) if self.keys else x
+
+    def inverse_keys(self, y: torch.Tensor) -> torch.Tensor:
+        """Stored keys back to the model's space (``y R^T`` when keys are rotated, else ``y``)."""
+        return self.inverse(y) if self.keys else y
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        """The held tensors: ``rotation_signs`` or ``rotation_matrices``."""
+        """The held tensors: ``rotation_signs`` or ``rotation_matrices`` (``keys`` is a flag, no bytes)."""
         if self.matrices is not None:
             return {"rotation_matrices": self.matrices}
         return {"rotation_signs": self.signs}
@@ -300,6 +319,11 @@ class PackedKV:
         """The levels the codes index: a constant of the layout (like the formula), not held."""
         lut = self._lut(bits, self.k_codes.device) if codebook else None
         return uniform_lut(bits, self.quant.symmetric, self.k_codes.device) if lut is None else lut
+    @property
+    def key_scale_dtype(self) -> torch.dtype:
+        """Per-channel key scales: ``scale_dtype``, float16 where that is the 8-bit norm code (values only)."""
+        return torch.float16 if self.quant.scale_dtype == torch.uint8 else self.quant.scale_dtype
+
     def _stored_scale(self, scale: torch.Tensor) -> torch.Tensor:
         """Scales as held: 8-bit log codes with ``scale_dtype=torch.uint8`` (§18.8), else as computed."""
         return encode_log_scale(scale) if self.quant.scale_dtype == torch.uint8 else scale
@@ -319,15 +343,15 @@ class PackedKV:
             keys, values = keys.to(self.dtype), values.to(self.dtype)
         if q.rotation is not None:
             if self.rotation is None:
-                self.rotation = _make_rotation(q, self.layer, h, d, keys.device)
-            keys, values = self.rotation.forward(keys), self.rotation.forward(values)
+                self.rotation = _make_rotation(q, self.layer, h, d, keys.device).with_keys(not self.per_channel_keys)
+            keys, values = self.rotation.forward_keys(keys), self.rotation.forward(values)
         k3, v3 = keys.reshape(R, n, d), values.reshape(R, n, d)
         # 8-bit log-coded norms (§18.8): the kernel computes float32 norms, stored as codes below.
         # The codes stay those of the exact norm: norm-only codes are nearest levels of x / RMS(x).
         kernel_scale = torch.float32 if q.scale_dtype == torch.uint8 else q.scale_dtype
-        if self.per_channel_keys:
+        if self.per_channel_keys:  # uniform levels with a zero point; float16 scales under 8-bit value norms
             kx = clip_groups(k3, q.clip_keys, 1, g)
-            kq = quantize_block(kx, self.key_bits, "channel", g, q.symmetric, q.scale_dtype)
+            kq = quantize_block(kx, self.key_bits, "channel", g, q.symmetric, self.key_scale_dtype)
             k_meta_shape = (b, h, n // g, d)
         else:
             kx = clip_groups(k3, q.clip_keys, 2, c)
@@ -347,7 +371,8 @@ class PackedKV:
             gid = torch.arange(first, first + n // g, device=keys.device, dtype=torch.int32)
             self.k_group = _cat(self.k_group, gid.repeat_interleave(g).expand(b, h, n).contiguous(), slack)
         self.k_codes = _cat(self.k_codes, kq.codes.view(b, h, n, -1), slack)
-        self.k_scale = _cat(self.k_scale, self._stored_scale(kq.scale).view(k_meta_shape), k_slack)
+        k_scale = kq.scale if self.per_channel_keys else self._stored_scale(kq.scale)
+        self.k_scale = _cat(self.k_scale, k_scale.view(k_meta_shape), k_slack)
         self.v_codes = _cat(self.v_codes, vq.codes.view(b, h, n, -1), slack)
         self.v_scale = _cat(self.v_scale, self._stored_scale(vq.scale).view(b, h, n, -1), slack)  # [b, h, n, d / c]
         if kq.zero is not None:  # symmetric and codebook codes have no zero point (None)
@@ -363,7 +388,7 @@ class PackedKV:
         k = dequantize_block(kq, self.dtype).view(b, h, n, -1)
         v = dequantize_block(vq, self.dtype).view(b, h, n, -1)
         if self.rotation is not None:
-            k, v = self.rotation.inverse(k), self.rotation.inverse(v)
+            k, v = self.rotation.inverse_keys(k), self.rotation.inverse(v)
         return k, v
 
     def __setattr__(self, name: str, value) -> None:
@@ -418,6 +443,10 @@ class PackedKV:
 
     def gather(self, idx: torch.Tensor) -> None:
         """Keep tokens ``idx`` (``[b, h, k]``) and drop key scale groups no head uses any more."""
+        if self.per_channel_keys and self.k_group is None:  # whole groups so far: token t uses group t // g
+            b, h, n = self.k_codes.shape[:3]
+            gid = torch.arange(n, device=self.k_codes.device, dtype=torch.int32) // self.quant.group_size
+            self.k_group = gid.expand(b, h, n).contiguous()
         per_token = ("k_codes", "v_codes", "v_scale", "v_zero", "k_group")
         if not self.per_channel_keys:
             per_token += ("k_scale", "k_zero")

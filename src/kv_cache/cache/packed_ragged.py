@@ -369,11 +369,11 @@ def _layer_rotation(rows: list[LayerStorage], heads: int):
     known = next(x for x in per_head if x is not None)
     per_head = [known if x is None else x for x in per_head]  # a head without codes: any space serves
     if known.matrices is not None:
-        return Rotation.from_matrices(torch.cat([x.matrices for x in per_head], dim=0))
-    return Rotation.from_signs(torch.cat([x.signs for x in per_head], dim=0))
+        return Rotation.from_matrices(torch.cat([x.matrices for x in per_head], dim=0)).with_keys(known.keys)
+    return Rotation.from_signs(torch.cat([x.signs for x in per_head], dim=0)).with_keys(known.keys)
 
 
 def _same_rotation(a, b) -> bool:
-    if (a.matrices is None) != (b.matrices is None):
+    if (a.matrices is None) != (b.matrices is None) or a.keys != b.keys:
         return False
     return torch.equal(a.matrices, b.matrices) if a.matrices is not None else torch.equal(a.signs, b.signs)

@@ -50,6 +50,9 @@ class MemoryReport:
     ``bytes_by_layer_kind``: bytes held by ``"full_attention"`` and ``"sliding_attention"``
     layers (hybrid models); ``window_saved_fp16_bytes``: the fp16 bytes of the tokens seen that
     sliding layers no longer hold because their window passed them (math dictionary §22).
+    ``attention_errors``: the fidelity check's relative attention-output error per layer,
+    measured at prefill on the prompt's last queries (math dictionary §26), and the
+    ``fidelity_threshold`` past which the cache warned (or raised with ``strict=True``).
     """
 
     codes_bytes: int
@@ -68,6 +71,14 @@ class MemoryReport:
     notes: list[str] = field(default_factory=list)
     bytes_by_layer_kind: dict[str, int] = field(default_factory=dict)
     window_saved_fp16_bytes: int = 0
+    attention_errors: dict[int, float] = field(default_factory=dict)
+    """``{layer: e}``: the fidelity check's relative attention-output error at prefill (§26)."""
+    fidelity_threshold: float | None = None
+
+    @property
+    def max_attention_error(self) -> float | None:
+        """The largest per-layer error of the fidelity check (None: not measured)."""
+        return max(self.attention_errors.values()) if self.attention_errors else None
 
     @property
     def total_bytes(self) -> int:
@@ -108,13 +119,17 @@ class MemoryReport:
                 + (f"\nby layer kind: " + ", ".join(f"{k} {v:,} B" for k, v in self.bytes_by_layer_kind.items())
                    + f"; sliding windows saved {self.window_saved_fp16_bytes:,} fp16 B"
                    if len(self.bytes_by_layer_kind) > 1 else "")
-                + "".join(f"\nnote: {line}" for line in self.notes))
+                + "".join(f"\nnote: {line}" for line in self.notes)
+                + (f"\nattention-output error at prefill (fidelity check): max {self.max_attention_error:.3f} "
+                   f"(layer {max(self.attention_errors, key=self.attention_errors.get)}), threshold "
+                   f"{self.fidelity_threshold}" if self.attention_errors else ""))
 
 
-def layer_tensors(storage, demoted, tail, state: dict, starts) -> dict:
+def layer_tensors(storage, demoted, tail, state: dict, starts, key_offset=None) -> dict:
     """Every tensor a :class:`~kv_cache.cache.layer.CompressedLayer` holds, by slot name: its
     storage's, ``demoted.*`` (the evicted tier), ``tail.*`` (a session's tokens), ``state.*``
-    (the policy's per-token state) and ``starts`` (each head's first valid slot)."""
+    (the policy's per-token state), ``starts`` (each head's first valid slot) and
+    ``key_offset`` (the per-channel key offset, §25)."""
     out = {} if storage is None else dict(storage.named_tensors())
     for prefix, part in (("demoted", demoted), ("tail", tail)):
         if part is not None:
@@ -122,12 +137,14 @@ def layer_tensors(storage, demoted, tail, state: dict, starts) -> dict:
     out.update({f"state.{k}": v for k, v in state.items()})
     if starts is not None:
         out["starts"] = starts
+    if key_offset is not None:
+        out["key_offset"] = key_offset
     return out
 
 
-def layer_nbytes(storage, demoted, tail, state: dict, starts) -> dict[str, int]:
+def layer_nbytes(storage, demoted, tail, state: dict, starts, key_offset=None) -> dict[str, int]:
     """Bytes of :func:`layer_tensors` by category: the storages' categories, ``scores`` (the
-    policy's state) and ``indices`` (the starts included)."""
+    policy's state), ``indices`` (the starts included) and ``tables`` (the key offset)."""
     out = {} if storage is None else storage.nbytes_by_category()
     for part in (demoted, tail):
         if part is not None:
@@ -136,4 +153,6 @@ def layer_nbytes(storage, demoted, tail, state: dict, starts) -> dict[str, int]:
     out["scores"] = sum(t.nbytes for t in state.values())
     if starts is not None:  # each head's first valid slot (padding, ragged heads)
         out["indices"] = out.get("indices", 0) + starts.nbytes
+    if key_offset is not None:
+        out["tables"] = out.get("tables", 0) + key_offset.nbytes
     return out

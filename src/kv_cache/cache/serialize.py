@@ -244,6 +244,31 @@ def read_info(path: str | os.PathLike) -> dict[str, Any]:
     return {k: header[k] for k in ("model", "quant", "eviction", "tokens_seen", "extra")}
 
 
+def rewrite_extra(path: str | os.PathLike, extra: dict[str, Any]) -> int:
+    """Replace the ``extra`` of the kv_cache file at ``path`` (its tensors unchanged), atomically:
+    the new file is written next to it (``<name>.tmp``, fsynced), then renamed over it. Returns
+    the bytes written; raises the errors of :func:`read_info` for a file that fails its checks."""
+    from safetensors.torch import load, save
+
+    data, header, _ = _read_file(path)
+    try:
+        header = {**header, "extra": json.loads(json.dumps(extra))}
+    except TypeError as exc:
+        raise ValueError(f"rewrite_extra: extra must be JSON-serializable: {exc}") from None
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"))
+    meta = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "kv_cache": text,
+            "kv_cache_sha256": hashlib.sha256(text.encode()).hexdigest()}
+    out = save(load(data), metadata=meta)
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(out)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+    return len(out)
+
+
 def load_cache(path: str | os.PathLike, *, model_config: Any, device: str | torch.device | None = None
                ) -> tuple[CompressedCache, dict[str, Any]]:
     """Read a file written by :func:`save_cache` for the model of ``model_config``.
@@ -313,4 +338,4 @@ def load_cache(path: str | os.PathLike, *, model_config: Any, device: str | torc
     return cache, dict(header.get("extra", {}))
 
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "load_cache", "model_identity", "read_info", "save_cache"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "load_cache", "model_identity", "read_info", "rewrite_extra", "save_cache"]

@@ -203,12 +203,15 @@ class _Reader:
         if cls is None:
             raise ValueError(f"kv_cache file holds an object of class {name!r}; expected one of "
                              f"{sorted(STORAGE_CLASSES) + sorted(_rotation_classes())}")
-        if set(d["attrs"]) != set(cls.FIELDS):
+        optional = set(getattr(cls, "FIELD_DEFAULTS", {}))
+        have, declared = set(d["attrs"]), set(cls.FIELDS)
+        if not have <= declared or not declared - optional <= have:
             raise ValueError(f"kv_cache file is corrupted: a {name} has fields {sorted(d['attrs'])}; its layout "
                              f"declares {sorted(cls.FIELDS)}")
         out = cls.__new__(cls)
         for f, attr in cls.FIELDS.items():
-            setattr(out, attr, self.value(d["attrs"][f]))
+            value = self.value(d["attrs"][f]) if f in have else cls.FIELD_DEFAULTS[f]
+            setattr(out, attr, value)
         return out
 
     def value(self, v: Any) -> Any:
@@ -253,6 +256,10 @@ def _encode_layer(layer: CompressedLayer, i: int, w: _Writer) -> dict[str, Any]:
         out["demoted"] = w.obj(layer.demoted, f"layer{i}.demoted")
     out["state"] = {k: w.tensor(f"layer{i}.state.{k}", t)["tensor"] for k, t in sorted(layer.state.items())}
     out["_starts"] = None if layer._starts is None else w.tensor(f"layer{i}._starts", layer._starts)["tensor"]
+    if layer.key_offset is not None:
+        out["key_offset"] = w.tensor(f"layer{i}.key_offset", layer.key_offset)["tensor"]
+    err = layer.attention_error  # the fidelity check at prefill (§26): a figure of the stored context
+    out["attention_error"] = None if err is None or err != err else float(err)
     return out
 
 
@@ -266,6 +273,11 @@ def _decode_layer(layer: CompressedLayer, d: dict[str, Any], r: _Reader) -> None
     layer.demoted = r.obj(d["demoted"]) if d.get("demoted") is not None else None
     layer.state = {k: r.tensor(name) for k, name in d["state"].items()}
     layer._starts = None if d["_starts"] is None else r.tensor(d["_starts"])
+    layer.key_offset = r.tensor(d["key_offset"]) if d.get("key_offset") is not None else None
+    err = d.get("attention_error")  # absent from files written before the check existed
+    if err is not None and (isinstance(err, bool) or not isinstance(err, (int, float))):
+        raise ValueError(f"kv_cache file is corrupted: layer attention_error must be a number; got {err!r}")
+    layer.attention_error = None if err is None else float(err)
     layer.is_initialized = True
 
 

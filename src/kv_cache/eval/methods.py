@@ -76,6 +76,8 @@ QUANT_OPTIONS: tuple[QuantOption, ...] = (
                 "these bits instead of dropped (precision tiers)"),
     QuantOption("u", "evicted_layer_bits", "[profile]", "bits per layer of those tokens (o<bits>) from a "
                 "`kvcache allocate` JSON file", r"\[[^\],+\s]+\]", lambda v: load_bit_profile(v[1:-1])),
+    QuantOption("n", "center_keys", "", "no per-channel key offset (keys stored as computed, not k - mu; §25)", "",
+                lambda _: False),
 )
 
 KVPRESS_PRESSES = {  # spec name -> kvpress class

@@ -51,6 +51,9 @@ def markdown_table(doc: dict) -> str:
     for t in tasks:
         head += ["ppl", "Δppl", "greedy agree", "KL"] if t == "ppl" else [f"{t} acc"]
     head.append("decode tok/s")
+    with_fidelity = any(m.get("attention_error") is not None for m in methods)
+    if with_fidelity:
+        head.append("attn err")
     with_cost = any(m.get("prefill_cost") is not None for m in methods)
     if with_cost:
         head.append("prefill cost")
@@ -76,6 +79,9 @@ def markdown_table(doc: dict) -> str:
                 row.append("-" if sc is None else f"{sc:.1%}{partial}")
         tps = m.get("decode_tokens_per_s")
         row.append("-" if tps is None else f"{tps:.1f}")
+        if with_fidelity:
+            err = m.get("attention_error")
+            row.append("-" if err is None else f"{err:.3f}")
         if with_cost:
             cost = m.get("prefill_cost")
             row.append("-" if cost is None else f"{cost:.2f}x")
@@ -94,6 +100,11 @@ def markdown_table(doc: dict) -> str:
                  "bits/elem = 8 x KV bytes / (2 x layers x kv_heads x head_dim x tokens) = 16 / ratio, over every "
                  "token of the context prefilled, so for eviction methods it is per element of the full context "
                  "(what a token of context costs), not per element kept.")
+    if with_fidelity:
+        lines.append("attn err = the fidelity check (math dictionary §26): the largest relative attention-output error "
+                     "of the prompt's last 8 queries over the compressed prompt, over layers and samples, measured at "
+                     "prefill; past 0.5 the cache warns (strict=True raises); `-`: not measured (full precision, "
+                     "peers' caches, rows of earlier runs).")
     if with_cost:
         lines.append("prefill cost = time of the method's prefill over a plain prefill (transformers DynamicCache, "
                      "no hooks) of the same ids, run just before it in the same sample (retrieval tasks); `full` is "

@@ -80,6 +80,12 @@ class Prefilled:
     prefill_cost: float | None = None  # KVzip: its in-run prefill + reconstruction over its context prefill
     prefill_s: float | None = None  # seconds of the whole prefill
 
+    @property
+    def attention_error(self) -> float | None:
+        """The fidelity check's largest per-layer error (§26); None for caches that do not measure it."""
+        report = getattr(self.cache, "memory_report", None)
+        return None if report is None else getattr(report(), "max_attention_error", None)
+
 
 def _prefill(model, method: Method, ids: torch.Tensor, tokenizer=None, last_only: bool = False) -> Prefilled:
     """Prefill ``ids`` into a fresh cache of ``method``; ``scope`` stays open for what follows
@@ -150,6 +156,7 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None,
             all_logits = torch.cat([pre.logits[:, -1:], logits], dim=1)[0]  # predicts every continuation token
             nll = F.cross_entropy(all_logits, cont[0], reduction="mean").item()
             argmax = all_logits.argmax(-1).tolist()
+            attention_error = pre.attention_error  # read after the prefill, before decoding grows the cache
             _, tps = _greedy(model, pre.cache, all_logits[-1], prefix.shape[1] + cont.shape[1],
                              DECODE_TIMING_TOKENS, set())
         finally:
@@ -161,7 +168,7 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None,
     agreement = None if full_argmax is None else sum(a == b for a, b in zip(argmax, full_argmax)) / len(argmax)
     return {"index": sample.index, "nll": nll, "ppl": math.exp(nll), "agreement": agreement, "kl": kl,
             "argmax": argmax, "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_kv_bytes(model.config, prefix.shape[1]),
-            "decode_tokens_per_s": tps, **_cost(pre)}, log_probs
+            "decode_tokens_per_s": tps, "attention_error": attention_error, **_cost(pre)}, log_probs
 
 
 def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, max_new_tokens: int) -> dict:
@@ -187,7 +194,8 @@ def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, 
     return {"index": sample.metadata.get("index", 0), "prediction": prediction, "expected": list(sample.expected),
             "score": score_retrieval(prediction, sample.expected), "depth": sample.depth,
             "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_kv_bytes(model.config, ctx_ids.shape[1]),
-            "context_tokens": int(ctx_ids.shape[1]), "decode_tokens_per_s": tps, **_cost(pre, plain_s)}
+            "context_tokens": int(ctx_ids.shape[1]), "decode_tokens_per_s": tps,
+            "attention_error": pre.attention_error, **_cost(pre, plain_s)}
 
 
 def _option(default: Any, help_text: str) -> Any:
@@ -444,6 +452,8 @@ def _summarize(entry: dict, full: dict | None) -> None:
     # Means of equal-count lists, so this is all bytes held / all elements represented.
     entry["bits_per_element"] = bits_per_element(entry["kv_bytes"], entry["fp16_bytes"])
     entry["decode_tokens_per_s"] = _mean([s.get("decode_tokens_per_s") for s in all_samples])
+    errors = [s["attention_error"] for s in all_samples if s.get("attention_error") is not None]
+    entry["attention_error"] = max(errors) if errors else None  # the fidelity check, worst layer and sample
     costs = [s["prefill_cost"] for s in all_samples if s.get("prefill_cost") is not None]
     if costs:  # samples that measured it (retrieval; KVzip's own pass in every task)
         entry["prefill_cost"] = _mean(costs)

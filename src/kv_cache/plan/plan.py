@@ -195,8 +195,10 @@ class CachePlan:
                            for d in doc["layers"])
             plan = cls(layers, decode_quant(doc["layout"]), decode_policy(doc["policy"]), dict(doc["model"]),
                        str(doc.get("name", "custom")), dict(doc.get("predicted") or {}))
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"{where}: malformed plan ({type(exc).__name__}: {exc})") from None
+        except KeyError as exc:
+            raise ValueError(f"{where}: malformed plan (missing field {exc})") from None
+        except (TypeError, AttributeError) as exc:  # a field of the wrong type
+            raise ValueError(f"{where}: malformed plan ({exc})") from None
         if doc.get("fingerprint") != plan.fingerprint:
             raise ValueError(f"{where}: fingerprint {doc.get('fingerprint')!r} does not match the content "
                              f"({plan.fingerprint}): the file was edited or damaged")

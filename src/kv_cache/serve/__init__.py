@@ -4,7 +4,10 @@
 * :mod:`.service`: what each request runs (compress a document, answer a chat);
 * :mod:`.engine`: the single model worker, its bounded queue and lock;
 * :mod:`.store`: the ``.kvc`` files (atomic writes) and the in-memory LRU capped in bytes;
-* :mod:`.requests`: the request bodies, checked; :mod:`.errors`: OpenAI-style errors.
+* :mod:`.requests`: the request bodies, checked; :mod:`.errors`: OpenAI-style errors;
+* :mod:`.limits`: the bound of every input; :mod:`.auth`: API keys and their tenants;
+* :mod:`.files`: the files a request may name (registered by the operator, by name);
+* :mod:`.batch`: concurrent chats without a stored context decoded together.
 
 :func:`build` puts them together for a loaded model; ``kvcache serve`` (:mod:`kv_cache.cli_serve`)
 runs it with uvicorn.
@@ -14,25 +17,59 @@ from __future__ import annotations
 
 from typing import Any
 
+import dataclasses
+from typing import Iterable
+
 from .engine import Engine
 from .errors import ERROR_CASES, ApiError
+from .files import ServedFiles
+from .limits import Limits
 from .service import Service
 from .store import ContextStore
 
 
 def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key: str | None = None,
-          cache_bytes: int = 1 << 30, queue_size: int = 16, request_timeout: float = 120.0,
-          max_document_tokens: int | None = None):
-    """``(app, service, engine)`` serving ``model`` with contexts in ``store_dir``."""
+          api_keys: Iterable[str] = (), cache_bytes: int = 1 << 30, queue_size: int = 16,
+          request_timeout: float = 120.0, max_document_tokens: int | None = None, limits: Limits | None = None,
+          files: ServedFiles | None = None, shutdown_timeout: float = 10.0, max_batch: int = 8,
+          strict: bool = False):
+    """``(app, service, engine)`` serving ``model`` with contexts in ``store_dir``.
+
+    Parameters
+    ----------
+    model_id : str
+        The name the model is served as (``/v1/models``, a chat's ``model``): a name, not a path.
+    api_key, api_keys : str, iterable of str
+        The keys (none: no authentication); each key has its own contexts.
+    limits : Limits, optional
+        The bound of every input (default :class:`Limits`); ``max_document_tokens``, when given,
+        overrides its field of that name.
+    files : ServedFiles, optional
+        The plans, scorers and bit profiles requests may name (default: none).
+    max_batch : int, default 8
+        Chats without a stored context decoded together at most (1: one at a time).
+    strict : bool, default False
+        Refuse (400 ``invalid_method``, nothing stored) a context whose compressed cache fails the
+        fidelity check (math dictionary §26) instead of storing it with a warning in the log.
+    """
     from .app import create_app
 
     if max_document_tokens is not None and (isinstance(max_document_tokens, bool)
                                             or not isinstance(max_document_tokens, int) or max_document_tokens < 1):
         raise ValueError(f"max_document_tokens must be an int >= 1 or None; got {max_document_tokens!r}")
-    store = ContextStore(store_dir, model, tokenizer, cache_bytes=cache_bytes)
-    service = Service(model, tokenizer, store, model_id, max_document_tokens)
-    engine = Engine(queue_size=queue_size, request_timeout=request_timeout)
-    return create_app(service, engine, api_key=api_key), service, engine
+    if not isinstance(model_id, str) or not model_id.strip():
+        raise ValueError(f"model_id must be a non-empty name; got {model_id!r}")
+    limits = limits or Limits()
+    if max_document_tokens is not None:
+        limits = dataclasses.replace(limits, max_document_tokens=max_document_tokens)
+    store = ContextStore(store_dir, model, tokenizer, cache_bytes=cache_bytes, max_contexts=limits.max_contexts,
+                         max_bytes=limits.max_store_bytes, max_contexts_per_key=limits.max_contexts_per_key,
+                         max_bytes_per_key=limits.max_store_bytes_per_key)
+    service = Service(model, tokenizer, store, model_id, limits.max_document_tokens, files or ServedFiles(), limits,
+                      strict=strict)
+    engine = Engine(queue_size=queue_size, request_timeout=request_timeout, max_batch=max_batch)
+    app = create_app(service, engine, api_key=api_key, api_keys=api_keys, shutdown_timeout=shutdown_timeout)
+    return app, service, engine
 
 
-__all__ = ["ERROR_CASES", "ApiError", "ContextStore", "Engine", "Service", "build"]
+__all__ = ["ERROR_CASES", "ApiError", "ContextStore", "Engine", "Limits", "ServedFiles", "Service", "build"]

@@ -1,54 +1,55 @@
 """The FastAPI application of ``kvcache serve``: OpenAI's chat endpoints and compressed contexts.
 
-Routes (all under ``/v1``, behind ``Authorization: Bearer <api key>`` when the server has one):
+Routes (every one but ``GET /health`` behind ``Authorization: Bearer <api key>`` when the server
+has keys, ``/docs`` and ``/openapi.json`` included; :mod:`kv_cache.serve.auth`):
 
 * ``GET /v1/models``: the one model served;
 * ``POST /v1/chat/completions``: OpenAI's chat completion, non-streaming or streaming
   (server-sent events in OpenAI's ``chat.completion.chunk`` format, ending with
   ``data: [DONE]``), with ``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed`` and
   usage counts; ``context_id`` (``extra_body`` in the ``openai`` client) starts from a stored
-  compressed context;
-* ``POST /v1/contexts`` compresses a document and stores it; ``GET /v1/contexts`` lists,
-  ``GET /v1/contexts/{id}`` describes, ``DELETE /v1/contexts/{id}`` removes one.
+  compressed context of the same key;
+* ``POST /v1/contexts`` compresses a document and stores it for the key; ``GET /v1/contexts``
+  lists the key's contexts, ``GET /v1/contexts/{id}`` describes, ``DELETE /v1/contexts/{id}``
+  removes one (another key's context answers 404, as a missing one).
 
-``GET /health`` answers ``{"status": "ok"}`` without a key. Every error is OpenAI's JSON body
-with the status of its case (:mod:`kv_cache.serve.errors`); an unexpected failure is logged with
-its traceback and answered 500, and the server keeps serving.
+Concurrent chats without a stored context are decoded together, up to ``--max-batch`` at once
+(:mod:`kv_cache.serve.batch`). ``GET /health`` answers ``{"status": "ok"}`` without a key. A POST body is read up to
+``--max-body-bytes`` and its depth checked before it is parsed (:mod:`kv_cache.serve.limits`);
+the request is then checked and tokenized outside the model lock, in a thread of its own, and
+only then queued for the worker. Every error is OpenAI's JSON body with the status of its case
+(:mod:`kv_cache.serve.errors`), its message free of server paths; an unexpected failure is
+logged with its traceback and answered 500 with an incident id, and the server keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import functools
 import json
 import logging
 import secrets
 import time
-from typing import Any, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import Engine, Job
-from .errors import ApiError
+from .auth import ApiKeys
+from .batch import chat_batch
+from .engine import Engine, Job, internal_error
+from .errors import ApiError, redact
+from .limits import parse_json, read_body
 from .requests import parse_chat, parse_context
-from .service import Service
+from .service import Service, _store_error
 from .store import ContextCorrupted, ContextNotFound
 
 log = logging.getLogger(__name__)
 
-
-def _error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
-async def _json(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError("invalid_json", f"the request body is not JSON: {exc}") from None
+OPEN_PATHS = ("/health",)
+"""The routes that answer without a key."""
 
 
 async def _next_event(job: Job) -> tuple[str, Any]:
@@ -70,19 +71,41 @@ async def _result(job: Job) -> Any:
             raise payload
 
 
-def create_app(service: Service, engine: Engine, *, api_key: str | None = None) -> FastAPI:
-    """The application over ``service`` (model, tokenizer, store) and ``engine`` (the worker).
+def create_app(service: Service, engine: Engine, *, api_key: str | None = None, api_keys: Iterable[str] = (),
+               shutdown_timeout: float = 10.0) -> FastAPI:
+    """The application over ``service`` (model, tokenizer, store, limits) and ``engine`` (the worker).
 
-    The engine's worker is started and stopped with the application (its lifespan)."""
+    ``api_key`` and ``api_keys``: the keys (none: no authentication). The engine's worker and
+    the tokenizer thread are started and stopped with the application (its lifespan); at the
+    end the store is closed after any write in progress (at most ``shutdown_timeout`` seconds)."""
     from contextlib import asynccontextmanager
+
+    keys = ApiKeys([*([api_key] if api_key is not None else []), *api_keys])
+    limits = service.limits
+    hidden = [str(service.store.directory.resolve()), *service.files.paths]
+    name_or_path = getattr(getattr(service.model, "config", None), "_name_or_path", None)
+    if isinstance(name_or_path, str) and name_or_path != service.model_id:
+        hidden.append(name_or_path)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv_cache-serve-tokenize")
+
+    def error_response(exc: ApiError) -> JSONResponse:
+        body = exc.body()
+        body["error"]["message"] = redact(body["error"]["message"], hidden)
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         engine.start()
         try:
             yield
-        finally:
-            engine.stop()
+        finally:  # within about shutdown_timeout: jobs cancelled, a write in progress finished, no new one
+            # the running job was answered and cancelled (a compression stops before its write):
+            # wait briefly for the worker, fully for a write in progress
+            engine.stop(min(shutdown_timeout, 2.0))
+            if not service.store.close(shutdown_timeout):
+                log.error("a context was still being written at shutdown; its temporary file is removed at the "
+                          "next start")
+            pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kv_cache", summary="OpenAI-compatible chat over compressed KV-cache contexts",
                   lifespan=lifespan)
@@ -90,29 +113,35 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None) 
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_parameter")
-        return JSONResponse(ApiError(code, str(exc.detail)).body(), status_code=exc.status_code)
+        return error_response(ApiError(code, str(exc.detail)))
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        log.error("request failed", exc_info=exc)
-        return _error_response(ApiError("server_error", f"the server failed on this request: "
-                                                        f"{type(exc).__name__}: {exc}"))
+        try:
+            raise exc
+        except Exception:
+            return error_response(internal_error())
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            scheme, _, given = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-                what = "no API key" if not header else "an incorrect API key"
-                return _error_response(ApiError("invalid_api_key", f"{what} was provided: send the server's key as "
-                                                                   "'Authorization: Bearer <key>'"))
+        if request.url.path not in OPEN_PATHS:
+            try:
+                request.state.owner = keys.owner(request.headers.get("authorization"))
+            except ApiError as exc:
+                return error_response(exc)
         return await call_next(request)
+
+    async def body(request: Request) -> Any:
+        return parse_json(await read_body(request, limits.max_body_bytes), limits.max_json_depth)
+
+    async def prepare(fn, *args) -> Any:
+        """``fn(*args)`` in the tokenizer thread: outside the model lock, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -126,40 +155,50 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None) 
     # --------------------------------------------------------------------- contexts
     @app.post("/v1/contexts")
     async def create_context(request: Request) -> JSONResponse:
-        req = parse_context(await _json(request))
-        job = engine.submit(lambda j: service.compress(req, j), asyncio.get_running_loop())
+        owner = request.state.owner
+        req = parse_context(await body(request), limits)
+        if req.method is not None:  # a spec naming a file: 400 even when the queue is full
+            service.files.resolve_spec(req.method)  # the result is used in the tokenizer thread
+        with engine.reserve():
+            prep = await prepare(service.prepare_compress, req, owner)
+            job = engine.submit(lambda j: service.compress(prep, j), asyncio.get_running_loop())
         return JSONResponse(await _result(job), status_code=201)
 
     @app.get("/v1/contexts")
-    async def list_contexts() -> dict[str, Any]:
-        return {"object": "list", "data": service.store.list()}
-
-    def _lookup(cid: str) -> dict[str, Any]:
-        try:
-            return service.store.describe(cid)
-        except ContextNotFound:
-            raise ApiError("context_not_found", f"no context with id {cid!r} (GET /v1/contexts lists them)") from None
-        except ContextCorrupted as exc:
-            raise ApiError("context_corrupted", f"the stored context {cid!r} fails its checks: {exc}; delete it "
-                                                "and compress the document again") from None
+    async def list_contexts(request: Request) -> dict[str, Any]:
+        return {"object": "list", "data": service.store.list(request.state.owner)}
 
     @app.get("/v1/contexts/{cid}")
-    async def get_context(cid: str) -> dict[str, Any]:
-        return _lookup(cid)
+    async def get_context(request: Request, cid: str) -> dict[str, Any]:
+        try:
+            return service.store.describe(cid, request.state.owner)
+        except (ContextNotFound, ContextCorrupted) as exc:
+            raise _store_error(exc, cid[:64]) from None
 
     @app.delete("/v1/contexts/{cid}")
-    async def delete_context(cid: str) -> dict[str, Any]:
+    async def delete_context(request: Request, cid: str) -> dict[str, Any]:
         try:
-            service.store.delete(cid)
-        except ContextNotFound:
-            raise ApiError("context_not_found", f"no context with id {cid!r} (GET /v1/contexts lists them)") from None
+            service.store.delete(cid, request.state.owner)
+        except ContextNotFound as exc:
+            raise _store_error(exc, cid[:64]) from None
         return {"id": cid, "object": "context.deleted", "deleted": True}
 
     # --------------------------------------------------------------------- chat
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = parse_chat(await _json(request), service.model_id)
-        job = engine.submit(lambda j: service.chat(req, j), asyncio.get_running_loop())
+        owner = request.state.owner
+        req = parse_chat(await body(request), service.model_id, limits)
+        if req.context_id is not None:  # another key's or a missing context: 404 even when the queue is full
+            try:
+                service.store.describe(req.context_id, owner)
+            except (ContextNotFound, ContextCorrupted) as exc:
+                raise _store_error(exc, req.context_id[:64], "context_id") from None
+        with engine.reserve():
+            prep = await prepare(service.prepare_chat, req, owner)
+            # chats without a context may run together with others waiting (kv_cache.serve.batch)
+            batch = {} if req.context_id is not None else {"batch_key": "plain", "item": prep,
+                                                           "batch_fn": functools.partial(chat_batch, service)}
+            job = engine.submit(lambda j: service.chat(prep, j), asyncio.get_running_loop(), **batch)
         cid, now = "chatcmpl-" + secrets.token_hex(12), int(time.time())
         if not req.stream:
             result = await _result(job)
@@ -199,7 +238,9 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None) 
                             yield f"data: {json.dumps(body)}\n\n"
                         break
                     elif kind == "error":  # mid-stream: the status is sent already
-                        yield f"data: {json.dumps(payload.body())}\n\n"
+                        err = payload.body()
+                        err["error"]["message"] = redact(err["error"]["message"], hidden)
+                        yield f"data: {json.dumps(err)}\n\n"
                         break
                 yield "data: [DONE]\n\n"
             finally:

@@ -12,6 +12,15 @@ test) takes the same lock.
   queued at its deadline is dropped; a running one checks it between tokens and stops with
   ``request_timeout`` (504). A job whose client went away (:meth:`Job.cancel`) is dropped or
   stopped the same way.
+* A job with a ``batch_key`` (a chat without a stored context) takes with it the queued jobs of
+  the same key, up to ``max_batch`` in all, and they run as one batch (``batch_fn``;
+  :mod:`kv_cache.serve.batch`).
+* Requests are admitted (:meth:`Engine.reserve`) before their tokenization, which runs outside the
+  model lock: the jobs being prepared count against ``queue_size`` with the queued ones.
+* :meth:`Engine.begin_shutdown` (SIGTERM) refuses new jobs, answers the queued ones
+  ``shutting_down`` (503) and the running one too, at once, unless it is writing its result
+  (:meth:`Job.commit`: then it finishes); the running work stops at its next check (between
+  tokens; a compression before it writes its file).
 * A job talks to its request through events on an ``asyncio.Queue`` of the server's event loop
   (``("start", None)``, ``("delta", text)``, ``("done", result)``, ``("error", ApiError)``),
   put there thread-safely.
@@ -22,9 +31,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import secrets
 import threading
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from .errors import ApiError
 
@@ -32,15 +43,44 @@ log = logging.getLogger(__name__)
 
 
 class Job:
-    """One request's work: ``fn(job)`` runs on the worker thread and returns the result."""
+    """One request's work: ``fn(job)`` runs on the worker thread and returns the result.
 
-    def __init__(self, fn: Callable[["Job"], Any], deadline: float, loop: asyncio.AbstractEventLoop | None):
+    A job with a ``batch_key`` may instead run together with other queued jobs of the same key:
+    ``batch_fn(jobs)`` then answers each of them (its results emitted on each job's events);
+    ``item`` is what ``batch_fn`` reads from each job."""
+
+    def __init__(self, fn: Callable[["Job"], Any], deadline: float, loop: asyncio.AbstractEventLoop | None,
+                 batch_key: Any = None, batch_fn: Callable[[list["Job"]], None] | None = None, item: Any = None):
         self.fn, self.deadline, self.loop = fn, deadline, loop
+        self.batch_key, self.batch_fn, self.item = batch_key, batch_fn, item
         self.events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
+        self._why = ApiError("request_timeout", "the request was cancelled")
+        self._state = threading.Lock()
+        self._committing = False
 
-    def cancel(self) -> None:
+    def cancel(self, why: ApiError | None = None) -> None:
+        """Stop this job at its next :meth:`check` (which then raises ``why``)."""
+        if why is not None and not self._cancelled.is_set():
+            self._why = why
         self._cancelled.set()
+
+    def commit(self) -> None:
+        """Called by a job right before it writes its result (a stored context): from then on it
+        is not stopped by a shutdown but finishes. Raises why it was cancelled, if it was."""
+        with self._state:
+            self.check()
+            self._committing = True
+
+    def interrupt(self, why: ApiError) -> bool:
+        """Cancel the job and answer its request ``why`` now, unless it is committing (then it
+        finishes, and False is returned)."""
+        with self._state:
+            if self._committing:
+                return False
+            self.cancel(why)
+        self.emit("error", why)
+        return True
 
     @property
     def cancelled(self) -> bool:
@@ -50,7 +90,10 @@ class Job:
         return time.monotonic() >= self.deadline
 
     def check(self) -> None:
-        """Raise ``request_timeout`` past the deadline; called by the job between steps."""
+        """Raise ``request_timeout`` past the deadline, or why it was cancelled; called by the job
+        between steps."""
+        if self._cancelled.is_set():
+            raise self._why
         if self.expired():
             raise ApiError("request_timeout", "the request ran past the server's per-request timeout "
                                               "(kvcache serve --request-timeout)")
@@ -65,48 +108,122 @@ class Job:
             self.cancel()
 
 
-class Engine:
-    """The single model worker (see the module docstring)."""
+class _JobQueue(queue.Queue):
+    """A bounded FIFO of jobs from which the worker can also take the queued jobs of one batch key."""
 
-    def __init__(self, *, queue_size: int = 16, request_timeout: float = 120.0, retry_after: int = 1):
+    def take_matching(self, key: Any, n: int) -> list[Job]:
+        """Remove and return up to ``n`` queued jobs whose ``batch_key`` is ``key``, oldest first."""
+        with self.mutex:
+            found = [j for j in self.queue if j is not None and j.batch_key == key and not j.cancelled][:n]
+            for j in found:
+                self.queue.remove(j)
+            if found:
+                self.not_full.notify(len(found))
+        return found
+
+
+class Engine:
+    """The single model worker (see the module docstring).
+
+    ``max_batch``: at most this many queued jobs of one batch key run together (1: one at a time)."""
+
+    def __init__(self, *, queue_size: int = 16, request_timeout: float = 120.0, retry_after: int = 1,
+                 max_batch: int = 8):
         if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
             raise ValueError(f"queue_size must be an int >= 1; got {queue_size!r}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1; got {max_batch!r}")
+        self.max_batch = max_batch
+        self.batch_sizes: list[int] = []  # the size of each batch run (more than one job), in order
         if not isinstance(request_timeout, (int, float)) or not request_timeout > 0:
             raise ValueError(f"request_timeout must be a number of seconds > 0; got {request_timeout!r}")
         self.queue_size, self.request_timeout, self.retry_after = queue_size, float(request_timeout), retry_after
         self.model_lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._queue: _JobQueue = _JobQueue(maxsize=queue_size)
         self._thread: threading.Thread | None = None
+        self._admit_lock = threading.Lock()
+        self._preparing = 0
+        self._running: Job | None = None
+        self._batch: list[Job] = []
+        self._stopping = threading.Event()
+
+    def _full(self) -> ApiError:
+        return ApiError("queue_full", f"the server is busy: {self.queue_size} requests are already waiting; "
+                                      f"retry after {self.retry_after} s",
+                        headers={"Retry-After": str(self.retry_after)})
+
+    def _refuse_if_stopping(self) -> None:
+        if self._stopping.is_set():
+            raise ApiError("shutting_down", "the server is shutting down; retry on another server or later",
+                           headers={"Retry-After": str(self.retry_after)})
+
+    @contextmanager
+    def reserve(self) -> Iterator[None]:
+        """Admit one request for its preparation (tokenization, outside the model lock): 503
+        ``queue_full`` when ``queue_size`` requests are already being prepared or waiting."""
+        self._refuse_if_stopping()
+        with self._admit_lock:
+            if self._preparing + self._queue.qsize() >= self.queue_size:
+                raise self._full()
+            self._preparing += 1
+        try:
+            yield
+        finally:
+            with self._admit_lock:
+                self._preparing -= 1
+
+    def begin_shutdown(self) -> None:
+        """Stop taking jobs; answer the queued ones ``shutting_down``; cancel the running one."""
+        self._stopping.set()
+        self._drain("the server is shutting down before this request ran")
+        running = [*self._batch] or ([self._running] if self._running is not None else [])
+        for job in running:  # answered now; the work stops at its next check, or finishes its write
+            job.interrupt(ApiError("shutting_down", "the server is shutting down; this request was stopped",
+                                   headers={"Retry-After": str(self.retry_after)}))
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def _drain(self, why: str) -> None:
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.emit("error", ApiError("shutting_down", why, headers={"Retry-After": str(self.retry_after)}))
 
     def start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="kv_cache-serve-worker", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Finish the running job, drop the queued ones (their clients get a timeout), stop."""
+    def stop(self, timeout: float = 10.0) -> bool:
+        """:meth:`begin_shutdown`, then wait at most ``timeout`` seconds for the worker to end.
+        True when it ended (a job it could not interrupt may still be running otherwise)."""
+        self.begin_shutdown()
         if self._thread is None:
-            return
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.emit("error", ApiError("server_error", "the server is shutting down"))
-        self._queue.put(None)
+            return True
+        try:
+            self._queue.put(None, timeout=max(timeout, 0.0))
+        except queue.Full:
+            pass
         self._thread.join(timeout)
+        ended = not self._thread.is_alive()
         self._thread = None
+        return ended
 
-    def submit(self, fn: Callable[[Job], Any], loop: asyncio.AbstractEventLoop | None = None) -> Job:
-        """Queue ``fn``; :class:`ApiError` ``queue_full`` when ``queue_size`` jobs already wait."""
-        job = Job(fn, time.monotonic() + self.request_timeout, loop)
+    def submit(self, fn: Callable[[Job], Any], loop: asyncio.AbstractEventLoop | None = None, *,
+               batch_key: Any = None, batch_fn: Callable[[list[Job]], None] | None = None, item: Any = None) -> Job:
+        """Queue ``fn``; :class:`ApiError` ``queue_full`` when ``queue_size`` jobs already wait.
+        ``batch_key`` / ``batch_fn`` / ``item``: see :class:`Job`."""
+        self._refuse_if_stopping()
+        job = Job(fn, time.monotonic() + self.request_timeout, loop, batch_key, batch_fn, item)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            raise ApiError("queue_full", f"the server is busy: {self.queue_size} requests are already waiting; "
-                                         f"retry after {self.retry_after} s",
-                           headers={"Retry-After": str(self.retry_after)}) from None
+            raise self._full() from None
         return job
 
     @property
@@ -120,17 +237,66 @@ class Engine:
                 return
             if job.cancelled:
                 continue
+            if self._stopping.is_set():
+                job.emit("error", ApiError("shutting_down", "the server is shutting down before this request ran",
+                                           headers={"Retry-After": str(self.retry_after)}))
+                continue
             if job.expired():
                 job.emit("error", ApiError("request_timeout", "the request waited in the queue past the server's "
                                                               "per-request timeout (kvcache serve --request-timeout)"))
                 continue
+            mates = []
+            if job.batch_key is not None and job.batch_fn is not None and self.max_batch > 1:
+                mates = self._queue.take_matching(job.batch_key, self.max_batch - 1)
+            if mates:
+                self._run_batch([job, *mates])
+                continue
             with self.model_lock:
+                self._running = job
                 try:
                     job.emit("done", job.fn(job))
                 except ApiError as exc:
                     log.info("request refused: %s (%s)", exc.message, exc.code)
                     job.emit("error", exc)
-                except Exception as exc:  # logged with its traceback; the server keeps serving
-                    log.exception("request failed")
-                    job.emit("error", ApiError("server_error", f"the server failed on this request: "
-                                                               f"{type(exc).__name__}: {exc}"))
+                except Exception:  # logged with its traceback; the server keeps serving
+                    job.emit("error", internal_error())
+                finally:
+                    self._running = None
+
+    def _run_batch(self, jobs: list[Job]) -> None:
+        """Run ``jobs`` (one batch key) together: ``jobs[0].batch_fn(jobs)`` answers each one."""
+        live = []
+        for j in jobs:
+            if j.expired():
+                j.emit("error", ApiError("request_timeout", "the request waited in the queue past the server's "
+                                                            "per-request timeout (kvcache serve --request-timeout)"))
+            elif not j.cancelled:
+                live.append(j)
+        if not live:
+            return
+        self.batch_sizes.append(len(live))
+        with self.model_lock:
+            self._running = live[0]
+            self._batch = live
+            try:
+                live[0].batch_fn(live)
+            except ApiError as exc:
+                _batch_error(live, exc)
+            except Exception:  # logged with its traceback; the server keeps serving
+                _batch_error(live, internal_error())
+            finally:
+                self._running, self._batch = None, []
+
+
+def _batch_error(jobs: list[Job], exc: ApiError) -> None:
+    for j in jobs:
+        j.emit("error", exc)
+
+
+def internal_error() -> ApiError:
+    """The answer to an unexpected failure: a generic message and an incident id; the exception,
+    its class and traceback go to the log only (under that id). Call it inside ``except``."""
+    incident = secrets.token_hex(6)
+    log.exception("request failed (incident %s)", incident)
+    return ApiError("server_error", f"the server failed on this request (incident {incident}; the server's log "
+                                    "has the details)")

@@ -1,6 +1,11 @@
-"""What the worker runs for each request of ``kvcache serve``: compress a document, answer a chat.
+"""What each request of ``kvcache serve`` runs: compress a document, answer a chat.
 
-Both run on the worker thread of :class:`~kv_cache.serve.engine.Engine`, under its model lock.
+Each request runs in two steps. :meth:`Service.prepare_compress` / :meth:`Service.prepare_chat`
+run *outside* the model lock (in the server's tokenizer thread): they check what can be checked
+without the model (the owner's context and quota, the method, the tokens against the limits and
+the model's positions) and tokenize, under a tokenizer lock of their own. Only then is the job
+queued; :meth:`Service.compress` / :meth:`Service.chat` run on the worker thread of
+:class:`~kv_cache.serve.engine.Engine`, under its model lock.
 
 **Prompts.** Without a context, the messages are rendered with the tokenizer's chat template
 when it has one (SmolLM2; the generation prompt added), or else as their texts joined by
@@ -19,20 +24,24 @@ tokens plus the rendered messages (``prompt_tokens_details.cached_tokens``: the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..cache import compress
+from ..cache import FidelityError, compress
 from ..context import CompressedContext, _ids, _text_ids, fit_context, forward_at, max_positions
 from ..generation import generate_tokens, stop_scan
 from .engine import Job
 from .errors import ApiError
+from .files import ServedFiles
+from .limits import Limits
 from .requests import ChatRequest, ContextRequest
-from .store import ContextCorrupted, ContextNotFound, ContextStore
+from .store import ContextCorrupted, ContextNotFound, ContextStore, StoreClosed, StoreFull
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +66,39 @@ def _eos(tokenizer: Any, model: Any) -> set[int]:
 
 
 @dataclass
+class PreparedContext:
+    """A ``POST /v1/contexts`` request, checked and tokenized (outside the model lock)."""
+
+    req: ContextRequest
+    owner: str | None
+    document_tokens: int
+    kept: list[int]
+    suffix: str | None
+    quant: Any
+    eviction: Any
+    plan: Any
+    spec: str
+
+
+@dataclass
+class PreparedChat:
+    """A chat request, checked and tokenized (outside the model lock)."""
+
+    req: ChatRequest
+    owner: str | None
+    ids: list[int]
+    n_new: int
+    cached: int
+
+
+def _store_error(exc: Exception, cid: str, param: str | None = None) -> ApiError:
+    if isinstance(exc, ContextNotFound):
+        return ApiError("context_not_found", f"no context with id {cid!r} (GET /v1/contexts lists them)", param=param)
+    return ApiError("context_corrupted", f"the stored context {cid!r} fails its checks: {exc}; delete it "
+                                         "(DELETE /v1/contexts/{id}) and compress the document again", param=param)
+
+
+@dataclass
 class Service:
     """The model, its tokenizer, the context store and the server's limits."""
 
@@ -65,6 +107,14 @@ class Service:
     store: ContextStore
     model_id: str
     max_document_tokens: int | None = None  # None: what the model's positions allow
+    files: ServedFiles = field(default_factory=ServedFiles)  # the operator's registered files
+    limits: Limits = field(default_factory=Limits)
+    tokenizer_lock: Any = field(default_factory=threading.Lock, repr=False)
+    strict: bool = False  # refuse a context whose cache fails the fidelity check (§26) instead of warning
+
+    def __post_init__(self) -> None:
+        if self.max_document_tokens is None:
+            self.max_document_tokens = self.limits.max_document_tokens
 
     # ----------------------------------------------------------------- POST /v1/contexts
     def settings(self, req: ContextRequest, tokens: int) -> tuple[Any, Any, Any, str]:
@@ -81,25 +131,45 @@ class Service:
                                    dtype=next(self.model.parameters()).dtype)
                 return None, plan.eviction(), plan, req.preset
             if req.plan is not None:
+                self.files.check_plan_object(req.plan)  # names no file: decoding it opens none
                 plan = CachePlan.from_json(json.dumps(req.plan), "plan")
                 plan.check_model(self.model.config)
                 return None, plan.eviction(), plan, f"plan {plan.name} ({plan.fingerprint})"
-            quant, eviction, spec = method_settings(req.method, None, self.model)
-            return quant, eviction, None, spec
-        except (ValueError, TypeError, RuntimeError) as exc:  # RuntimeError: a peer whose package is missing
+            spec, plan, overrides = self.files.resolve_spec(req.method)  # registered names only: no path is read
+            if plan is not None:
+                plan.check_model(self.model.config)
+                return None, plan.eviction(), plan, f"{req.method} ({plan.fingerprint})"
+            quant, eviction, _ = method_settings(spec, None, self.model)
+            if overrides:  # a registered bit profile: its widths, loaded at start-up
+                if quant is None:
+                    raise ValueError(f"method {req.method!r}: a bit profile p[NAME] / u[NAME] needs a quantization "
+                                     "part (e.g. q4p[NAME])")
+                quant = dataclasses.replace(quant, **overrides)
+            return quant, eviction, None, req.method  # as the client gave it: names, never the files
+        except ApiError:
+            raise
+        except (ValueError, TypeError, RuntimeError, KeyError, AttributeError, OverflowError) as exc:
+            # RuntimeError: a peer whose package is missing; the others: a plan object of the wrong shape
             param = "preset" if req.preset is not None else "plan" if req.plan is not None else "method"
             raise ApiError("invalid_method", str(exc), param=param) from None
 
-    def compress(self, req: ContextRequest, job: Job) -> dict[str, Any]:
+    def prepare_compress(self, req: ContextRequest, owner: str | None = None) -> PreparedContext:
+        """Check and tokenize ``req`` for ``owner``, outside the model lock: the quota (429), the
+        document's tokens (``--max-document-tokens``, the positions), the method."""
         from ..chat import has_chat_template, split_chat
 
+        try:
+            self.store.check_room(owner)
+        except StoreFull as exc:
+            raise ApiError("storage_quota_exceeded", str(exc)) from None
         suffix = None
-        if has_chat_template(self.tokenizer):
-            try:
-                head, suffix = split_chat(self.tokenizer, req.document)
-            except ValueError:  # a template that splits the user's text: raw text, as build(chat=False)
-                suffix = None
-        ids = _ids(self.tokenizer, head) if suffix is not None else _text_ids(self.tokenizer, req.document)
+        with self.tokenizer_lock:
+            if has_chat_template(self.tokenizer):
+                try:
+                    head, suffix = split_chat(self.tokenizer, req.document)
+                except ValueError:  # a template that splits the user's text: raw text, as build(chat=False)
+                    suffix = None
+            ids = _ids(self.tokenizer, head) if suffix is not None else _text_ids(self.tokenizer, req.document)
         limit = self.max_document_tokens
         if limit is not None and len(ids) > limit:
             raise ApiError("document_too_long", f"the document is {len(ids):,} tokens; this server takes at most "
@@ -113,32 +183,42 @@ class Service:
                            ) from None
         if req.preset is not None and len(kept) < len(ids):  # a preset is sized for what is compressed
             quant, eviction, plan, spec = self.settings(req, len(kept))
+        if hasattr(eviction, "bind") and hasattr(eviction, "scorer"):  # KVzap: its scorer exists and fits the model
+            try:
+                eviction.bind(self.model)
+            except (ValueError, FileNotFoundError, RuntimeError) as exc:
+                raise ApiError("invalid_method", str(exc), param="method" if req.method else "plan") from None
+        return PreparedContext(req, owner, len(ids), kept, suffix, quant, eviction, plan, spec)
+
+    def compress(self, prep: PreparedContext, job: Job) -> dict[str, Any]:
+        """Compress and store a prepared document (on the worker, under the model lock)."""
         job.check()
-        if plan is not None:
-            ctx = CompressedContext.build(self.model, self.tokenizer, kept, plan=plan)
-        else:
-            ctx = CompressedContext.build(self.model, self.tokenizer, kept, quant=quant, eviction=eviction)
-        ctx.document_tokens, ctx.question_suffix = len(ids), suffix
-        if job.cancelled or job.expired():  # the client has its answer (a timeout): keep nothing
-            job.check()
-            raise ApiError("request_timeout", "the request was cancelled")
+        try:
+            if prep.plan is not None:
+                ctx = CompressedContext.build(self.model, self.tokenizer, prep.kept, plan=prep.plan,
+                                              strict=self.strict)
+            else:
+                ctx = CompressedContext.build(self.model, self.tokenizer, prep.kept, quant=prep.quant,
+                                              eviction=prep.eviction, strict=self.strict)
+        except FidelityError as exc:  # --strict: this method wrecks this model's attention; nothing is stored
+            raise ApiError("invalid_method", str(exc), param="method" if prep.req.method else "plan") from None
+        except ValueError as exc:  # settings this model cannot take that only the prefill finds: the request's
+            log.warning("compression refused: %s", exc, exc_info=True)
+            raise ApiError("invalid_method", f"this method cannot compress this document on this model: {exc}",
+                           param="method" if prep.req.method else "plan" if prep.req.plan else "preset") from None
+        ctx.document_tokens, ctx.question_suffix = prep.document_tokens, prep.suffix
+        job.commit()  # cancelled (the client left, a timeout, a shutdown): keep nothing; else finish the write
         st = ctx.stats
-        return self.store.add(ctx, {"model": self.model_id, "method": spec,
-                                    "prefill_seconds": st.prefill_s + st.reconstruction_s,
-                                    "reconstruction_seconds": st.reconstruction_s})
+        try:
+            return self.store.add(ctx, {"model": self.model_id, "method": prep.spec,
+                                        "prefill_seconds": st.prefill_s + st.reconstruction_s,
+                                        "reconstruction_seconds": st.reconstruction_s}, owner=prep.owner)
+        except StoreFull as exc:
+            raise ApiError("storage_quota_exceeded", str(exc)) from None
+        except StoreClosed:
+            raise ApiError("shutting_down", "the server is shutting down; the context was not stored") from None
 
     # ----------------------------------------------------------------- POST /v1/chat/completions
-    def _context(self, cid: str) -> CompressedContext:
-        try:
-            return self.store.get(cid)
-        except ContextNotFound:
-            raise ApiError("context_not_found", f"no context with id {cid!r} (GET /v1/contexts lists them)",
-                           param="context_id") from None
-        except ContextCorrupted as exc:
-            raise ApiError("context_corrupted", f"the stored context {cid!r} fails its checks: {exc}; delete it "
-                                                "(DELETE /v1/contexts/{id}) and compress the document again",
-                           param="context_id") from None
-
     def _budget(self, req: ChatRequest, used: int, prompt: int) -> int:
         """Tokens the answer may take: ``max_tokens``, checked against the positions left after
         ``used`` tokens (context + prompt), or the default capped to what fits."""
@@ -156,25 +236,51 @@ class Service:
                                                       f"{room:,} tokens can be generated", param="max_tokens")
         return req.max_tokens
 
-    def chat(self, req: ChatRequest, job: Job) -> dict[str, Any]:
-        tok, model = self.tokenizer, self.model
+    def prepare_chat(self, req: ChatRequest, owner: str | None = None) -> PreparedChat:
+        """Check and tokenize ``req`` for ``owner``, outside the model lock: the context (404,
+        422), the prompt's tokens and ``max_tokens`` against the positions."""
+        if req.context_id is not None:
+            try:
+                desc = self.store.describe(req.context_id, owner)
+                suffix = self.store.question_suffix(req.context_id, owner)
+            except (ContextNotFound, ContextCorrupted) as exc:
+                raise _store_error(exc, req.context_id, "context_id") from None
+            question = "\n".join(text for _, text in req.messages)
+            if suffix is not None:
+                from ..chat import question_text
+
+                question = question_text(question, suffix)
+            with self.tokenizer_lock:
+                ids = _ids(self.tokenizer, question)
+            cached = int(desc["tokens"])
+        else:
+            with self.tokenizer_lock:
+                ids = _text_ids(self.tokenizer, render_messages(self.tokenizer, req.messages))
+            cached = 0
+        if not ids:
+            raise ApiError("context_length_exceeded", "the question is empty", param="messages")
+        return PreparedChat(req, owner, ids, self._budget(req, cached + len(ids), len(ids)), cached)
+
+    def chat(self, prep: PreparedChat, job: Job) -> dict[str, Any]:
+        """Answer a prepared chat (on the worker, under the model lock)."""
+        req, model, ids, n_new = prep.req, self.model, prep.ids, prep.n_new
+        job.check()
         with torch.no_grad():
             if req.context_id is not None:
-                ctx = self._context(req.context_id)
-                question = "\n".join(text for _, text in req.messages)
-                try:  # the template's tail after the question when the context was built with it
-                    ids = ctx.question_ids(question, 1)
+                try:
+                    ctx = self.store.get(req.context_id, prep.owner)
+                except (ContextNotFound, ContextCorrupted) as exc:
+                    raise _store_error(exc, req.context_id, "context_id") from None
+                try:  # the positions, checked again against the loaded context
+                    ids = ctx.question_ids(ids, 1)
                 except ValueError as exc:
                     raise ApiError("context_length_exceeded", str(exc), param="messages") from None
                 cached = ctx.context_tokens
-                n_new = self._budget(req, cached + len(ids), len(ids))
                 with compress(model, ctx.cache), ctx.cache.session():
                     logits = forward_at(model, ctx.cache, torch.tensor([ids]), cached, last_only=True)[0, -1]
                     return self._generate(req, job, ctx.cache, logits, cached + len(ids), n_new, cached, len(ids))
             from transformers import DynamicCache
 
-            ids = _text_ids(tok, render_messages(tok, req.messages))
-            n_new = self._budget(req, len(ids), len(ids))
             cache = DynamicCache()
             logits = forward_at(model, cache, torch.tensor([ids]), 0, last_only=True)[0, -1]
             return self._generate(req, job, cache, logits, len(ids), n_new, 0, len(ids))
@@ -189,7 +295,8 @@ class Service:
         try:
             for token in gen:
                 out.append(token)
-                text = self.tokenizer.decode(out, skip_special_tokens=True)
+                with self.tokenizer_lock:
+                    text = self.tokenizer.decode(out, skip_special_tokens=True)
                 end, stopped = stop_scan(text, req.stop)
                 if req.stream and end > sent:
                     job.emit("delta", text[sent:end])
@@ -197,9 +304,7 @@ class Service:
                 if stopped:
                     text = text[:end]
                     break
-                if job.cancelled:
-                    raise ApiError("request_timeout", "the request was cancelled")
-                job.check()
+                job.check()  # the deadline, a client that left, a shutdown
         finally:
             gen.close()
         if req.stream and len(text) > sent:

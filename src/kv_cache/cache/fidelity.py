@@ -1,0 +1,99 @@
+"""The fidelity check: the compressed prompt's attention-output error at prefill (math dictionary §26).
+
+At a prefill the layer has the prompt's full-precision keys and values in hand, and the cache
+has just stored their compressed form. For the last :data:`FIDELITY_QUERIES` queries of the
+prompt (each query head), the check compares the attention output over the stored tokens
+with the output over the full-precision ones:
+
+``e = ||o_hat - o||_F / ||o||_F`` per batch row and KV head (the ``G`` query heads of the KV
+head and the ``m`` queries together), where ``o = softmax(s q K^T) V`` over every prompt token
+and ``o_hat`` the same over what the cache holds (quantized, and after any eviction done in the
+same call). Both sides let every checked query see the whole prompt. The layer keeps the
+largest ``e`` over rows and heads. A value past :data:`FIDELITY_THRESHOLD` means the cache
+wrecks that layer's attention: the cache warns, and with ``strict=True`` raises.
+
+A few queries against the stored tokens: one small matmul per layer at prefill, never during
+decoding. Eviction done after the prefill's forward (KVzip's repeat pass) is not in the figure.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FIDELITY_QUERIES = 8
+"""Queries per layer the check reads (the prompt's last ones)."""
+
+FIDELITY_THRESHOLD = 0.5
+"""Relative attention-output error past which a layer is reported as broken. Measured
+(``docs/results/README.md``, "Every family"): the 4-bit default reaches at most 0.23 on
+SmolLM2's wikitext windows (+0.25% perplexity); the previous per-token 4-bit layout reaches
+1.0-1.3 in Qwen2.5's first layers (+70% perplexity)."""
+
+ADVICE = ("use a layout that keeps this model's keys (QuantConfig(bits=4) with its default per-channel keys, "
+          "or QuantConfig.kivi(bits=4)), more bits (bits=8), or keep these layers in full precision "
+          "(layer_bits={layer: 8})")
+
+
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                     softcap: float | None = None, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(cap(s q K^T)) V`` in float32, every query over every valid key: ``q`` ``[B, H, M, d]``,
+    ``keys``/``values`` ``[B, H, T, d]``, ``key_valid`` ``[B, H, T]`` bool or None. Returns ``[B, H, M, d_v]``."""
+    logits = (q.float() @ keys.float().transpose(-1, -2)) * scaling
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    if key_valid is not None:
+        logits = logits.masked_fill(~key_valid[:, :, None, :], float("-inf"))
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0) @ values.float()
+
+
+def attention_output_error(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           approx_out: torch.Tensor, scaling: float, softcap: float | None = None,
+                           key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Relative error of an approximate attention output, per batch row and KV head.
+
+    Parameters
+    ----------
+    q : ``[B, Hkv, M, d]`` grouped queries (the ``G`` query heads of each KV head and the checked
+        positions together)
+    keys, values : ``[B, Hkv, T, d]`` the full-precision prompt
+    approx_out : ``[B, Hkv, M, d_v]`` the output of the same queries over the compressed cache
+    scaling : the softmax scale; softcap : logit soft-capping (Gemma 2) or None
+    key_valid : ``[B, Hkv, T]`` bool (False: a padding slot) or None
+
+    Returns
+    -------
+    float32 ``[B, Hkv]``: ``||approx_out - o|| / ||o||`` (0 where ``o`` is 0 and so is the error).
+
+    Raises
+    ------
+    ValueError
+        Mismatched ranks or shapes.
+    """
+    if q.dim() != 4 or keys.dim() != 4 or values.dim() != 4 or approx_out.dim() != 4:
+        raise ValueError("q, keys, values and approx_out must be 4-D [B, Hkv, *, d]; got "
+                         f"{[tuple(t.shape) for t in (q, keys, values, approx_out)]}")
+    if keys.shape[:3] != values.shape[:3] or q.shape[:2] != keys.shape[:2] or approx_out.shape[:3] != q.shape[:3]:
+        raise ValueError(f"shapes do not match: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values "
+                         f"{tuple(values.shape)}, approx_out {tuple(approx_out.shape)}")
+    exact = masked_attention(q, keys, values, scaling, softcap, key_valid)
+    err = (approx_out.float() - exact).flatten(2).norm(dim=-1)
+    ref = exact.flatten(2).norm(dim=-1)
+    return torch.where(ref > 0, err / ref.clamp_min(torch.finfo(torch.float32).tiny), err)
+
+
+def checked_rows(G: int, L: int, m: int, device) -> torch.Tensor:
+    """Row indices of the last ``m`` of ``L`` positions in grouped queries ``[B, Hkv, G * L, d]``."""
+    return (torch.arange(G, device=device)[:, None] * L + torch.arange(L - m, L, device=device)[None, :]).reshape(-1)
+
+
+def broken_layers(errors: dict[int, float], threshold: float) -> dict[int, float]:
+    """The layers whose error is past ``threshold`` (NaN counts as past), in layer order."""
+    return {i: e for i, e in sorted(errors.items()) if not e <= threshold}
+
+
+def fidelity_message(bad: dict[int, float], threshold: float, strict: bool = False) -> str:
+    """The warning / error text naming the broken layers and what to do."""
+    worst = ", ".join(f"layer {i}: {e:.2f}" for i, e in bad.items())
+    return (f"the compressed cache wrecks the attention of {len(bad)} layer(s): relative attention-output error "
+            f"on the prompt's last queries past {threshold} ({worst}). To fix it, {ADVICE}"
+            + ("; or pass strict=False to go on with a warning" if strict else ""))

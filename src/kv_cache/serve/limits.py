@@ -1,0 +1,156 @@
+"""The limits of ``kvcache serve``: every input is bounded, and checked before any work.
+
+:class:`Limits` holds them (each is a ``kvcache serve`` flag with the same default). In the order
+a request meets them:
+
+=============================  =========  =============================================================
+limit (flag)                   default    past it
+=============================  =========  =============================================================
+``--max-body-bytes``           8 MiB      413 ``payload_too_large``, while reading, before parsing
+``--max-json-depth``           32         400 ``json_too_deep``, before parsing
+``--max-document-chars``       1,000,000  400 ``text_too_long`` (the document; a chat's messages)
+``--max-tokens``               1024       400 ``invalid_parameter`` (a chat's ``max_tokens``)
+``--max-stop-chars``           256        400 ``invalid_parameter`` (each ``stop`` string; 4 at most)
+``--max-contexts``             10,000     429 ``storage_quota_exceeded`` (all keys together)
+``--max-contexts-per-key``     1,000      429 ``storage_quota_exceeded``
+``--max-store-bytes``          16 GiB     429 ``storage_quota_exceeded`` (``.kvc`` bytes on disk)
+``--max-store-bytes-per-key``  2 GiB      429 ``storage_quota_exceeded``
+``--max-document-tokens``      positions  400 ``document_too_long``, after tokenizing, before the queue
+``--queue-size``               16         503 ``queue_full`` with ``Retry-After``
+=============================  =========  =============================================================
+
+A body past ``--max-body-bytes`` is read to its end and dropped chunk by chunk (memory does not
+grow with it) before the 413 is sent, so a client still sending gets the status rather than a
+reset; past :data:`DRAIN_BYTES` more the server stops reading and closes the connection after
+the answer. The nesting depth is measured on the raw bytes (:func:`json_depth`) before
+``json.loads`` runs, so a deeply nested body never reaches the recursive parser.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .errors import ApiError
+
+MiB = 1 << 20
+DRAIN_BYTES = 64 * MiB
+"""Bytes of an oversized body the server still reads (and drops) before answering 413."""
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The bounds of every input (see the module docstring for the flags and the status codes).
+
+    Parameters
+    ----------
+    max_body_bytes : int, default 8 MiB
+    max_json_depth : int, default 32
+        Nesting of arrays and objects in a body (``{"a": [1]}`` is 2).
+    max_document_chars : int, default 1,000,000
+        Characters of a ``POST /v1/contexts`` document, and of a chat's messages together.
+    max_document_tokens : int or None, default None
+        Tokens of a document; None: what the model's positions allow.
+    max_tokens : int, default 1024
+        The most tokens a chat answer may ask for (``max_tokens`` / ``max_completion_tokens``).
+    max_stop_chars : int, default 256
+        Characters of each ``stop`` string.
+    max_contexts, max_contexts_per_key : int or None, default 10,000 and 1,000
+        Stored contexts, in all and per API key (None: no limit).
+    max_store_bytes, max_store_bytes_per_key : int or None, default 16 GiB and 2 GiB
+        Bytes of ``.kvc`` files on disk, in all and per API key (None: no limit).
+    """
+
+    max_body_bytes: int = 8 * MiB
+    max_json_depth: int = 32
+    max_document_chars: int = 1_000_000
+    max_document_tokens: int | None = None
+    max_tokens: int = 1024
+    max_stop_chars: int = 256
+    max_contexts: int | None = 10_000
+    max_contexts_per_key: int | None = 1_000
+    max_store_bytes: int | None = 16 << 30
+    max_store_bytes_per_key: int | None = 2 << 30
+
+    def __post_init__(self) -> None:
+        optional = {"max_document_tokens", "max_contexts", "max_contexts_per_key", "max_store_bytes",
+                    "max_store_bytes_per_key"}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is None and f.name in optional:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                allowed = "an int >= 1 or None" if f.name in optional else "an int >= 1"
+                raise ValueError(f"Limits.{f.name} must be {allowed}; got {v!r}")
+
+
+def json_depth(raw: bytes) -> int:
+    """The deepest nesting of arrays and objects in the JSON text ``raw`` (strings skipped), in
+    linear time and without recursion; brackets of malformed text are counted as they come."""
+    import numpy as np
+
+    a = np.frombuffer(_STRING.sub(b'""', raw), dtype=np.uint8)
+    if a.size == 0:
+        return 0
+    step = ((a == 0x5B) | (a == 0x7B)).astype(np.int64) - ((a == 0x5D) | (a == 0x7D)).astype(np.int64)
+    return int(max(np.cumsum(step).max(), 0))
+
+
+def parse_json(raw: bytes, max_depth: int) -> Any:
+    """The JSON value of a request body: ``json_too_deep`` past ``max_depth`` (checked first),
+    ``invalid_json`` for anything that is not JSON text in UTF-8."""
+    depth = json_depth(raw)
+    if depth > max_depth:
+        raise ApiError("json_too_deep", f"the request body nests {depth:,} levels of arrays and objects; this "
+                                        f"server takes at most {max_depth} (kvcache serve --max-json-depth)")
+    try:
+        return json.loads(raw or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:  # ValueError: also an integer of too many digits
+        msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8 text or a number out of range"
+        where = f" at offset {exc.pos}" if isinstance(exc, json.JSONDecodeError) else ""
+        raise ApiError("invalid_json", f"the request body is not JSON: {msg}{where}") from None
+
+
+def too_large(limit: int, what: str = "") -> ApiError:
+    return ApiError("payload_too_large", f"the request body is larger than {limit:,} bytes{what}; this server "
+                                         f"takes at most {limit:,} (kvcache serve --max-body-bytes)")
+
+
+async def read_body(request: Any, limit: int) -> bytes:
+    """The body of ``request`` (a Starlette request), at most ``limit`` bytes, read chunk by chunk.
+
+    Past ``limit`` (as declared by ``Content-Length`` or as read) the rest is read and dropped,
+    up to :data:`DRAIN_BYTES`, then ``payload_too_large`` (413) is raised; the server closes the
+    connection after answering when it stopped reading before the end."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise ApiError("invalid_json", f"Content-Length must be a byte count; got {declared[:40]!r}")
+    over = declared is not None and int(declared) > limit
+    buf, drained, complete = bytearray(), 0, False
+    try:
+        async for chunk in request.stream():
+            if not over and len(buf) + len(chunk) <= limit:
+                buf += chunk
+                continue
+            if not over:
+                over, buf = True, bytearray()  # dropped: memory does not grow with the body
+            drained += len(chunk)
+            if drained > DRAIN_BYTES:
+                break
+        else:
+            complete = True
+    except Exception:  # the client went away (ClientDisconnect): nobody reads the answer
+        complete = False
+    if not over:
+        if not complete:
+            raise ApiError("invalid_json", "the request body ended early (the client disconnected)")
+        return bytes(buf)
+    exc = too_large(limit)
+    if not complete:
+        exc.headers["Connection"] = "close"
+    raise exc
