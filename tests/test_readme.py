@@ -59,11 +59,11 @@ NOT_RUN: dict[str, str] = {
 
 VARIANTS: dict[str, str] = {
     "kvcache plan --model smollm2 --ratio 8 -o plan.json":
-        "kvcache plan --model stories260K --ratio 8 --context 128 -o plan.json",
+        "kvcache plan --model stories260K --ratio 4 --context 400 -o plan.json",
     "kvcache eval --model smollm2 --text ../shared/data/wikitext-2-raw/wiki.test.raw --tasks ppl,needle "
     '--methods "full,q4d,8x,q4+kvzip@0.3,hf-quanto-int4" --samples 8 --context 2048 --out runs/wiki2k':
         "kvcache eval --model stories260K --text ../shared/data/wikitext-2-raw/wiki.test.raw --tasks ppl,needle "
-        '--methods "full,q4d,8x,q4+kvzip@0.3" --samples 1 --context 256 --continuation 64 --out runs/wiki2k --quiet',
+        '--methods "full,q4d,4x,q4+kvzip@0.3" --samples 1 --context 256 --continuation 64 --out runs/wiki2k --quiet',
     "kvcache allocate --model smollm2 --average-bits 3.0 --out k3.json":
         "kvcache allocate --model stories260K --average-bits 3.0 --prefix 96 --continuation 32 --windows 1 "
         "--out k3.json",
