@@ -320,12 +320,15 @@ def test_storage_reads_back_the_rotated_reference(calib_file, key_grouping):
     st.append(k, v)
     got_k, got_v = st.read()
     R = tensors["layers.2"]  # [4, 8, 8]
-    kr, vr = torch.einsum("bhnd,hde->bhne", k, R), torch.einsum("bhnd,hde->bhne", v, R)
+    # per-channel keys are never rotated (math dictionary §25.3): only per-token keys live in R's space
+    kr = torch.einsum("bhnd,hde->bhne", k, R) if key_grouping == "token" else k
+    vr = torch.einsum("bhnd,hde->bhne", v, R)
     key_axis, key_group = (-2, 8) if key_grouping == "channel" else (-1, 8)
     ref_k = dequantize(quantize(kr, 2, axis=key_axis, group_size=key_group, scale_dtype=torch.float16))
     ref_v = dequantize(quantize(vr, 2, axis=-1, group_size=8, scale_dtype=torch.float16))
     Rt = R.transpose(-1, -2)
-    torch.testing.assert_close(got_k, torch.einsum("bhnd,hde->bhne", ref_k, Rt), rtol=1e-5, atol=1e-5)
+    want_k = torch.einsum("bhnd,hde->bhne", ref_k, Rt) if key_grouping == "token" else ref_k
+    torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_v, torch.einsum("bhnd,hde->bhne", ref_v, Rt), rtol=1e-5, atol=1e-5)
     cats = st.nbytes_by_category()
     assert cats["tables"] == 4 * 8 * 8 * 4  # float32 [kv_heads, d, d]
