@@ -27,7 +27,7 @@ TASK_DIR = REPO / "tests" / "lm_eval_task"
 TASKS = ["kvc_mc", "kvc_gen", "kvc_rolling"]
 HF_DIR = shared_data_dir() / "stories260K" / "hf"
 COMMON = {"device": "cpu", "dtype": "float32", "max_length": 32}
-COMPRESSED = "q2d+kvzip@0.5"  # 2-bit codes from the 5th token on, half the tokens: changes every answer
+COMPRESSED = "q2dt+kvzip@0.5"  # 2-bit per-token codes from the 5th token on, half the tokens: changes every answer
 
 
 def _evaluate(model, model_args=None) -> dict:

