@@ -247,8 +247,10 @@ def test_kvzap_matrix_bounded_memory(stories, scorer_path, quant, policy, batch)
         slack = pol.evict_every - 1
         bound = lengths.max() if pol.scope == "head" else lengths.mean(dim=(0, 2)).max()
         assert bound <= raised + slack + 1
-    else:  # the threshold keeps fewer than everything, more than the forced slots
-        assert pol.sink_tokens + 32 <= lengths.min() and lengths.max() < T + 39
+    else:  # the threshold keeps fewer than everything, more than the forced slots (the window: half of
+        # `budget`'s share of the prompt, math dictionary §19.5)
+        forced = pol.sink_tokens + pol.window_tokens(max(int(pol.budget * T), 1))
+        assert forced <= lengths.min() and lengths.max() < T + 39
     assert 0 < rep.scores_bytes  # the kept scores are held, and counted
 
 

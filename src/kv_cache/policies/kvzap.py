@@ -13,7 +13,8 @@ second pass) and from every decoded token as it is appended, so the cache can ke
   memory follows the content; heads then hold different numbers of tokens);
 * while decoding (``decoding=True``) the cache evicts again every ``evict_every`` tokens, so it
   holds at most ``evict_every - 1`` tokens per head beyond its budget; the last
-  ``recent_window`` tokens and the first ``sink_tokens`` are always kept;
+  ``recent_window`` tokens (default: half the budget, math dictionary §19.5) and the first
+  ``sink_tokens`` are always kept;
 * ``decoding=False`` acts once, after the prefill: what precision tiers
   (``QuantConfig.evicted_bits``) need of the policy that picks the important tokens.
 
@@ -71,7 +72,7 @@ class KVzap(EvictionPolicy):
     """
 
     budget: int | float = 0.25
-    recent_window: int | float = 32
+    recent_window: int | float = 0.5
     sink_tokens: int = 4
     scope: str = "model"
     head_floor: float = 0.0

@@ -11,7 +11,10 @@ head (math dictionary §19.3)::
 where chunk ``c``'s queries see the sink tokens, the stored tokens of the chunk they repeat, and
 their own repeat tokens (causally). Tokens needed to rebuild the context are exactly those a
 future question may need. One budget is shared by every head of every layer by default
-(``scope="model"``, as in the paper); the first ``sink_tokens`` are always kept.
+(``scope="model"``, as in the paper); the first ``sink_tokens`` are always kept, and so is a
+recent window of half the budget (``recent_window=0.5``, math dictionary §19.5): the paper keeps
+none, and on held-out 768-token windows that cost +9.6% (SmolLM2) and +15.8% (Qwen2.5) perplexity
+at ``budget=0.25`` against +3.4% and +3.1% with the window.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class KVzip(EvictionPolicy):
         where the chunk starts.
     """
 
-    recent_window: int | float = 0
+    recent_window: int | float = 0.5
     sink_tokens: int = 4
     scope: str = "model"
     head_floor: float = 0.0
