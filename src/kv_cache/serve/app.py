@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .auth import ApiKeys
 from .batch import chat_batch
+from .batch_context import context_batch
 from .engine import Engine, Job, internal_error
 from .errors import ApiError, redact
 from .limits import parse_json, read_body
@@ -195,9 +196,11 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
                 raise _store_error(exc, req.context_id[:64], "context_id") from None
         with engine.reserve():
             prep = await prepare(service.prepare_chat, req, owner)
-            # chats without a context may run together with others waiting (kv_cache.serve.batch)
-            batch = {} if req.context_id is not None else {"batch_key": "plain", "item": prep,
-                                                           "batch_fn": functools.partial(chat_batch, service)}
+            # chats may run together with others of their kind waiting: without a stored context
+            # (kv_cache.serve.batch), on stored contexts (kv_cache.serve.batch_context)
+            batch = ({"batch_key": "plain", "item": prep, "batch_fn": functools.partial(chat_batch, service)}
+                     if req.context_id is None else
+                     {"batch_key": "context", "item": prep, "batch_fn": functools.partial(context_batch, service)})
             job = engine.submit(lambda j: service.chat(prep, j), asyncio.get_running_loop(), **batch)
         cid, now = "chatcmpl-" + secrets.token_hex(12), int(time.time())
         if not req.stream:
