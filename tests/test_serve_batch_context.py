@@ -21,7 +21,7 @@ DOC2 = "Tom had a big dog named Max. Max liked to run and jump in the garden. On
 # different numbers of tokens (KVzip's model-wide budget: answered one at a time)
 CONTEXTS = [(DOC, "q4d"), (DOC2, "q4d"), (DOC, "full"), (DOC2, "q4+kvzip@0.5")]
 # (context, question, options): the same context asked several times, different contexts, streaming
-# and not, different max_tokens, a stop string, a sampled row with a seed
+# and not, different max_tokens, a stop string, a sampled row with a seed, a one-token answer
 CHATS = [(0, "Lily went to the", {"max_tokens": 12}),
          (0, "The ball was", {"max_tokens": 20, "stream": True}),
          (1, "Max", {"max_tokens": 7}),
@@ -29,7 +29,8 @@ CHATS = [(0, "Lily went to the", {"max_tokens": 12}),
          (0, "She", {"max_tokens": 9, "temperature": 1.1, "seed": 5}),
          (2, "Lily went to the", {"max_tokens": 14, "stream": True}),
          (2, "One day", {"max_tokens": 10}),
-         (3, "Tom", {"max_tokens": 11})]
+         (3, "Tom", {"max_tokens": 11}),
+         (1, "Tom was", {"max_tokens": 1, "stream": True})]  # done at its first token: never stacked
 
 
 def _ask(client, cid: str, question: str, opts: dict) -> tuple:

@@ -82,3 +82,20 @@ def test_decode_rows_checks_the_logits_shape():
     rows = [Row(service, _job(2), prompt=1)]
     with pytest.raises(ValueError, match=r"logits must be \[batch=1, vocab\]; got shape \(2, 8\)"):
         decode_rows(rows, torch.zeros(2, V), lambda t: t, {EOS}, PAD)
+
+
+def test_rows_that_drew_their_first_token_start_by_feeding_it():
+    service = SimpleNamespace(tokenizer=Letters(), tokenizer_lock=threading.Lock())
+    rows = [Row(service, _job(3), prompt=1), Row(service, _job(2), prompt=1)]
+    for r, t in zip(rows, [1, 2]):
+        r.step(_onehot([t])[0], {EOS})  # each from its own prefill
+    fed = []
+
+    def feed(tokens):
+        fed.append(tokens.reshape(-1).tolist())
+        return _onehot([3, 4])
+
+    decode_rows(rows, None, feed, {EOS}, PAD)
+    assert fed == [[1, 2], [3, PAD]] and [r.text for r in rows] == ["bdd", "ce"]
+    with pytest.raises(ValueError, match="logits=None needs every row to have drawn its first token"):
+        decode_rows([Row(service, _job(2), prompt=1)], None, feed, {EOS}, PAD)

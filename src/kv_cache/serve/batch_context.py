@@ -6,8 +6,9 @@ whether they ask the same context or different ones:
 
 1. **Each question is prefilled on its own** context, exactly as one at a time: inside the
    context's :meth:`~kv_cache.CompressedCache.session`, the question's tokens are fed after the
-   context (batch 1). That gives the row's first logits and the question's keys and values
-   (:func:`kv_cache.cache.stack.session_states`); the stored context never changes.
+   context (batch 1). That gives the row's first token, sent at once (before the next row's
+   prefill), and the question's keys and values (:func:`kv_cache.cache.stack.session_states`);
+   the stored context never changes.
 2. **The rows are stacked** into one batch cache (:func:`kv_cache.cache.stack.stack_sessions`):
    every layer holds row ``b`` = context ``b`` as stored (sinks, packed codes with their own
    scale tables, residual) + question ``b``, rows of different lengths in one packed ragged
@@ -98,7 +99,8 @@ def _decode_group(service: Any, group: list[tuple[Job, Any, list[int]]]) -> None
     from .service import _eos
 
     model, tok = service.model, service.tokenizer
-    rows, logits, caches, states, positions = [], [], [], [], []
+    eos = _eos(tok, model)
+    rows, caches, states, positions = [], [], [], []
     for job, ctx, ids in group:
         try:
             job.check()
@@ -110,8 +112,12 @@ def _decode_group(service: Any, group: list[tuple[Job, Any, list[int]]]) -> None
             job.emit("error", internal_error())
             continue
         job.emit("start")
-        rows.append(Row(service, job, len(ids), ctx.context_tokens))
-        logits.append(first)
+        row = Row(service, job, len(ids), ctx.context_tokens)
+        row.step(first, eos)  # its first token now, before the other rows' prefills
+        if row.done:
+            row.finish()
+            continue
+        rows.append(row)
         caches.append(ctx.cache)
         states.append(st)
         positions.append(ctx.context_tokens + len(ids))
@@ -128,7 +134,7 @@ def _decode_group(service: Any, group: list[tuple[Job, Any, list[int]]]) -> None
         return out.logits[:, -1].float()
 
     with compress(model, batch), batch.session():
-        decode_rows(rows, torch.stack(logits), feed, _eos(tok, model), pad_token(tok))
+        decode_rows(rows, None, feed, eos, pad_token(tok))
 
 
 def context_batch(service: Any, jobs: list[Job]) -> None:

@@ -74,23 +74,27 @@ class Row:
                                          "prompt_tokens_details": {"cached_tokens": self.cached}}})
 
 
-def decode_rows(rows: list[Row], logits: torch.Tensor, feed: Callable[[torch.Tensor], torch.Tensor],
+def decode_rows(rows: list[Row], logits: torch.Tensor | None, feed: Callable[[torch.Tensor], torch.Tensor],
                 eos: set[int], pad: int) -> None:
     """Decode ``rows`` together until every one is done.
 
-    ``logits`` ``[batch, vocab]``: each row's prediction after its prompt; ``feed(tokens)`` runs
-    the model on ``tokens`` ``[batch, 1]`` (each row's last token, ``pad`` for a row that is done)
-    at each row's next position and returns the next logits ``[batch, vocab]``. Each row is
-    answered (:meth:`Row.finish`) as soon as it is done, not when the batch ends; the last token
-    of a row is not fed (it would only predict a token nobody reads)."""
-    if logits.dim() != 2 or logits.shape[0] != len(rows):
+    ``logits`` ``[batch, vocab]``: each row's prediction after its prompt, or None when every row
+    has drawn its first token already (:meth:`Row.step` on its own prefill's logits, not done);
+    ``feed(tokens)`` runs the model on ``tokens`` ``[batch, 1]`` (each row's last token, ``pad``
+    for a row that is done) at each row's next position and returns the next logits
+    ``[batch, vocab]``. Each row is answered (:meth:`Row.finish`) as soon as it is done, not when
+    the batch ends; the last token of a row is not fed (it would only predict a token nobody reads)."""
+    if logits is None and not all(r.out and not r.done for r in rows):
+        raise ValueError("logits=None needs every row to have drawn its first token and not be done")
+    if logits is not None and (logits.dim() != 2 or logits.shape[0] != len(rows)):
         raise ValueError(f"logits must be [batch={len(rows)}, vocab]; got shape {tuple(logits.shape)}")
     while True:
-        for i, r in enumerate(rows):
-            if not r.done:
-                r.step(logits[i], eos)
-                if r.done:
-                    r.finish()  # its client gets the answer now, not when the batch ends
+        if logits is not None:
+            for i, r in enumerate(rows):
+                if not r.done:
+                    r.step(logits[i], eos)
+                    if r.done:
+                        r.finish()  # its client gets the answer now, not when the batch ends
         if all(r.done for r in rows):
             return
         logits = feed(torch.tensor([[r.out[-1] if r.out and not r.done else pad] for r in rows]))
