@@ -1,6 +1,7 @@
 """Asked contexts stacked into one batch cache (:mod:`kv_cache.cache.stack`): rows on the same
 context and on different ones, with questions of different lengths, decode greedily exactly as
-each context's own session does alone."""
+each context's own session does alone; contexts whose heads hold different numbers of tokens
+(KVzip's model-wide budget) included, and mixed with rectangular ones of the same quantization."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def _stacked_answers(model, tok, asks: list[tuple[CompressedContext, str]]) -> l
 
 
 @pytest.mark.filterwarnings("ignore::kv_cache.FidelityWarning")
-@pytest.mark.parametrize("spec", ["q4d", "q2d", "full", "q4+snapkv@0.5"])
+@pytest.mark.parametrize("spec", ["q4d", "q2d", "full", "q4+snapkv@0.5", "q4+kvzip@0.5", "kvzip@0.5"])
 def test_stacked_rows_answer_as_each_session_alone(stories, spec):
     model, tok = stories
     a, b = _build(stories, DOC, spec), _build(stories, DOC2, spec)
@@ -61,10 +62,25 @@ def test_stacked_rows_answer_as_each_session_alone(stories, spec):
     assert a.ask(QUESTIONS[0], max_new_tokens=N, eos_token_ids=[]) == alone[0]  # the contexts never changed
 
 
+@pytest.mark.filterwarnings("ignore::kv_cache.FidelityWarning")
+def test_ragged_and_rectangular_contexts_share_a_batch(stories):
+    model, tok = stories
+    a, b = _build(stories, DOC, "q4"), _build(stories, DOC2, "q4+kvzip@0.5")
+    assert type(b.cache.layers[0].storage).__name__ == "PackedRaggedStorage"
+    assert layout_key(a.cache) == layout_key(b.cache)
+    asks = [(a, QUESTIONS[0]), (b, QUESTIONS[3]), (b, QUESTIONS[2])]
+    alone = [c.ask(q, max_new_tokens=N, eos_token_ids=[]) for c, q in asks]
+    assert _stacked_answers(model, tok, asks) == alone
+
+
 def test_stack_reason_and_refusals(stories):
-    model, _ = stories
-    ragged = _build(stories, DOC, "q4+kvzip@0.5")  # a model-wide budget: heads of different lengths
-    assert "heads of different lengths" in stack_reason(ragged.cache)
+    from kv_cache import CompressedCache, KVzip, QuantConfig
+
+    model, tok = stories
+    tiered = CompressedContext.build(model, tok, DOC, quant=QuantConfig(bits=4, evicted_bits=2),
+                                     eviction=KVzip(budget=0.25))
+    assert "demoted tokens" in stack_reason(tiered.cache)
+    assert stack_reason(CompressedCache(model.config)) == "layer 0 holds nothing (the context is not prefilled)"
     a, full = _build(stories, DOC, "q4d"), _build(stories, DOC, "full")
     assert layout_key(a.cache) != layout_key(full.cache)
     with pytest.raises(RuntimeError, match="not in a session"):
@@ -73,8 +89,8 @@ def test_stack_reason_and_refusals(stories):
         stack_sessions([], [], model.config)
     with pytest.raises(ValueError, match="one question per cache"):
         stack_sessions([a.cache], [], model.config)
-    with pytest.raises(ValueError, match="cannot be a batch row: layer 0 holds PackedRaggedStorage"):
-        stack_sessions([ragged.cache], [[]], model.config)
+    with pytest.raises(ValueError, match="cannot be a batch row: layer 0 holds a precision tier's demoted tokens"):
+        stack_sessions([tiered.cache], [[]], model.config)
     states = []
     for ctx in (a, full):
         with compress(model, ctx.cache), ctx.cache.session(), torch.no_grad():

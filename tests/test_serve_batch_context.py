@@ -1,6 +1,7 @@
 """``kvcache serve`` decodes concurrent chats on stored contexts together (issue 28, batching):
 chats on the same context and on different contexts share one batch, and their greedy answers
-equal the answers of a server that runs one at a time (``--max-batch 1``)."""
+equal the answers of a server that runs one at a time (``--max-batch 1``). Which chats share a
+batch, and which are answered alone: :func:`kv_cache.serve.batch_context.plan_groups`."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ pytest.importorskip("fastapi", reason="needs the serve extra: pip install 'kv_ca
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai", reason="the tests drive the server with the openai client")
 
+from kv_cache import CompressedContext, KVzip, QuantConfig  # noqa: E402
+from kv_cache.serve.batch_context import plan_groups  # noqa: E402
 from serve_support import AUTH, DOC, KEY, MODEL, create, serving  # noqa: E402
 
 DOC2 = "Tom had a big dog named Max. Max liked to run and jump in the garden. One day Max found a bone. " * 3
 # (document, method): two contexts of one layout (q4d), one of another (full), one whose heads hold
-# different numbers of tokens (KVzip's model-wide budget: answered one at a time)
+# different numbers of tokens (KVzip's model-wide budget)
 CONTEXTS = [(DOC, "q4d"), (DOC2, "q4d"), (DOC, "full"), (DOC2, "q4+kvzip@0.5")]
 # (context, question, options): the same context asked several times, different contexts, streaming
 # and not, different max_tokens, a stop string, a sampled row with a seed, a one-token answer
@@ -100,3 +103,19 @@ def test_batched_context_chats_answer_as_one_at_a_time(stories, tmp_path):
     assert len({a[0] for a in alone}) == len(CHATS)  # different contexts and questions, different answers
     assert alone[3][1] == "stop" and alone[0][1] == "length"
     assert all(a[4] > 0 and a[2] > a[4] for a in alone)  # the context's tokens counted as cached
+
+
+@pytest.mark.filterwarnings("ignore::kv_cache.FidelityWarning")
+def test_plan_groups_batches_by_layout_and_leaves_the_rest_alone(stories):
+    model, tok = stories
+    q4, q4_kvzip, full = QuantConfig(bits=4), KVzip(budget=0.5), None
+    a = CompressedContext.build(model, tok, DOC, quant=q4)
+    b = CompressedContext.build(model, tok, DOC2, quant=q4, eviction=q4_kvzip)  # heads of different lengths
+    c = CompressedContext.build(model, tok, DOC, quant=full)
+    tiered = CompressedContext.build(model, tok, DOC, quant=QuantConfig(bits=4, evicted_bits=2),
+                                     eviction=KVzip(budget=0.25))  # a precision tier: not a batch row
+    jobs = [f"job{i}" for i in range(5)]
+    items = list(zip(jobs, [a, c, tiered, b, a], [[1]] * 5))
+    groups, alone = plan_groups(items)
+    assert [[job for job, *_ in g] for g in groups] == [["job0", "job3", "job4"], ["job1"]]
+    assert alone == ["job2"]

@@ -11,8 +11,9 @@ is not a whole number of groups.
 :func:`stack_sessions` builds instead a batch cache whose every layer holds its rows in the
 packed ragged layout (:class:`~kv_cache.cache.packed_ragged.PackedRaggedStorage`, the layout a
 shared eviction budget already uses): row ``(b, h)`` holds context ``b``'s stored tokens of head
-``h`` exactly as stored (sinks, packed codes with their own scale tables, residual), then
-question ``b``'s tokens in full precision, every row right-aligned in one buffer and read at its
+``h`` exactly as stored (sinks, packed codes with their own scale tables, residual;
+:func:`~kv_cache.cache.stack_rows.head_rows`, contexts whose heads hold different numbers of
+tokens included), then question ``b``'s tokens in full precision, every row right-aligned in one buffer and read at its
 own offset, its virtual leading slots masked. Nothing is recomputed or re-quantized: the codes,
 scales and full-precision tokens are copied (a context asked by several rows is copied once per
 row). Decoding then runs inside the batch cache's own :meth:`~kv_cache.CompressedCache.session`:
@@ -33,48 +34,53 @@ import torch
 
 from .cache import CompressedCache
 from .packed_ragged import PackedRaggedStorage
-from .storage import FullPrecisionStorage, QuantizedStorage
+from .ragged import RaggedStorage
+from .stack_rows import ROW_LAYOUTS, head_rows
+from .storage import FullPrecisionStorage
 
 
 def stack_reason(cache: CompressedCache) -> str | None:
     """Why ``cache`` cannot be a row of :func:`stack_sessions` (None: it can).
 
-    A row is a prefilled, batch-1 cache whose every layer holds a rectangular layout
-    (:class:`FullPrecisionStorage` or :class:`QuantizedStorage`): not a layer already cut to
-    per-head lengths (a shared budget), a precision tier's demoted tokens, a sliding window,
-    left padding, or a KVzip pass still due."""
+    A row is a prefilled, batch-1 cache whose every layer holds one of
+    :data:`~kv_cache.cache.stack_rows.ROW_LAYOUTS` (rectangular, or heads of different lengths
+    after a shared budget): not a precision tier's demoted tokens, a sliding window, left
+    padding, or a KVzip pass still due."""
     if not isinstance(cache, CompressedCache):
         return f"not a CompressedCache ({type(cache).__name__})"
     for i, layer in enumerate(cache.layers):
         st = layer.storage
         if st is None or not layer.is_initialized:
             return f"layer {i} holds nothing (the context is not prefilled)"
-        if type(st) not in (FullPrecisionStorage, QuantizedStorage):
-            return f"layer {i} holds {type(st).__name__} (heads of different lengths)"
+        if not isinstance(st, ROW_LAYOUTS):
+            return f"layer {i} holds {type(st).__name__}, which is not split into rows"
         if st.batch != 1:
             return f"layer {i} holds a batch of {st.batch} rows"
         if layer.demoted is not None:
             return f"layer {i} holds a precision tier's demoted tokens"
         if layer.window is not None:
             return f"layer {i} slides over a window of {layer.window} tokens"
-        if layer._starts is not None:
+        if any(getattr(st, "lead", ())) or (not st.ragged and layer._starts is not None):
             return f"layer {i} holds left padding"
         if layer._awaiting_reconstruction or layer._tail is not None or layer._reconstruct is not None:
             return f"layer {i} is in a session or a KVzip pass"
     return None
 
 
+def _row_layout(st) -> tuple:
+    """``(row layout, quantization, sinks)`` of a layer's rows (a ragged layout's tail or rows say)."""
+    unit = st.tail if isinstance(st, PackedRaggedStorage) else st.rows[0] if isinstance(st, RaggedStorage) else st
+    quant = getattr(unit, "quant", None)
+    return type(unit).__name__, None if quant is None else repr(quant), getattr(unit, "n_sinks", 0)
+
+
 def layout_key(cache: CompressedCache) -> tuple:
-    """Caches with equal keys can be rows of one batch: per layer, the layout, its quantization
-    (:class:`~kv_cache.QuantConfig`), sinks, dtype, device and whether keys carry an offset."""
-    out = []
-    for layer in cache.layers:
-        st = layer.storage
-        quant = getattr(st, "quant", None)
-        out.append((type(st).__name__, None if quant is None else repr(quant), getattr(st, "n_sinks", 0),
-                    str(getattr(layer, "dtype", None)), str(getattr(layer, "device", None)),
-                    layer.key_offset is None))
-    return tuple(out)
+    """Caches with equal keys can be rows of one batch: per layer, the rows' layout (full
+    precision or quantized, whether or not the heads hold different numbers of tokens), its
+    quantization (:class:`~kv_cache.QuantConfig`), sinks, dtype, device and whether keys carry an
+    offset."""
+    return tuple((*_row_layout(layer.storage), str(getattr(layer, "dtype", None)),
+                  str(getattr(layer, "device", None)), layer.key_offset is None) for layer in cache.layers)
 
 
 def session_states(cache: CompressedCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -89,12 +95,12 @@ def session_states(cache: CompressedCache) -> list[tuple[torch.Tensor, torch.Ten
     return out
 
 
-def _row(storage, h: int, keys: torch.Tensor, values: torch.Tensor):
-    """Head ``h`` of a batch-1 ``storage`` with ``keys``/``values`` ``[1, 1, n, d]`` (a question, full
-    precision) after its tokens: the question joins the residual (never quantized here). A residual
-    held narrower than the question (``QuantConfig.residual_dtype``, e.g. float16 on a float32
-    model) is widened to the question's dtype: exact, and attention reads both in float32."""
-    row = storage.row(0, h)
+def _row(row, keys: torch.Tensor, values: torch.Tensor):
+    """A row storage (``batch = heads = 1``, its own tensors) with ``keys``/``values`` ``[1, 1, n, d]``
+    (a question, full precision) after its tokens: the question joins the residual (never
+    quantized here). A residual held narrower than the question (``QuantConfig.residual_dtype``,
+    e.g. float16 on a float32 model) is widened to the question's dtype: exact, and attention
+    reads both in float32."""
     if isinstance(row, FullPrecisionStorage):
         return FullPrecisionStorage(torch.cat([row.keys, keys], dim=2), torch.cat([row.values, values], dim=2))
     wide = torch.promote_types(row.keys.dtype, keys.dtype)
@@ -131,7 +137,8 @@ def stack_sessions(caches: Sequence[CompressedCache], questions: Sequence[list[t
     for i, layer in enumerate(out.layers):
         src = [c.layers[i] for c in caches]
         H = src[0].storage.heads
-        rows = [_row(s.storage, h, *(t[:, h:h + 1] for t in questions[b][i])) for b, s in enumerate(src) for h in range(H)]
+        rows = [_row(row, *(t[:, h:h + 1] for t in questions[b][i]))
+                for b, s in enumerate(src) for h, row in enumerate(head_rows(s.storage))]
         layer.storage = PackedRaggedStorage.from_rows(rows, B, H)
         layer.quant, layer.dtype, layer.device = src[0].quant, src[0].dtype, src[0].device
         layer.key_offset = None if src[0].key_offset is None else torch.cat([s.key_offset for s in src], dim=0)
