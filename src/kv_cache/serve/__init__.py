@@ -7,7 +7,10 @@
 * :mod:`.requests`: the request bodies, checked; :mod:`.errors`: OpenAI-style errors;
 * :mod:`.limits`: the bound of every input; :mod:`.auth`: API keys and their tenants;
 * :mod:`.files`: the files a request may name (registered by the operator, by name);
-* :mod:`.batch`: concurrent chats without a stored context decoded together.
+* :mod:`.rows`: a batch's rows (each chat's sampling, stops, events) and the decoding loop;
+* :mod:`.batch`: concurrent chats without a stored context decoded together;
+* :mod:`.batch_context`: concurrent chats on stored contexts (the same or different ones)
+  decoded together, the contexts stacked as rows of one cache (:mod:`kv_cache.cache.stack`).
 
 :func:`build` puts them together for a loaded model; ``kvcache serve`` (:mod:`kv_cache.cli_serve`)
 runs it with uvicorn.
@@ -47,7 +50,8 @@ def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key:
     files : ServedFiles, optional
         The plans, scorers and bit profiles requests may name (default: none).
     max_batch : int, default 8
-        Chats without a stored context decoded together at most (1: one at a time).
+        Concurrent chats decoded together at most (1: one at a time): chats without a stored
+        context in one batch, chats on stored contexts (the same or different ones) in another.
     strict : bool, default False
         Refuse (400 ``invalid_method``, nothing stored) a context whose compressed cache fails the
         fidelity check (math dictionary §26) instead of storing it with a warning in the log.

@@ -41,7 +41,7 @@ from ..cache.stack import layout_key, session_states, stack_reason, stack_sessio
 from ..context import forward_at
 from .engine import Job, internal_error
 from .errors import ApiError
-from .rows import Row, decode_rows, pad_token
+from .rows import Row, decode_rows, flush, pad_token
 
 
 def _load(service: Any, job: Job) -> tuple[Any, list[int]]:
@@ -116,6 +116,8 @@ def _decode_group(service: Any, group: list[tuple[Job, Any, list[int]]]) -> None
         row.step(first, eos)  # its first token now, before the other rows' prefills
         if row.done:
             row.finish()
+        flush([row])
+        if row.done:
             continue
         rows.append(row)
         caches.append(ctx.cache)

@@ -12,9 +12,9 @@ test) takes the same lock.
   queued at its deadline is dropped; a running one checks it between tokens and stops with
   ``request_timeout`` (504). A job whose client went away (:meth:`Job.cancel`) is dropped or
   stopped the same way.
-* A job with a ``batch_key`` (a chat without a stored context) takes with it the queued jobs of
-  the same key, up to ``max_batch`` in all, and they run as one batch (``batch_fn``;
-  :mod:`kv_cache.serve.batch`).
+* A job with a ``batch_key`` (a chat: ``"plain"`` without a stored context, ``"context"`` on
+  one) takes with it the queued jobs of the same key, up to ``max_batch`` in all, and they run
+  as one batch (``batch_fn``; :mod:`kv_cache.serve.batch`, :mod:`kv_cache.serve.batch_context`).
 * Requests are admitted (:meth:`Engine.reserve`) before their tokenization, which runs outside the
   model lock: the jobs being prepared count against ``queue_size`` with the queued ones.
 * :meth:`Engine.begin_shutdown` (SIGTERM) refuses new jobs, answers the queued ones
@@ -106,6 +106,28 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
         except RuntimeError:  # the server's loop is closed: nobody is listening any more
             self.cancel()
+
+
+def _put_all(items: list[tuple[Job, str, Any]]) -> None:
+    for job, kind, payload in items:
+        job.events.put_nowait((kind, payload))
+
+
+def emit_many(events: list[tuple[Job, str, Any]]) -> None:
+    """Put several jobs' events ``(job, kind, payload)`` at once, in order: one wake-up of each
+    event loop for all of them instead of one per event (a batch's step streams a delta per row)."""
+    by_loop: dict[Any, list] = {}
+    for job, kind, payload in events:
+        if job.loop is None:
+            job.events.put_nowait((kind, payload))
+        else:
+            by_loop.setdefault(job.loop, []).append((job, kind, payload))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the server's loop is closed: nobody is listening any more
+            for job, _, _ in items:
+                job.cancel()
 
 
 class _JobQueue(queue.Queue):

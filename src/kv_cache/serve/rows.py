@@ -5,8 +5,9 @@ context; :mod:`.batch_context`: chats on stored contexts). A :class:`Row` is one
 it draws its own tokens (its seed's generator), scans its own stop strings, counts its own
 ``max_tokens``, streams its own deltas, checks its own deadline and answers its own request the
 moment it is done, exactly as :meth:`~kv_cache.serve.service.Service.chat` does one at a time.
-:func:`decode_rows` runs the steps: every row not done draws from its logits, then ``feed``
-runs the model once for the whole batch (a row that is done is fed a padding token, never read).
+:func:`decode_rows` runs the steps: every row not done draws from its logits, the step's events
+of every row go to the server's event loop at once (:func:`flush`), then ``feed`` runs the model
+once for the whole batch (a row that is done is fed a padding token, never read).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from ..generation import sample_token, stop_scan
-from .engine import Job
+from .engine import Job, emit_many
 from .errors import ApiError
 
 
@@ -33,9 +34,14 @@ class Row:
         self.text, self.sent, self.stopped, self.done = "", 0, False, False
         self.gen = None if prep.req.sampling.greedy else prep.req.sampling.generator()
         self.error: ApiError | None = None
+        self.pending: list[tuple[str, Any]] = []  # events not sent yet (:func:`flush`)
+
+    def emit(self, kind: str, payload: Any = None) -> None:
+        self.pending.append((kind, payload))
 
     def step(self, logits: torch.Tensor, eos: set[int]) -> None:
-        """Draw this row's next token from its logits ``[vocab]`` (as Service._generate does)."""
+        """Draw this row's next token from its logits ``[vocab]`` (as Service._generate does);
+        its events wait in :attr:`pending` until :func:`flush`."""
         token = sample_token(logits, self.req.sampling, self.gen)
         if token in eos:
             self.done = True
@@ -45,7 +51,7 @@ class Row:
             self.text = self.service.tokenizer.decode(self.out, skip_special_tokens=True)
         end, self.stopped = stop_scan(self.text, self.req.stop)
         if self.req.stream and end > self.sent:
-            self.job.emit("delta", self.text[self.sent:end])
+            self.emit("delta", self.text[self.sent:end])
             self.sent = end
         if self.stopped:
             self.text = self.text[:end]
@@ -62,16 +68,25 @@ class Row:
     def finish(self) -> None:
         """Answer the request: its error, or its text, finish reason and usage."""
         if self.error is not None:
-            self.job.emit("error", self.error)
+            self.emit("error", self.error)
             return
         if self.req.stream and len(self.text) > self.sent:
-            self.job.emit("delta", self.text[self.sent:])
+            self.emit("delta", self.text[self.sent:])
         finish = "stop" if self.stopped or len(self.out) < self.n_new else "length"
         prompt = self.cached + self.prompt
-        self.job.emit("done", {"text": self.text, "finish_reason": finish,
+        self.emit("done", {"text": self.text, "finish_reason": finish,
                                "usage": {"prompt_tokens": prompt, "completion_tokens": len(self.out),
                                          "total_tokens": prompt + len(self.out),
                                          "prompt_tokens_details": {"cached_tokens": self.cached}}})
+
+
+def flush(rows: list[Row]) -> None:
+    """Send the rows' pending events, all of them in one wake-up of the server's event loop."""
+    events = [(r.job, kind, payload) for r in rows for kind, payload in r.pending]
+    for r in rows:
+        r.pending = []
+    if events:
+        emit_many(events)
 
 
 def decode_rows(rows: list[Row], logits: torch.Tensor | None, feed: Callable[[torch.Tensor], torch.Tensor],
@@ -95,6 +110,7 @@ def decode_rows(rows: list[Row], logits: torch.Tensor | None, feed: Callable[[to
                     r.step(logits[i], eos)
                     if r.done:
                         r.finish()  # its client gets the answer now, not when the batch ends
+            flush(rows)
         if all(r.done for r in rows):
             return
         logits = feed(torch.tensor([[r.out[-1] if r.out and not r.done else pad] for r in rows]))
