@@ -17,8 +17,8 @@ Concurrent chats are decoded together, up to ``--max-batch`` at once: chats with
 context (:mod:`kv_cache.serve.batch`) and chats on stored contexts, the same or different ones
 (:mod:`kv_cache.serve.batch_context`). ``GET /health`` answers ``{"status": "ok"}`` without a
 key. A POST body is read up to ``--max-body-bytes`` and its depth checked before it is parsed
-(:mod:`kv_cache.serve.limits`); the request is then checked and tokenized outside the model lock, in a thread of its own, and
-only then queued for the worker. Every error is OpenAI's JSON body with the status of its case
+(:mod:`kv_cache.serve.limits`); the request is then checked and tokenized outside the model lock,
+in a thread of its own, and only then queued for the worker. Every error is OpenAI's JSON body with the status of its case
 (:mod:`kv_cache.serve.errors`), its message free of server paths; an unexpected failure is
 logged with its traceback and answered 500 with an incident id, and the server keeps serving.
 """
