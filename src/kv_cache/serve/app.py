@@ -18,9 +18,10 @@ context (:mod:`kv_cache.serve.batch`) and chats on stored contexts, the same or 
 (:mod:`kv_cache.serve.batch_context`). ``GET /health`` answers ``{"status": "ok"}`` without a
 key. A POST body is read up to ``--max-body-bytes`` and its depth checked before it is parsed
 (:mod:`kv_cache.serve.limits`); the request is then checked and tokenized outside the model lock,
-in a thread of its own, and only then queued for the worker. Every error is OpenAI's JSON body with the status of its case
-(:mod:`kv_cache.serve.errors`), its message free of server paths; an unexpected failure is
-logged with its traceback and answered 500 with an incident id, and the server keeps serving.
+in a thread of its own, and only then queued for the worker. Every error is OpenAI's JSON body
+with the status of its case (:mod:`kv_cache.serve.errors`), its message free of server paths; an
+unexpected failure is logged with its traceback and answered 500 with an incident id, and the
+server keeps serving.
 """
 
 from __future__ import annotations
