@@ -32,6 +32,8 @@ two short stories compressed with ``--batch-method`` (default ``q4``), and clien
 story ``i % 2`` its M questions (story openings), so a batch holds chats on the same context
 and on different ones. Both servers run in the same invocation, one after the other, on the
 same contexts' documents; the ratios (answers/s, TTFT p50) are taken within that run.
+``--rounds R`` alternates the two servers R times and reports each round's ratios and their
+median: on a shared machine the load drifts between runs.
 """
 
 from __future__ import annotations
@@ -228,24 +230,35 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
 
 
 def batching_table(rows: list[dict], args: argparse.Namespace) -> str:
-    one, many = rows
-    same = one["answers_by_question"] == many["answers_by_question"]
+    """The table of ``rows`` (one at a time, batched; per round), each round's ratios and their median."""
+    pairs = [rows[i:i + 2] for i in range(0, len(rows), 2)]
     what = "chats without a stored context"
     if args.batching_contexts:
-        what = (f"chats on stored contexts (2 stories of {' and '.join(map(str, one['context_tokens']))} tokens, "
+        what = (f"chats on stored contexts (2 stories of {' and '.join(map(str, rows[0]['context_tokens']))} tokens, "
                 f"`{args.batch_method}`; client i asks story i % 2)")
+    rounds = f", {len(pairs)} rounds (the two servers alternate)" if len(pairs) > 1 else ""
     lines = [f"# kvcache serve: batching, {args.clients} clients x {args.questions} {what}, "
              f"{args.model}, max_tokens {args.max_tokens}, greedy, streaming, OMP_NUM_THREADS="
-             f"{os.environ.get('OMP_NUM_THREADS', 'unset')}", "",
+             f"{os.environ.get('OMP_NUM_THREADS', 'unset')}{rounds}", "",
              "| server | answers/s | tokens/s | TTFT p50 / p95 s | latency p50 / p95 s | peak RSS MiB |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['answers_per_s']:.2f} | {r['tokens_per_s']:.1f} | {r['ttft_p50']:.2f} / "
                      f"{r['ttft_p95']:.2f} | {r['latency_p50']:.2f} / {r['latency_p95']:.2f} | "
                      f"{r['peak_rss_mib']:.0f} |")
-    ratio = many["answers_per_s"] / one["answers_per_s"]
-    lines += ["", f"answers/s ratio (batched / one at a time): **{ratio:.2f}x**; "
-              f"TTFT p50 ratio: {many['ttft_p50'] / one['ttft_p50']:.2f}x; greedy answers identical: **{same}**."]
+    lines.append("")
+    speed, ttft = [], []
+    for k, (one, many) in enumerate(pairs):
+        same = one["answers_by_question"] == many["answers_by_question"]
+        speed.append(many["answers_per_s"] / one["answers_per_s"])
+        ttft.append(many["ttft_p50"] / one["ttft_p50"])
+        head = f"round {k + 1}: " if len(pairs) > 1 else ""
+        lines.append(f"{head}answers/s ratio (batched / one at a time): **{speed[-1]:.2f}x**; "
+                     f"TTFT p50 ratio: {ttft[-1]:.2f}x; greedy answers identical: **{same}**.")
+    if len(pairs) > 1:
+        lines += ["", f"median over the rounds: answers/s ratio **{statistics.median(speed):.2f}x** "
+                      f"(range {min(speed):.2f}-{max(speed):.2f}x), TTFT p50 ratio "
+                      f"**{statistics.median(ttft):.2f}x** (range {min(ttft):.2f}-{max(ttft):.2f}x)."]
     return "\n".join(lines) + "\n"
 
 
@@ -255,13 +268,17 @@ def main_batching(args: argparse.Namespace) -> None:
     rows = []
     method, stories = (args.batch_method, STORIES) if args.batching_contexts else (None, None)
     with tempfile.TemporaryDirectory() as store:
-        for name, mb in (("one at a time (--max-batch 1)", 1), (f"batched (--max-batch {args.clients})", args.clients)):
-            print(f"== {name} ...", flush=True)
-            rows.append(run_config(name, method, "", args, Path(store), max_batch=mb, stories=stories))
+        for k in range(args.rounds):
+            for name, mb in (("one at a time (--max-batch 1)", 1),
+                             (f"batched (--max-batch {args.clients})", args.clients)):
+                name = f"{name}, round {k + 1}" if args.rounds > 1 else name
+                print(f"== {name} ...", flush=True)
+                rows.append(run_config(name, method, "", args, Path(store), max_batch=mb, stories=stories))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     kind = f"contexts_{args.batch_method.replace('+', '_').replace('@', '')}_" if args.batching_contexts else ""
     stem = f"bench_serve_batching_{kind}{args.model}_n{args.clients}_m{args.questions}_t{args.max_tokens}"
+    stem += f"_r{args.rounds}" if args.rounds > 1 else ""
     (out / f"{stem}.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     md = batching_table(rows, args)
     (out / f"{stem}.md").write_text(md)
@@ -281,6 +298,9 @@ def main() -> None:
     ap.add_argument("--batching-contexts", action="store_true",
                     help="compare --max-batch 1 and N on chats asking two stored contexts")
     ap.add_argument("--batch-method", default="q4", help="the stored contexts' method of --batching-contexts [q4]")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="--batching*: alternate the two servers this many times; each round's ratios and their "
+                         "median (a shared machine's load drifts between runs) [1]")
     args = ap.parse_args()
     if args.batching or args.batching_contexts:
         return main_batching(args)
