@@ -153,8 +153,19 @@ def context_batch(service: Any, jobs: list[Job]) -> None:
             continue
         items.append((job, ctx, ids))
     groups, alone = plan_groups(items)
-    with torch.no_grad():
-        for group in groups:
-            _decode_group(service, group)
+    for group in groups:
+        try:
+            with torch.no_grad():
+                _decode_group(service, group)
+        except ApiError as exc:  # this group's requests are answered; the other groups still run
+            _group_error(group, exc)
+        except Exception:  # logged with its traceback
+            _group_error(group, internal_error())
     for job in alone:
         _alone(service, job)
+
+
+def _group_error(group: list[tuple[Job, Any, list[int]]], exc: ApiError) -> None:
+    """Answer ``exc`` to the requests of a failed group (one answered already ignores it)."""
+    for job, _, _ in group:
+        job.emit("error", exc)
