@@ -106,6 +106,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-batch", type=int, default=8,
                    help="concurrent chats decoded together at most (without a context, or on stored "
                         "contexts: the same or different ones); 1: one at a time [8]")
+    p.add_argument("--batch-wait", type=float, default=0.05,
+                   help="seconds a chat waits for others to batch with while fewer than --max-batch are "
+                        "queued; 0: start at once [0.05]")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds SIGTERM waits for requests in flight before it stops them [10]")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="[float32]")
@@ -180,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     app, service, engine = build(model, tok, args.store, model_id=name, api_keys=keys, cache_bytes=cache_bytes,
                                  queue_size=args.queue_size, request_timeout=args.request_timeout, limits=limits,
                                  files=files, shutdown_timeout=args.shutdown_timeout, max_batch=args.max_batch,
+                                 batch_wait=args.batch_wait,
                                  strict=args.strict)
 
     class Server(uvicorn.Server):
