@@ -21,10 +21,16 @@ QUESTIONS = ["Lily went to the", "The ball was", "She", "Tom and Max went to the
 N = 16
 
 
+_BUILT: dict = {}
+
+
 def _build(stories, doc: str, spec: str) -> CompressedContext:
-    model, tok = stories
-    quant, eviction, _ = method_settings(spec, None, model)
-    return CompressedContext.build(model, tok, doc, quant=quant, eviction=eviction)
+    """The context of ``doc`` compressed with ``spec``, built once per module (asking never changes it)."""
+    if (doc, spec) not in _BUILT:
+        model, tok = stories
+        quant, eviction, _ = method_settings(spec, None, model)
+        _BUILT[doc, spec] = CompressedContext.build(model, tok, doc, quant=quant, eviction=eviction)
+    return _BUILT[doc, spec]
 
 
 def _stacked_answers(model, tok, asks: list[tuple[CompressedContext, str]]) -> list[str]:
