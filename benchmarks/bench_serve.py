@@ -26,6 +26,14 @@ Run: ``python benchmarks/bench_serve.py [--clients 4] [--questions 2] [--context
 story opening), on a server run one at a time (``--max-batch 1``) and on one that decodes
 concurrent chats together (``--max-batch N``); reported as above, plus the ratio of answers/s.
 Greedy answers of both runs are compared (they must be equal).
+
+``--batching-contexts``: the same comparison for chats on stored contexts: each server stores
+two short stories compressed with ``--batch-method`` (default ``q4``), and client ``i`` asks
+story ``i % 2`` its M questions (story openings), so a batch holds chats on the same context
+and on different ones. Both servers run in the same invocation, one after the other, on the
+same contexts' documents; the ratios (answers/s, TTFT p50) are taken within that run.
+``--rounds R`` alternates the two servers R times and reports each round's ratios and their
+median: on a shared machine the load drifts between runs.
 """
 
 from __future__ import annotations
@@ -80,8 +88,20 @@ OPENINGS = ["Once upon a time, there was a dog", "Lily went to the park", "The b
             "Ben and Mia found a box", "A cat sat on the mat"]
 
 
+STORIES = [
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
+    "red ball. One day, she saw a big dog near the tree. The dog was sad because he was lost. Lily gave the "
+    "dog some water and a hug. Then she helped him find his home. The dog's mom was very happy. She said, "
+    "\"Thank you, Lily!\" Lily smiled and ran back to the park to play with her ball.",
+    "Tom had a big box of toys. He liked to build tall towers with his blocks. One day, his little sister "
+    "Sue wanted to play too. Tom did not want to share. Sue was sad and started to cry. Mom came and said, "
+    "\"Tom, sharing is nice.\" Tom looked at Sue and gave her a block. They built a tower together. It was "
+    "the tallest tower ever, and they laughed and played all day.",
+]
+
+
 def run_config(name: str, method: str | None, doc: str, args: argparse.Namespace, store: Path,
-               max_batch: int | None = None) -> dict:
+               max_batch: int | None = None, stories: list[str] | None = None) -> dict:
     import httpx
     import openai
 
@@ -110,7 +130,14 @@ def run_config(name: str, method: str | None, doc: str, args: argparse.Namespace
             time.sleep(0.3)
         row: dict = {"config": name, "method": method or "(document in every request)"}
         cid = None
-        if method is not None:
+        story_ids: list[str] = []
+        for story in stories or []:  # --batching-contexts: one stored context per story
+            r = httpx.post(base + "/v1/contexts", headers={"Authorization": f"Bearer {KEY}"}, timeout=1200,
+                           json={"document": story, "method": method})
+            r.raise_for_status()
+            story_ids.append(r.json()["id"])
+            row.setdefault("context_tokens", []).append(r.json()["tokens"])
+        if method is not None and not stories:
             t0 = time.perf_counter()
             r = httpx.post(base + "/v1/contexts", headers={"Authorization": f"Bearer {KEY}"}, timeout=1200,
                            json={"document": doc, "method": method})
@@ -121,14 +148,15 @@ def run_config(name: str, method: str | None, doc: str, args: argparse.Namespace
                        ratio=desc["ratio"], prefill_s=desc["prefill_seconds"],
                        compress_request_s=time.perf_counter() - t0)
 
-        def ask(client, question: str) -> dict:
-            content = question if cid or not doc else f"{doc}\n\n{question}"
+        def ask(client, question: str, context: str | None = None) -> dict:
+            context = context or cid
+            content = question if context or not doc else f"{doc}\n\n{question}"
             t0 = time.perf_counter()
             first, tokens, text = None, 0, []
             stream = client.chat.completions.create(
                 model=args.model, messages=[{"role": "user", "content": content}], temperature=0,
                 max_tokens=args.max_tokens, stream=True, stream_options={"include_usage": True},
-                extra_body={"context_id": cid} if cid else None)
+                extra_body={"context_id": context} if context else None)
             for ch in stream:
                 if ch.choices and ch.choices[0].delta.content:
                     if first is None:
@@ -139,10 +167,10 @@ def run_config(name: str, method: str | None, doc: str, args: argparse.Namespace
                     prompt = ch.usage.prompt_tokens
             done = time.perf_counter() - t0
             return {"ttft": first if first is not None else done, "latency": done, "tokens": tokens,
-                    "prompt_tokens": prompt, "answer": "".join(text), "question": question}
+                    "prompt_tokens": prompt, "answer": "".join(text), "question": question, "context": context}
 
         warm = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=1200)
-        ask(warm, QUESTIONS[0])
+        ask(warm, QUESTIONS[0], story_ids[0] if story_ids else None)
         results: list[dict] = []
         lock = threading.Lock()
 
@@ -150,7 +178,8 @@ def run_config(name: str, method: str | None, doc: str, args: argparse.Namespace
             c = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=1200)
             pool = OPENINGS if not doc else QUESTIONS
             for k in range(args.questions):
-                res = ask(c, pool[(i * args.questions + k) % len(pool)])
+                story = story_ids[i % len(story_ids)] if story_ids else None
+                res = ask(c, pool[(i * args.questions + k) % len(pool)], story)
                 with lock:
                     results.append(res)
 
@@ -169,7 +198,8 @@ def run_config(name: str, method: str | None, doc: str, args: argparse.Namespace
                    ttft_p50=_pct(ttft, 0.5), ttft_p95=_pct(ttft, 0.95), latency_p50=_pct(lat, 0.5),
                    latency_p95=_pct(lat, 0.95), rss_mib=mem.get("VmRSS"), peak_rss_mib=mem.get("VmHWM"),
                    sample_answer=results[0]["answer"],
-                   answers_by_question=sorted({(r["question"], r["answer"]) for r in results}))
+                   answers_by_question=sorted({(story_ids.index(r["context"]) if r["context"] in story_ids else -1,
+                                                r["question"], r["answer"]) for r in results}))
         return row
     finally:
         server.terminate()
@@ -200,20 +230,35 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
 
 
 def batching_table(rows: list[dict], args: argparse.Namespace) -> str:
-    one, many = rows
-    same = one["answers_by_question"] == many["answers_by_question"]
-    lines = [f"# kvcache serve: batching, {args.clients} clients x {args.questions} chats without a stored context, "
+    """The table of ``rows`` (one at a time, batched; per round), each round's ratios and their median."""
+    pairs = [rows[i:i + 2] for i in range(0, len(rows), 2)]
+    what = "chats without a stored context"
+    if args.batching_contexts:
+        what = (f"chats on stored contexts (2 stories of {' and '.join(map(str, rows[0]['context_tokens']))} tokens, "
+                f"`{args.batch_method}`; client i asks story i % 2)")
+    rounds = f", {len(pairs)} rounds (the two servers alternate)" if len(pairs) > 1 else ""
+    lines = [f"# kvcache serve: batching, {args.clients} clients x {args.questions} {what}, "
              f"{args.model}, max_tokens {args.max_tokens}, greedy, streaming, OMP_NUM_THREADS="
-             f"{os.environ.get('OMP_NUM_THREADS', 'unset')}", "",
+             f"{os.environ.get('OMP_NUM_THREADS', 'unset')}{rounds}", "",
              "| server | answers/s | tokens/s | TTFT p50 / p95 s | latency p50 / p95 s | peak RSS MiB |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['answers_per_s']:.2f} | {r['tokens_per_s']:.1f} | {r['ttft_p50']:.2f} / "
                      f"{r['ttft_p95']:.2f} | {r['latency_p50']:.2f} / {r['latency_p95']:.2f} | "
                      f"{r['peak_rss_mib']:.0f} |")
-    ratio = many["answers_per_s"] / one["answers_per_s"]
-    lines += ["", f"answers/s ratio (batched / one at a time): **{ratio:.2f}x**; "
-              f"TTFT p50 ratio: {many['ttft_p50'] / one['ttft_p50']:.2f}x; greedy answers identical: **{same}**."]
+    lines.append("")
+    speed, ttft = [], []
+    for k, (one, many) in enumerate(pairs):
+        same = one["answers_by_question"] == many["answers_by_question"]
+        speed.append(many["answers_per_s"] / one["answers_per_s"])
+        ttft.append(many["ttft_p50"] / one["ttft_p50"])
+        head = f"round {k + 1}: " if len(pairs) > 1 else ""
+        lines.append(f"{head}answers/s ratio (batched / one at a time): **{speed[-1]:.2f}x**; "
+                     f"TTFT p50 ratio: {ttft[-1]:.2f}x; greedy answers identical: **{same}**.")
+    if len(pairs) > 1:
+        lines += ["", f"median over the rounds: answers/s ratio **{statistics.median(speed):.2f}x** "
+                      f"(range {min(speed):.2f}-{max(speed):.2f}x), TTFT p50 ratio "
+                      f"**{statistics.median(ttft):.2f}x** (range {min(ttft):.2f}-{max(ttft):.2f}x)."]
     return "\n".join(lines) + "\n"
 
 
@@ -221,13 +266,19 @@ def main_batching(args: argparse.Namespace) -> None:
     import tempfile
 
     rows = []
+    method, stories = (args.batch_method, STORIES) if args.batching_contexts else (None, None)
     with tempfile.TemporaryDirectory() as store:
-        for name, mb in (("one at a time (--max-batch 1)", 1), (f"batched (--max-batch {args.clients})", args.clients)):
-            print(f"== {name} ...", flush=True)
-            rows.append(run_config(name, None, "", args, Path(store), max_batch=mb))
+        for k in range(args.rounds):
+            for name, mb in (("one at a time (--max-batch 1)", 1),
+                             (f"batched (--max-batch {args.clients})", args.clients)):
+                name = f"{name}, round {k + 1}" if args.rounds > 1 else name
+                print(f"== {name} ...", flush=True)
+                rows.append(run_config(name, method, "", args, Path(store), max_batch=mb, stories=stories))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_serve_batching_{args.model}_n{args.clients}_m{args.questions}_t{args.max_tokens}"
+    kind = f"contexts_{args.batch_method.replace('+', '_').replace('@', '')}_" if args.batching_contexts else ""
+    stem = f"bench_serve_batching_{kind}{args.model}_n{args.clients}_m{args.questions}_t{args.max_tokens}"
+    stem += f"_r{args.rounds}" if args.rounds > 1 else ""
     (out / f"{stem}.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     md = batching_table(rows, args)
     (out / f"{stem}.md").write_text(md)
@@ -244,8 +295,14 @@ def main() -> None:
     ap.add_argument("--method", default="q4+kvzip@0.3", help="the compressed configuration [q4+kvzip@0.3]")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--batching", action="store_true", help="compare --max-batch 1 and N on chats without a context")
+    ap.add_argument("--batching-contexts", action="store_true",
+                    help="compare --max-batch 1 and N on chats asking two stored contexts")
+    ap.add_argument("--batch-method", default="q4", help="the stored contexts' method of --batching-contexts [q4]")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="--batching*: alternate the two servers this many times; each round's ratios and their "
+                         "median (a shared machine's load drifts between runs) [1]")
     args = ap.parse_args()
-    if args.batching:
+    if args.batching or args.batching_contexts:
         return main_batching(args)
     import tempfile
 

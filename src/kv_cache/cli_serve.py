@@ -4,7 +4,7 @@
 once and serves ``/v1/models``, ``/v1/chat/completions`` (streaming or not) and ``/v1/contexts``
 (compress a document once, ask it with ``context_id``). Contexts are ``.kvc`` files in
 ``--store`` and survive a restart; each API key has its own. Requests run on one model worker
-(concurrent chats without a stored context decoded together, up to ``--max-batch``); at most
+(concurrent chats decoded together, up to ``--max-batch``, on stored contexts too); at most
 ``--queue-size`` wait (then 503 with ``Retry-After``), each at most ``--request-timeout`` seconds
 (then 504). Every input is bounded (the --max-* flags). Requests
 never name files: plans, scorers and bit profiles are registered here by name (--plan,
@@ -104,7 +104,11 @@ def add_parser(sub) -> None:
                      help="seconds per request, queue included; then 504 [120]")
     p.add_argument("--cache-bytes", default="1G", help="bytes of contexts kept loaded in memory, LRU [1G]")
     p.add_argument("--max-batch", type=int, default=8,
-                   help="chats without a stored context decoded together at most; 1: one at a time [8]")
+                   help="concurrent chats decoded together at most (without a context, or on stored "
+                        "contexts: the same or different ones); 1: one at a time [8]")
+    p.add_argument("--batch-wait", type=float, default=0.05,
+                   help="seconds a chat waits for others to batch with while fewer than --max-batch are "
+                        "queued; 0: start at once [0.05]")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds SIGTERM waits for requests in flight before it stops them [10]")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="[float32]")
@@ -179,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     app, service, engine = build(model, tok, args.store, model_id=name, api_keys=keys, cache_bytes=cache_bytes,
                                  queue_size=args.queue_size, request_timeout=args.request_timeout, limits=limits,
                                  files=files, shutdown_timeout=args.shutdown_timeout, max_batch=args.max_batch,
+                                 batch_wait=args.batch_wait,
                                  strict=args.strict)
 
     class Server(uvicorn.Server):

@@ -7,7 +7,10 @@
 * :mod:`.requests`: the request bodies, checked; :mod:`.errors`: OpenAI-style errors;
 * :mod:`.limits`: the bound of every input; :mod:`.auth`: API keys and their tenants;
 * :mod:`.files`: the files a request may name (registered by the operator, by name);
-* :mod:`.batch`: concurrent chats without a stored context decoded together.
+* :mod:`.rows`: a batch's rows (each chat's sampling, stops, events) and the decoding loop;
+* :mod:`.batch`: concurrent chats without a stored context decoded together;
+* :mod:`.batch_context`: concurrent chats on stored contexts (the same or different ones)
+  decoded together, the contexts stacked as rows of one cache (:mod:`kv_cache.cache.stack`).
 
 :func:`build` puts them together for a loaded model; ``kvcache serve`` (:mod:`kv_cache.cli_serve`)
 runs it with uvicorn.
@@ -32,7 +35,7 @@ def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key:
           api_keys: Iterable[str] = (), cache_bytes: int = 1 << 30, queue_size: int = 16,
           request_timeout: float = 120.0, max_document_tokens: int | None = None, limits: Limits | None = None,
           files: ServedFiles | None = None, shutdown_timeout: float = 10.0, max_batch: int = 8,
-          strict: bool = False):
+          batch_wait: float = 0.05, strict: bool = False):
     """``(app, service, engine)`` serving ``model`` with contexts in ``store_dir``.
 
     Parameters
@@ -47,7 +50,11 @@ def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key:
     files : ServedFiles, optional
         The plans, scorers and bit profiles requests may name (default: none).
     max_batch : int, default 8
-        Chats without a stored context decoded together at most (1: one at a time).
+        Concurrent chats decoded together at most (1: one at a time): chats without a stored
+        context in one batch, chats on stored contexts (the same or different ones) in another.
+    batch_wait : float, default 0.05
+        Seconds a chat waits for others to batch with while fewer than ``max_batch`` are queued
+        (clients a batch just answered ask again a moment later; 0: start at once).
     strict : bool, default False
         Refuse (400 ``invalid_method``, nothing stored) a context whose compressed cache fails the
         fidelity check (math dictionary §26) instead of storing it with a warning in the log.
@@ -67,7 +74,8 @@ def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key:
                          max_bytes_per_key=limits.max_store_bytes_per_key)
     service = Service(model, tokenizer, store, model_id, limits.max_document_tokens, files or ServedFiles(), limits,
                       strict=strict)
-    engine = Engine(queue_size=queue_size, request_timeout=request_timeout, max_batch=max_batch)
+    engine = Engine(queue_size=queue_size, request_timeout=request_timeout, max_batch=max_batch,
+                    batch_wait=batch_wait)
     app = create_app(service, engine, api_key=api_key, api_keys=api_keys, shutdown_timeout=shutdown_timeout)
     return app, service, engine
 

@@ -13,13 +13,15 @@ has keys, ``/docs`` and ``/openapi.json`` included; :mod:`kv_cache.serve.auth`):
   lists the key's contexts, ``GET /v1/contexts/{id}`` describes, ``DELETE /v1/contexts/{id}``
   removes one (another key's context answers 404, as a missing one).
 
-Concurrent chats without a stored context are decoded together, up to ``--max-batch`` at once
-(:mod:`kv_cache.serve.batch`). ``GET /health`` answers ``{"status": "ok"}`` without a key. A POST body is read up to
-``--max-body-bytes`` and its depth checked before it is parsed (:mod:`kv_cache.serve.limits`);
-the request is then checked and tokenized outside the model lock, in a thread of its own, and
-only then queued for the worker. Every error is OpenAI's JSON body with the status of its case
-(:mod:`kv_cache.serve.errors`), its message free of server paths; an unexpected failure is
-logged with its traceback and answered 500 with an incident id, and the server keeps serving.
+Concurrent chats are decoded together, up to ``--max-batch`` at once: chats without a stored
+context (:mod:`kv_cache.serve.batch`) and chats on stored contexts, the same or different ones
+(:mod:`kv_cache.serve.batch_context`). ``GET /health`` answers ``{"status": "ok"}`` without a
+key. A POST body is read up to ``--max-body-bytes`` and its depth checked before it is parsed
+(:mod:`kv_cache.serve.limits`); the request is then checked and tokenized outside the model lock,
+in a thread of its own, and only then queued for the worker. Every error is OpenAI's JSON body
+with the status of its case (:mod:`kv_cache.serve.errors`), its message free of server paths; an
+unexpected failure is logged with its traceback and answered 500 with an incident id, and the
+server keeps serving.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .auth import ApiKeys
 from .batch import chat_batch
+from .batch_context import context_batch
 from .engine import Engine, Job, internal_error
 from .errors import ApiError, redact
 from .limits import parse_json, read_body
@@ -195,9 +198,11 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
                 raise _store_error(exc, req.context_id[:64], "context_id") from None
         with engine.reserve():
             prep = await prepare(service.prepare_chat, req, owner)
-            # chats without a context may run together with others waiting (kv_cache.serve.batch)
-            batch = {} if req.context_id is not None else {"batch_key": "plain", "item": prep,
-                                                           "batch_fn": functools.partial(chat_batch, service)}
+            # chats may run together with others of their kind waiting: without a stored context
+            # (kv_cache.serve.batch), on stored contexts (kv_cache.serve.batch_context)
+            batch = ({"batch_key": "plain", "item": prep, "batch_fn": functools.partial(chat_batch, service)}
+                     if req.context_id is None else
+                     {"batch_key": "context", "item": prep, "batch_fn": functools.partial(context_batch, service)})
             job = engine.submit(lambda j: service.chat(prep, j), asyncio.get_running_loop(), **batch)
         cid, now = "chatcmpl-" + secrets.token_hex(12), int(time.time())
         if not req.stream:

@@ -12,9 +12,11 @@ test) takes the same lock.
   queued at its deadline is dropped; a running one checks it between tokens and stops with
   ``request_timeout`` (504). A job whose client went away (:meth:`Job.cancel`) is dropped or
   stopped the same way.
-* A job with a ``batch_key`` (a chat without a stored context) takes with it the queued jobs of
-  the same key, up to ``max_batch`` in all, and they run as one batch (``batch_fn``;
-  :mod:`kv_cache.serve.batch`).
+* A job with a ``batch_key`` (a chat: ``"plain"`` without a stored context, ``"context"`` on
+  one) takes with it the queued jobs of the same key, up to ``max_batch`` in all, and they run
+  as one batch (``batch_fn``; :mod:`kv_cache.serve.batch`, :mod:`kv_cache.serve.batch_context`).
+  With ``batch_wait`` > 0 it first waits that long for more jobs of its key while fewer than
+  ``max_batch`` are queued (clients whose answers a batch just sent ask again a moment later).
 * Requests are admitted (:meth:`Engine.reserve`) before their tokenization, which runs outside the
   model lock: the jobs being prepared count against ``queue_size`` with the queued ones.
 * :meth:`Engine.begin_shutdown` (SIGTERM) refuses new jobs, answers the queued ones
@@ -108,6 +110,28 @@ class Job:
             self.cancel()
 
 
+def _put_all(items: list[tuple[Job, str, Any]]) -> None:
+    for job, kind, payload in items:
+        job.events.put_nowait((kind, payload))
+
+
+def emit_many(events: list[tuple[Job, str, Any]]) -> None:
+    """Put several jobs' events ``(job, kind, payload)`` at once, in order: one wake-up of each
+    event loop for all of them instead of one per event (a batch's step streams a delta per row)."""
+    by_loop: dict[Any, list] = {}
+    for job, kind, payload in events:
+        if job.loop is None:
+            job.events.put_nowait((kind, payload))
+        else:
+            by_loop.setdefault(job.loop, []).append((job, kind, payload))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the server's loop is closed: nobody is listening any more
+            for job, _, _ in items:
+                job.cancel()
+
+
 class _JobQueue(queue.Queue):
     """A bounded FIFO of jobs from which the worker can also take the queued jobs of one batch key."""
 
@@ -125,15 +149,19 @@ class _JobQueue(queue.Queue):
 class Engine:
     """The single model worker (see the module docstring).
 
-    ``max_batch``: at most this many queued jobs of one batch key run together (1: one at a time)."""
+    ``max_batch``: at most this many queued jobs of one batch key run together (1: one at a time).
+    ``batch_wait``: seconds a job with a batch key waits for more jobs of its key when fewer than
+    ``max_batch`` are queued (0: it starts with those queued now)."""
 
     def __init__(self, *, queue_size: int = 16, request_timeout: float = 120.0, retry_after: int = 1,
-                 max_batch: int = 8):
+                 max_batch: int = 8, batch_wait: float = 0.0):
         if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
             raise ValueError(f"queue_size must be an int >= 1; got {queue_size!r}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1; got {max_batch!r}")
-        self.max_batch = max_batch
+        if isinstance(batch_wait, bool) or not isinstance(batch_wait, (int, float)) or not 0 <= batch_wait <= 10:
+            raise ValueError(f"batch_wait must be a number of seconds in [0, 10]; got {batch_wait!r}")
+        self.max_batch, self.batch_wait = max_batch, float(batch_wait)
         self.batch_sizes: list[int] = []  # the size of each batch run (more than one job), in order
         if not isinstance(request_timeout, (int, float)) or not request_timeout > 0:
             raise ValueError(f"request_timeout must be a number of seconds > 0; got {request_timeout!r}")
@@ -247,7 +275,13 @@ class Engine:
                 continue
             mates = []
             if job.batch_key is not None and job.batch_fn is not None and self.max_batch > 1:
-                mates = self._queue.take_matching(job.batch_key, self.max_batch - 1)
+                mates = self._mates(job)
+                if self._stopping.is_set():  # the shutdown began while they were gathered
+                    why = ApiError("shutting_down", "the server is shutting down before this request ran",
+                                   headers={"Retry-After": str(self.retry_after)})
+                    for j in (job, *mates):
+                        j.emit("error", why)
+                    continue
             if mates:
                 self._run_batch([job, *mates])
                 continue
@@ -262,6 +296,20 @@ class Engine:
                     job.emit("error", internal_error())
                 finally:
                     self._running = None
+
+    def _mates(self, job: Job) -> list[Job]:
+        """The queued jobs of ``job``'s batch key, at most ``max_batch - 1``; while fewer are queued,
+        more are awaited for ``batch_wait`` seconds (a shutdown ends the wait)."""
+        want = self.max_batch - 1
+        mates = self._queue.take_matching(job.batch_key, want)
+        end = time.monotonic() + self.batch_wait
+        while len(mates) < want and not self._stopping.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(0.002, left))
+            mates += self._queue.take_matching(job.batch_key, want - len(mates))
+        return mates
 
     def _run_batch(self, jobs: list[Job]) -> None:
         """Run ``jobs`` (one batch key) together: ``jobs[0].batch_fn(jobs)`` answers each one."""
