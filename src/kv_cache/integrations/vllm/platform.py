@@ -90,7 +90,12 @@ class KVCacheCpuPlatform(CpuPlatform):
         path = AttentionBackendEnum.CUSTOM.get_path()
         if path != BACKEND_PATH:
             return path  # another plugin's CUSTOM backend: vLLM's CPU platform would drop it too
-        backend = AttentionBackendEnum.CUSTOM.get_class()
+        from vllm.config import get_current_vllm_config
+
+        from .backend import BACKEND_CLASSES
+
+        settings = check_selection(get_current_vllm_config()) or PluginSettings()
+        backend = BACKEND_CLASSES[settings.codec]
         c = attn_selector_config
         reasons = backend.validate_configuration(
             head_size=c.head_size, dtype=c.dtype, kv_cache_dtype=c.kv_cache_dtype, block_size=c.block_size,
@@ -102,4 +107,4 @@ class KVCacheCpuPlatform(CpuPlatform):
         if reasons:
             raise ValueError(f"the kv_cache attention backend cannot serve this model/config: {'; '.join(reasons)} "
                              f"({c!r})")
-        return path
+        return f"{backend.__module__}.{backend.__qualname__}"
