@@ -6,7 +6,8 @@ and one engine per process keeps the runs independent)::
     python tests/vllm_probe.py '{"engine": {...}, "generate": [...], "max_tokens": 32, ...}'
 
 Output (last stdout line): ``{"capacity_tokens": int, "max_concurrency": float, "generate":
-[[token ids], ...], "prompt_logprobs": [[logprob per prompt token after the first], ...],
+[[token ids], ...], "margins": [smallest top-1 / top-2 log-prob gap along the greedy path, ...],
+"prompt_logprobs": [[logprob per prompt token after the first], ...],
 "cached_tokens": [int, ...]}``.
 """
 
@@ -25,16 +26,23 @@ def capacity_from_log(text: str) -> tuple[int, float] | None:
     return (int(m.group(1).replace(",", "")), float(m.group(2))) if m else None
 
 
+def _gap(step: dict) -> float:
+    best = sorted((lp.logprob for lp in step.values()), reverse=True)
+    return best[0] - best[1] if len(best) > 1 else float("inf")
+
+
 def main(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(**spec["engine"])
     result: dict = {}
     if spec.get("generate"):
-        params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 32), ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 32), ignore_eos=True, logprobs=2)
         outs = llm.generate(spec["generate"], params, use_tqdm=False)
         result["generate"] = [list(o.outputs[0].token_ids) for o in outs]
         result["cached_tokens"] = [o.num_cached_tokens for o in outs]
+        # the smallest gap between the greedy token and the runner-up over the steps (nats)
+        result["margins"] = [min(_gap(step) for step in o.outputs[0].logprobs) for o in outs]
     if spec.get("sequential"):  # one request at a time, in order (prefix-cache hits)
         params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
         result["sequential"], result["sequential_cached"] = [], []

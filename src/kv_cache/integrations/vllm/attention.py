@@ -1,9 +1,10 @@
 """Attention that reads paged codes in place: block by block, with an online softmax.
 
-The first step of the vLLM integration on CPU (pure torch; the compiled kernels and, on CUDA, the
+The first step of the vLLM integration on CPU (torch; the compiled kernels and, on CUDA, the
 Triton kernels are the next one). No function here decodes a whole sequence into a new buffer:
-at most ``blocks_per_step`` blocks per request are decoded at a time, folded into running
-``(max, sum, weighted values)`` and dropped.
+at most ``blocks_per_step`` blocks per request are decoded at a time, attended with torch's CPU
+flash kernel (which returns the log-sum-exp), merged into the running ``(output, log-sum-exp)``
+and dropped: an online softmax over blocks.
 
 A request's context is split in two: the ``n_cached`` tokens before this step, read from the
 codes, and the step's own tokens (``Q`` queries), attended in full precision with a causal mask,
@@ -20,16 +21,36 @@ import torch
 from .codecs import PagedCodec, read_blocks
 
 
-def _online_update(state, s: torch.Tensor, v: torch.Tensor, eq: str):
-    """Fold scores ``s [..., T]`` and values ``v`` into ``(m, l, acc)`` (masked scores are -inf)."""
-    m, l, acc = state
-    m_new = torch.maximum(m, s.amax(dim=-1))
-    m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-    alpha = torch.exp(m - m_safe)
-    p = torch.exp(s - m_safe[..., None])
-    l = l * alpha + p.sum(dim=-1)
-    acc = acc * alpha[..., None] + torch.einsum(eq, p, v)
-    return m_new, l, acc
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(softmax(q k^T * scale) v, logsumexp)`` for ``[B, H, L, D]`` inputs (torch's CPU flash kernel).
+
+    Rows without any visible key come back as output 0 and log-sum-exp ``-inf``.
+    """
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    else:
+        s = torch.einsum("bhqd,bhtd->bhqt", q, k) * scale
+        if causal:
+            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).tril(), float("-inf"))
+        if mask is not None:
+            s = s + mask
+        lse = torch.logsumexp(s, dim=-1)
+        out = torch.einsum("bhqt,bhtd->bhqd", torch.softmax(s, dim=-1), v)
+    empty = torch.isinf(lse)
+    if bool(empty.any()):
+        out = torch.where(empty[..., None], torch.zeros_like(out), out)
+    return out, lse
+
+
+def _merge(state, part):
+    """Combine two normalized partial attentions ``(out, lse)`` over disjoint key sets."""
+    o1, l1 = state
+    o2, l2 = part
+    lse = torch.logaddexp(l1, l2)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return o1 * torch.exp(l1 - safe)[..., None] + o2 * torch.exp(l2 - safe)[..., None], lse
 
 
 def attend(
@@ -72,33 +93,43 @@ def attend(
     h = cache.shape[1]
     bs = cache.shape[2]
     g = hq // h
-    qf = q.float().view(r, nq, h, g, d)
     dev = q.device
-    m = torch.full((r, nq, h, g), float("-inf"), device=dev)
-    state = (m, torch.zeros_like(m), torch.zeros(r, nq, h, g, d, device=dev))
-    n_max = int(n_cached.max()) if n_cached.numel() else 0
+    # Queries of one kv head side by side: [R, H, G * Q, D] (row = g * Q + i) for the cached part,
+    # where every query sees every key (no expansion of the keys to Hq heads).
+    qf = q.float().permute(0, 2, 1, 3).reshape(r, h, g * nq, d)
+    state = (torch.zeros(r, h, g * nq, d, device=dev), torch.full((r, h, g * nq), float("-inf"), device=dev))
+    counts = n_cached.tolist()
+    n_max = max(counts) if counts else 0
     n_blocks = -(-n_max // bs)
     table = block_table[:, :n_blocks].long().clamp_min(0)
+    uniform = all(c == n_max for c in counts)
     for j0 in range(0, n_blocks, blocks_per_step):
         blk = table[:, j0:j0 + blocks_per_step]  # [R, c]
         c = blk.shape[1]
         k, v = read_blocks(cache, blk, codec)  # [R, c, H, bs, D]
         k = k.permute(0, 2, 1, 3, 4).reshape(r, h, c * bs, d)
         v = v.permute(0, 2, 1, 3, 4).reshape(r, h, c * bs, d)
-        pos = j0 * bs + torch.arange(c * bs, device=dev)
-        mask = pos[None, :] < n_cached[:, None]  # [R, T]
-        s = torch.einsum("rqhgd,rhtd->rqhgt", qf, k) * scale
-        s = s.masked_fill(~mask[:, None, None, None, :], float("-inf"))
-        state = _online_update(state, s, v, "rqhgt,rhtd->rqhgd")
-    kf = k_new.float()
+        mask = None
+        if uniform:  # one length for every request: slice, no mask
+            t = min(c * bs, n_max - j0 * bs)
+            k, v = k[:, :, :t].contiguous(), v[:, :, :t].contiguous()
+        else:
+            pos = j0 * bs + torch.arange(c * bs, device=dev)
+            visible = pos[None, :] < n_cached.to(dev)[:, None]  # [R, T]
+            mask = torch.zeros(r, 1, 1, c * bs, device=dev).masked_fill(~visible[:, None, None, :], float("-inf"))
+        state = _merge(state, _flash(qf, k, v, False, scale, mask))
+    # the step's own tokens, causal: expand keys to the query heads
+    o, lse = state
+    o = o.view(r, h, g, nq, d).reshape(r, hq, nq, d)
+    lse = lse.view(r, h, g, nq).reshape(r, hq, nq)
     vf = v_new.float()
     if rotation is not None:
         vf = torch.einsum("rkhd,hde->rkhe", vf, rotation)
-    s = torch.einsum("rqhgd,rkhd->rqhgk", qf, kf) * scale
-    causal = torch.ones(nq, nq, dtype=torch.bool, device=dev).tril()
-    s = s.masked_fill(~causal[None, :, None, None, :], float("-inf"))
-    m, l, acc = _online_update(state, s, vf, "rqhgk,rkhd->rqhgd")
-    out = acc / l[..., None]
-    if rotation is not None:
-        out = torch.einsum("rqhge,hde->rqhgd", out, rotation)
-    return out.reshape(r, nq, hq, d)
+    kf = k_new.float().permute(0, 2, 1, 3).repeat_interleave(g, dim=1)  # [R, Hq, Q, D]
+    vf = vf.permute(0, 2, 1, 3).repeat_interleave(g, dim=1)
+    qh = q.float().permute(0, 2, 1, 3)  # [R, Hq, Q, D]
+    out, _ = _merge((o, lse), _flash(qh.contiguous(), kf.contiguous(), vf.contiguous(), True, scale))
+    out = out.permute(0, 2, 1, 3)  # [R, Q, Hq, D]
+    if rotation is not None:  # query head h * G + i reads kv head h
+        out = torch.einsum("rqhge,hde->rqhgd", out.reshape(r, nq, h, g, d), rotation).reshape(r, nq, hq, d)
+    return out
