@@ -6,7 +6,8 @@ For every configuration (``auto`` = vLLM's bf16 cache, ``fp8`` = vLLM's fp8 cach
 
 * **capacity**: the KV cache size in tokens and the maximum concurrency, as vLLM logs them
   ("CPU KV cache size: N tokens, Maximum concurrency ..."), and the ratio to ``auto``;
-* **throughput**: output tokens/s with 1, 8 and 32 concurrent requests of ``--prompt-tokens``
+* **throughput** (``--throughput-configs``, default auto and q4d: q3d and q2d run the same
+  attention code): output tokens/s with 1, 8 and 32 concurrent requests of ``--prompt-tokens``
   distinct wikitext tokens each, ``--gen-tokens`` greedy tokens each (wall time of one
   ``generate`` call over all of them, prefill included; after one warm-up request);
 * **perplexity**: from ``prompt_logprobs`` over ``--ppl-windows`` windows of ``--ppl-tokens``
@@ -66,10 +67,13 @@ def child(args: argparse.Namespace, config: str) -> dict:
     out: dict = {}
 
     # throughput: distinct windows (no prefix-cache hits), warm-up first
+    if config not in args.throughput_configs:
+        args.concurrency = []
     greedy = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, ignore_eos=True)
     p = args.prompt_tokens
-    llm.generate([TokensPrompt(prompt_token_ids=ids[-p:])], greedy, use_tqdm=False)
-    out["throughput"] = {}
+    if args.concurrency:
+        llm.generate([TokensPrompt(prompt_token_ids=ids[-p:])], greedy, use_tqdm=False)
+        out["throughput"] = {}
     offset = 0
     for n in args.concurrency:
         prompts = [TokensPrompt(prompt_token_ids=ids[offset + i * p: offset + (i + 1) * p]) for i in range(n)]
@@ -128,8 +132,12 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
     if proc.returncode == 0 and result:
         row.update(json.loads(result[-1]))
     else:
-        errors = [line for line in log.splitlines() if "Error" in line or "error" in line]
-        row["error"] = (errors[-1] if errors else log[-500:]).strip()[-300:]
+        lines = log.splitlines()
+        # the root cause vLLM logs first (e.g. "NotImplementedError: FP8 KV cache on CPU requires ..."),
+        # not the "Engine core initialization failed" that follows it
+        causes = [x for x in lines if "NotImplementedError" in x or "ValueError" in x] or \
+                 [x for x in lines if "Error" in x]
+        row["error"] = (causes[0] if causes else log[-500:]).strip()[-300:]
     return row
 
 
@@ -149,7 +157,7 @@ def markdown(report: dict) -> str:
     for r in rows:
         cap = r.get("capacity_tokens")
         ratio = f"{cap / base['capacity_tokens']:.2f}x" if cap and base and base.get("capacity_tokens") else "–"
-        tput = [f"{r['throughput'][str(n)]['output_tok_s']:.1f}" if "throughput" in r else "–" for n in a["concurrency"]]
+        tput = [f"{r['throughput'][str(n)]['output_tok_s']:.2f}" if "throughput" in r else "–" for n in a["concurrency"]]
         ppl = f"{r['ppl']:.3f}" if "ppl" in r else "–"
         dppl = (f"{100 * (r['ppl'] / base['ppl'] - 1):+.2f}%" if "ppl" in r and base and "ppl" in base else "–")
         needle = f"{r['needle']['accuracy']:.0%}" if "needle" in r else "–"
@@ -176,6 +184,8 @@ def main() -> None:
     ap.add_argument("--kv-space-gib", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=4608)
     ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--throughput-configs", default="auto,q4d",
+                    help="configurations whose throughput is measured (the q*d codecs share one attention path)")
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--ppl-windows", type=int, default=2)
@@ -190,6 +200,7 @@ def main() -> None:
 
         args.model = str(smollm2_converted_dir())
     args.concurrency = [int(x) for x in str(args.concurrency).split(",")]
+    args.throughput_configs = str(args.throughput_configs).split(",")
     args.needle_depths = [float(x) for x in str(args.needle_depths).split(",")]
     if args.child:
         print(json.dumps(child(args, args.child)), flush=True)

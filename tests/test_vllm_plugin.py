@@ -64,7 +64,9 @@ def _probe(spec: dict, timeout: int = 900) -> tuple[dict, str]:
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise AssertionError(f"vllm_probe failed (rc {proc.returncode}):\n{log[-6000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1]), log
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"')]  # vLLM prints after it
+    assert lines, f"vllm_probe printed no result:\n{log[-6000:]}"
+    return json.loads(lines[-1]), log
 
 
 def _capacity(log: str) -> tuple[int, float]:
@@ -179,7 +181,10 @@ def test_openai_server_serves_8_concurrent_requests(model_dir, tmp_path):
     port = _free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_SPACE_GIB))
     log_path = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--host", "127.0.0.1", "--port",
+    # vllm-cpu 0.32's `vllm` command asks importlib.metadata for a "vllm" distribution and fails
+    # (the distribution is "vllm-cpu"); its OpenAI server module is the same server.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+           "--port",
            str(port), "--served-model-name", "smollm2", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
            "--max-num-batched-tokens", "256", "--enable-chunked-prefill", "--dtype", "bfloat16",
            "--attention-backend", "CUSTOM", "--additional-config", json.dumps({"kv_cache": {"codec": "q4d"}})]

@@ -5,7 +5,7 @@ and one engine per process keeps the runs independent)::
 
     python tests/vllm_probe.py '{"engine": {...}, "generate": [...], "max_tokens": 32, ...}'
 
-Output (last stdout line): ``{"capacity_tokens": int, "max_concurrency": float, "generate":
+Output (the stdout line that starts with ``{"``; vLLM may print more at shutdown): ``{"capacity_tokens": int, "max_concurrency": float, "generate":
 [[token ids], ...], "margins": [smallest top-1 / top-2 log-prob gap along the greedy path, ...],
 "prompt_logprobs": [[logprob per prompt token after the first], ...],
 "cached_tokens": [int, ...]}``.
