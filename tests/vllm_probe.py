@@ -44,7 +44,7 @@ def main(spec: dict) -> dict:
         # the smallest gap between the greedy token and the runner-up over the steps (nats)
         result["margins"] = [min(_gap(step) for step in o.outputs[0].logprobs) for o in outs]
     if spec.get("sequential"):  # one request at a time, in order (prefix-cache hits)
-        params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=spec.get("sequential_max_tokens", 8), ignore_eos=True)
         result["sequential"], result["sequential_cached"] = [], []
         for prompt in spec["sequential"]:
             out = llm.generate([prompt], params, use_tqdm=False)[0]
