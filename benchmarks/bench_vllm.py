@@ -34,6 +34,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,6 +51,10 @@ def _wikitext() -> str:
     return path.read_text(encoding="utf-8").replace("\r\n", "\n")
 
 
+def _progress(config: str, what: str, t0: float) -> None:
+    print(f"[bench_vllm {config}] {what} after {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
 def child(args: argparse.Namespace, config: str) -> dict:
     """One configuration in this process: build the engine, run every measurement, return a dict."""
     from vllm import LLM, SamplingParams
@@ -61,7 +66,9 @@ def child(args: argparse.Namespace, config: str) -> dict:
         kw["kv_cache_dtype"] = "fp8"
     elif config != "auto":
         kw.update(attention_backend="CUSTOM", additional_config={"kv_cache": {"codec": config}})
+    t_start = time.perf_counter()
     llm = LLM(**kw)
+    _progress(config, "engine up", t_start)
     tok = llm.get_tokenizer()
     ids = tok(_wikitext(), add_special_tokens=False)["input_ids"]
     out: dict = {}
@@ -83,6 +90,7 @@ def child(args: argparse.Namespace, config: str) -> dict:
         wall = time.perf_counter() - t0
         gen = sum(len(r.outputs[0].token_ids) for r in res)
         out["throughput"][str(n)] = {"output_tok_s": gen / wall, "wall_s": wall, "output_tokens": gen}
+        _progress(config, f"throughput @{n}: {gen / wall:.2f} tok/s", t_start)
 
     # perplexity from prompt log-probs
     lp_params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
@@ -96,6 +104,7 @@ def child(args: argparse.Namespace, config: str) -> dict:
             count += 1
     out["ppl"] = math.exp(nll / count)
     out["ppl_tokens"] = count
+    _progress(config, f"ppl {out['ppl']:.3f}", t_start)
 
     # single needle
     hay = ids[100_000:100_000 + args.needle_tokens]
@@ -121,14 +130,20 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_space_gib))
     cmd = [sys.executable, __file__, "--child", config, *sys.argv[1:]]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    log = proc.stdout + proc.stderr
+    log_path = Path(args.out) / f"bench_vllm_{config}.log" if args.keep_logs else None
+    with tempfile.TemporaryFile("w+") as tmp:  # the child's whole output, readable while it runs if kept
+        sink = open(log_path, "w") if log_path else tmp
+        proc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, text=True, env=env)
+        sink.seek(0)
+        log = sink.read()
+        if log_path:
+            sink.close()
     row: dict = {"config": config, "seconds": time.perf_counter() - t0}
     m = CAPACITY.search(log)
     if m:
         row["capacity_tokens"] = int(m.group(1).replace(",", ""))
         row["max_concurrency"] = float(m.group(2))
-    result = [line for line in proc.stdout.splitlines() if line.startswith('{"')]
+    result = [line for line in log.splitlines() if line.startswith('{"')]
     if proc.returncode == 0 and result:
         row.update(json.loads(result[-1]))
     else:
@@ -193,6 +208,7 @@ def main() -> None:
     ap.add_argument("--needle-tokens", type=int, default=4096)
     ap.add_argument("--needle-depths", default="0.1,0.5,0.9")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    ap.add_argument("--keep-logs", action="store_true", help="keep each child's log as <out>/bench_vllm_<config>.log")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.model is None:
@@ -208,18 +224,19 @@ def main() -> None:
     import torch
     import vllm
 
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"vllm_{Path(args.model).name.replace('-hf', '')}_cpu_kv{args.kv_space_gib}gib"
     rows = []
     for config in args.configs.split(","):
         row = run_config(args, config)
         print(json.dumps({k: v for k, v in row.items() if k != "needle"}), flush=True)
         rows.append(row)
-    report = {"args": {k: v for k, v in vars(args).items() if k != "child"}, "vllm": vllm.__version__,
-              "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "rows": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"vllm_{Path(args.model).name.replace('-hf', '')}_cpu_kv{args.kv_space_gib}gib"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(report))
+        report = {"args": {k: v for k, v in vars(args).items() if k not in ("child", "keep_logs")},
+                  "vllm": vllm.__version__, "torch": torch.__version__,
+                  "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "rows": rows}
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")  # after every configuration
+        (out / f"{stem}.md").write_text(markdown(report))
     print(f"wrote {out / stem}.{{json,md}}")
 
 
