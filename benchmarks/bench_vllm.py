@@ -74,7 +74,7 @@ def child(args: argparse.Namespace, config: str) -> dict:
     out: dict = {}
 
     # throughput: distinct windows (no prefix-cache hits), warm-up first
-    if config not in args.throughput_configs:
+    if config not in args.throughput_configs or "throughput" not in args.phases:
         args.concurrency = []
     greedy = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, ignore_eos=True)
     p = args.prompt_tokens
@@ -92,6 +92,8 @@ def child(args: argparse.Namespace, config: str) -> dict:
         out["throughput"][str(n)] = {"output_tok_s": gen / wall, "wall_s": wall, "output_tokens": gen}
         _progress(config, f"throughput @{n}: {gen / wall:.2f} tok/s", t_start)
 
+    if "ppl" not in args.phases:
+        return out
     # perplexity from prompt log-probs
     lp_params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     start = 200_000  # a stretch not used above
@@ -106,6 +108,8 @@ def child(args: argparse.Namespace, config: str) -> dict:
     out["ppl_tokens"] = count
     _progress(config, f"ppl {out['ppl']:.3f}", t_start)
 
+    if "needle" not in args.phases:
+        return out
     # single needle
     hay = ids[100_000:100_000 + args.needle_tokens]
     correct, rows = 0, []
@@ -208,6 +212,8 @@ def main() -> None:
     ap.add_argument("--needle-tokens", type=int, default=4096)
     ap.add_argument("--needle-depths", default="0.1,0.5,0.9")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    ap.add_argument("--phases", default="throughput,ppl,needle",
+                    help="measurements to run after the capacity (comma-separated subset)")
     ap.add_argument("--keep-logs", action="store_true", help="keep each child's log as <out>/bench_vllm_<config>.log")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -217,6 +223,7 @@ def main() -> None:
         args.model = str(smollm2_converted_dir())
     args.concurrency = [int(x) for x in str(args.concurrency).split(",")]
     args.throughput_configs = str(args.throughput_configs).split(",")
+    args.phases = str(args.phases).split(",")
     args.needle_depths = [float(x) for x in str(args.needle_depths).split(",")]
     if args.child:
         print(json.dumps(child(args, args.child)), flush=True)
