@@ -136,7 +136,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
     t0 = time.perf_counter()
     log_path = Path(args.out) / f"bench_vllm_{config}.log" if args.keep_logs else None
     with tempfile.TemporaryFile("w+") as tmp:  # the child's whole output, readable while it runs if kept
-        sink = open(log_path, "w") if log_path else tmp
+        sink = open(log_path, "w+") if log_path else tmp
         proc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, text=True, env=env)
         sink.seek(0)
         log = sink.read()
@@ -176,7 +176,8 @@ def markdown(report: dict) -> str:
     for r in rows:
         cap = r.get("capacity_tokens")
         ratio = f"{cap / base['capacity_tokens']:.2f}x" if cap and base and base.get("capacity_tokens") else "–"
-        tput = [f"{r['throughput'][str(n)]['output_tok_s']:.2f}" if "throughput" in r else "–" for n in a["concurrency"]]
+        tput = [f"{r['throughput'][str(n)]['output_tok_s']:.2f}" if str(n) in r.get("throughput", {}) else "–"
+                for n in a["concurrency"]]
         ppl = f"{r['ppl']:.3f}" if "ppl" in r else "–"
         dppl = (f"{100 * (r['ppl'] / base['ppl'] - 1):+.2f}%" if "ppl" in r and base and "ppl" in base else "–")
         needle = f"{r['needle']['accuracy']:.0%}" if "needle" in r else "–"
