@@ -154,7 +154,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
         lines = log.splitlines()
         # the root cause vLLM logs first (e.g. "NotImplementedError: FP8 KV cache on CPU requires ..."),
         # not the "Engine core initialization failed" that follows it
-        causes = [x for x in lines if "NotImplementedError" in x or "ValueError" in x] or \
+        causes = [x for x in lines if "NotImplementedError:" in x or "ValueError:" in x] or \
                  [x for x in lines if "Error" in x]
         row["error"] = (causes[0] if causes else log[-500:]).strip()[-300:]
     return row
