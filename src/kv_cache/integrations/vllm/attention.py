@@ -1,0 +1,135 @@
+"""Attention that reads paged codes in place: block by block, with an online softmax.
+
+The first step of the vLLM integration on CPU (torch; the compiled kernels and, on CUDA, the
+Triton kernels are the next one). No function here decodes a whole sequence into a new buffer:
+at most ``blocks_per_step`` blocks per request are decoded at a time, attended with torch's CPU
+flash kernel (which returns the log-sum-exp), merged into the running ``(output, log-sum-exp)``
+and dropped: an online softmax over blocks.
+
+A request's context is split in two: the ``n_cached`` tokens before this step, read from the
+codes, and the step's own tokens (``Q`` queries), attended in full precision with a causal mask,
+as vLLM's ``turboquant_attn.py`` does for prefill. (They were also written to the cache before
+the forward, for later steps.)
+
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .codecs import PagedCodec, read_blocks
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(softmax(q k^T * scale) v, logsumexp)`` for ``[B, H, L, D]`` inputs (torch's CPU flash kernel).
+
+    Rows without any visible key come back as output 0 and log-sum-exp ``-inf``.
+    """
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    else:
+        s = torch.einsum("bhqd,bhtd->bhqt", q, k) * scale
+        if causal:
+            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).tril(), float("-inf"))
+        if mask is not None:
+            s = s + mask
+        lse = torch.logsumexp(s, dim=-1)
+        out = torch.einsum("bhqt,bhtd->bhqd", torch.softmax(s, dim=-1), v)
+    empty = torch.isinf(lse)
+    if bool(empty.any()):
+        out = torch.where(empty[..., None], torch.zeros_like(out), out)
+    return out, lse
+
+
+def _merge(state, part):
+    """Combine two normalized partial attentions ``(out, lse)`` over disjoint key sets."""
+    o1, l1 = state
+    o2, l2 = part
+    lse = torch.logaddexp(l1, l2)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return o1 * torch.exp(l1 - safe)[..., None] + o2 * torch.exp(l2 - safe)[..., None], lse
+
+
+def attend(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    n_cached: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    codec: PagedCodec,
+    rotation: torch.Tensor | None,
+    scale: float,
+    blocks_per_step: int = 8,
+) -> torch.Tensor:
+    """Causal attention of ``Q`` new tokens per request over paged codes plus themselves.
+
+    Parameters
+    ----------
+    q : torch.Tensor, ``[R, Q, Hq, D]``
+        Queries of the step's tokens (``Hq`` a multiple of ``H``, grouped as in GQA).
+    cache : torch.Tensor, uint8, ``[num_blocks, H, block_size, slot_bytes]``
+    block_table : torch.Tensor, int, ``[R, max_blocks]``
+    n_cached : torch.Tensor, int, ``[R]``
+        Tokens before the step, read from the codes (positions ``0 .. n_cached - 1``).
+    k_new, v_new : torch.Tensor, ``[R, Q, H, D]``
+        The step's keys and values in full precision (query ``i`` sees new tokens ``0 .. i``).
+    codec : PagedCodec
+    rotation : torch.Tensor or None, float32 ``[H, D, D]``
+        Value rotation of rotated codecs (values are accumulated rotated, the output rotated back).
+    scale : float
+        Softmax scale.
+    blocks_per_step : int
+        Blocks decoded per step (per request).
+
+    Returns
+    -------
+    torch.Tensor, float32, ``[R, Q, Hq, D]``
+    """
+    r, nq, hq, d = q.shape
+    h = cache.shape[1]
+    bs = cache.shape[2]
+    g = hq // h
+    dev = q.device
+    # Queries of one kv head side by side: [R, H, G * Q, D] (row = g * Q + i) for the cached part,
+    # where every query sees every key (no expansion of the keys to Hq heads).
+    qf = q.float().permute(0, 2, 1, 3).reshape(r, h, g * nq, d)
+    state = (torch.zeros(r, h, g * nq, d, device=dev), torch.full((r, h, g * nq), float("-inf"), device=dev))
+    counts = n_cached.tolist()
+    n_max = max(counts) if counts else 0
+    n_blocks = -(-n_max // bs)
+    table = block_table[:, :n_blocks].long().clamp_min(0)
+    uniform = all(c == n_max for c in counts)
+    for j0 in range(0, n_blocks, blocks_per_step):
+        blk = table[:, j0:j0 + blocks_per_step]  # [R, c]
+        c = blk.shape[1]
+        k, v = read_blocks(cache, blk, codec)  # [R, c, H, bs, D]
+        k = k.permute(0, 2, 1, 3, 4).reshape(r, h, c * bs, d)
+        v = v.permute(0, 2, 1, 3, 4).reshape(r, h, c * bs, d)
+        mask = None
+        if uniform:  # one length for every request: slice, no mask
+            t = min(c * bs, n_max - j0 * bs)
+            k, v = k[:, :, :t].contiguous(), v[:, :, :t].contiguous()
+        else:
+            pos = j0 * bs + torch.arange(c * bs, device=dev)
+            visible = pos[None, :] < n_cached.to(dev)[:, None]  # [R, T]
+            mask = torch.zeros(r, 1, 1, c * bs, device=dev).masked_fill(~visible[:, None, None, :], float("-inf"))
+        state = _merge(state, _flash(qf, k, v, False, scale, mask))
+    # the step's own tokens, causal: expand keys to the query heads
+    o, lse = state
+    o = o.view(r, h, g, nq, d).reshape(r, hq, nq, d)
+    lse = lse.view(r, h, g, nq).reshape(r, hq, nq)
+    vf = v_new.float()
+    if rotation is not None:
+        vf = torch.einsum("rkhd,hde->rkhe", vf, rotation)
+    kf = k_new.float().permute(0, 2, 1, 3).repeat_interleave(g, dim=1)  # [R, Hq, Q, D]
+    vf = vf.permute(0, 2, 1, 3).repeat_interleave(g, dim=1)
+    qh = q.float().permute(0, 2, 1, 3)  # [R, Hq, Q, D]
+    out, _ = _merge((o, lse), _flash(qh.contiguous(), kf.contiguous(), vf.contiguous(), True, scale))
+    out = out.permute(0, 2, 1, 3)  # [R, Q, Hq, D]
+    if rotation is not None:  # query head h * G + i reads kv head h
+        out = torch.einsum("rqhge,hde->rqhgd", out.reshape(r, nq, h, g, d), rotation).reshape(r, nq, hq, d)
+    return out

@@ -1,0 +1,173 @@
+"""Model-free tests of the vLLM integration's paged codecs and streaming attention.
+
+These import no vLLM (the codecs and the attention are pure torch), so they run in every venv.
+"""
+
+import pytest
+import torch
+
+from kv_cache.integrations.vllm.attention import attend
+from kv_cache.integrations.vllm.codecs import (
+    CODECS, KEY_GROUP, PagedCodec, read_blocks, value_rotations, write_slots,
+)
+from kv_cache.integrations.vllm.settings import PluginSettings
+
+
+def _fill(codec, n_tokens, bs=64, heads=3, chunks=(None,), seed=0, blocks=(5, 1, 7, 3)):
+    """Write ``n_tokens`` random tokens of one sequence into ``blocks`` (in chunks of the given sizes,
+    None: the rest at once); return cache, keys, values [T, H, D], block ids, rotation."""
+    g = torch.Generator().manual_seed(seed)
+    d = codec.head_dim
+    k = torch.randn(n_tokens, heads, d, generator=g) + torch.linspace(-4, 4, d)  # per-channel offsets
+    v = torch.randn(n_tokens, heads, d, generator=g)
+    blk = torch.tensor(blocks)
+    slots = blk[torch.arange(n_tokens) // bs] * bs + torch.arange(n_tokens) % bs
+    cache = torch.zeros(8, heads, bs, codec.slot_bytes, dtype=torch.uint8)
+    rot = value_rotations(codec, 3, heads)
+    start = 0
+    for size in chunks:
+        end = n_tokens if size is None else min(n_tokens, start + size)
+        if end > start:
+            write_slots(cache, k[start:end], v[start:end], slots[start:end], codec, rot)
+        start = end
+    return cache, k, v, blk, rot
+
+
+def _decoded(cache, blk, codec, rot, n_tokens):
+    k, v = read_blocks(cache, blk, codec)  # [nb, H, bs, D]
+    h, d = k.shape[1], k.shape[-1]
+    k = k.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n_tokens].permute(1, 0, 2)
+    v = v.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n_tokens].permute(1, 0, 2)
+    if rot is not None:
+        v = torch.einsum("thd,hed->the", v, rot)
+    return k, v
+
+
+@pytest.mark.parametrize("name, d, expected", [
+    ("q8", 64, 132), ("q4d", 64, 73), ("q3d", 64, 57), ("q2d", 64, 41), ("q4", 64, 80),
+    ("q4d", 128, 145), ("q8", 128, 260),
+])
+def test_slot_bytes(name, d, expected):
+    codec = PagedCodec(name, d)
+    assert codec.slot_bytes == expected
+    assert sum(codec.offsets()[1:]) >= 0 and codec.offsets()[-1] == expected
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_q4d_capacity_is_at_least_3_5x_bf16(d):
+    assert 2 * d * 2 / PagedCodec("q4d", d).slot_bytes >= 3.5
+
+
+def test_bad_codec_and_head_dim_raise():
+    with pytest.raises(ValueError, match="must be one of"):
+        PagedCodec("q5", 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        PagedCodec("q4d", 48)
+
+
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("chunks", [(None,), (100, 1, 1, 1, 5, None), (1,) * 70])
+def test_round_trip_error(name, chunks):
+    codec = PagedCodec(name, 64)
+    n = 70 if chunks == (1,) * 70 else 150
+    cache, k, v, blk, rot = _fill(codec, n, chunks=chunks)
+    kh, vh = _decoded(cache, blk, codec, rot, n)
+    # Relative MSE bounds per width (keys carry +-4 channel offsets, so their relative error is small).
+    bound = {"q8": 1e-4, "q4d": 1e-2, "q4": 1e-2, "q3d": 3e-2, "q2d": 1.5e-1}[name]
+    vbound = {"q8": 1e-4, "q4d": 2e-2, "q4": 2e-2, "q3d": 6e-2, "q2d": 1.5e-1}[name]
+    assert float((kh - k).square().mean() / k.square().mean()) < bound
+    assert float((vh - v).square().mean() / v.square().mean()) < vbound
+
+
+def test_channel_key_group_written_at_once_is_within_half_a_step():
+    codec = PagedCodec("q4d", 64)
+    cache, k, v, blk, rot = _fill(codec, KEY_GROUP, chunks=(None,))
+    kh, _ = _decoded(cache, blk, codec, rot, KEY_GROUP)
+    step = (k.amax(0) - k.amin(0)) / 15  # per (head, channel)
+    assert bool(((kh - k).abs() <= step / 2 + 2e-3 * k.abs().amax()).all())
+
+
+def test_token_by_token_keys_stay_close_to_whole_group():
+    """Re-encoding a growing group costs at most a few extra half steps."""
+    codec = PagedCodec("q4d", 64)
+    c1, k, _, blk, rot = _fill(codec, KEY_GROUP, chunks=(None,))
+    c2, _, _, _, _ = _fill(codec, KEY_GROUP, chunks=(1,) * KEY_GROUP)
+    k1, _ = _decoded(c1, blk, codec, rot, KEY_GROUP)
+    k2, _ = _decoded(c2, blk, codec, rot, KEY_GROUP)
+    step = (k.amax(0) - k.amin(0)) / 15
+    assert bool(((k2 - k).abs() <= 2.5 * step).all())
+    assert float((k2 - k).square().mean()) < 3 * float((k1 - k).square().mean())
+
+
+def test_blocks_are_self_contained():
+    """A block's bytes decode the same wherever they sit (what prefix caching relies on)."""
+    codec = PagedCodec("q4d", 64)
+    cache, _, _, blk, rot = _fill(codec, 150)
+    moved = torch.zeros_like(cache)
+    moved[6] = cache[int(blk[1])]
+    a = read_blocks(cache, blk[1:2], codec)
+    b = read_blocks(moved, torch.tensor([6]), codec)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_rewrite_from_group_start_discards_old_content():
+    """A preempted sequence rewritten from a group's first slot ignores what the slots held."""
+    codec = PagedCodec("q4d", 64)
+    cache, k, v, blk, rot = _fill(codec, 64, seed=1)
+    fresh, k2, v2, _, _ = _fill(codec, 64, seed=2)
+    slots = blk[0] * 64 + torch.arange(64)
+    write_slots(cache, k2, v2, slots, codec, rot)
+    assert torch.equal(cache[int(blk[0])], fresh[int(blk[0])])
+
+
+def test_padding_slots_are_skipped():
+    codec = PagedCodec("q8", 64)
+    cache = torch.zeros(2, 1, 32, codec.slot_bytes, dtype=torch.uint8)
+    x = torch.randn(2, 1, 64)
+    write_slots(cache, x, x, torch.tensor([3, -1]), codec, None)
+    assert cache[0, 0, 3].any() and not cache[0, 0, 4:].any() and not cache[1].any()
+
+
+@pytest.mark.parametrize("name", ["q8", "q4d", "q2d", "q4"])
+@pytest.mark.parametrize("n_cached, nq, step", [(0, 7, 1), (1, 1, 1), (97, 1, 2), (150, 9, 1), (63, 64, 3)])
+def test_attend_matches_dense_reference(name, n_cached, nq, step):
+    codec = PagedCodec(name, 64)
+    n = n_cached + nq
+    cache, k, v, blk, rot = _fill(codec, n)
+    kh, vh = _decoded(cache, blk, codec, rot, n)
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, nq, 9, 64, generator=g)
+    out = attend(q, cache, blk[None], torch.tensor([n_cached]), k[None, n_cached:], v[None, n_cached:], codec, rot,
+                 0.125, step)
+    keys = torch.cat((kh[:n_cached], k[n_cached:])).permute(1, 0, 2).repeat_interleave(3, 0)
+    vals = torch.cat((vh[:n_cached], v[n_cached:])).permute(1, 0, 2).repeat_interleave(3, 0)
+    mask = torch.ones(nq, n, dtype=torch.bool).tril(n_cached)
+    ref = torch.nn.functional.scaled_dot_product_attention(q[0].permute(1, 0, 2), keys, vals, attn_mask=mask,
+                                                           scale=0.125).permute(1, 0, 2)
+    torch.testing.assert_close(out[0], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_attend_batched_decode_rows_are_independent():
+    codec = PagedCodec("q4d", 64)
+    c1, k1, v1, b1, rot = _fill(codec, 100, blocks=(0, 1, 2, 3), seed=3)
+    c2, k2, v2, _, _ = _fill(codec, 40, blocks=(4, 5, 6, 7), seed=4)
+    cache = c1.clone()
+    cache[4:] = c2[4:]
+    q = torch.randn(2, 1, 9, 64)
+    table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    both = attend(q, cache, table, torch.tensor([99, 39]), torch.stack((k1[99:], k2[39:])),
+                  torch.stack((v1[99:], v2[39:])), codec, rot, 0.125)
+    one = attend(q[1:], cache, table[1:], torch.tensor([39]), k2[None, 39:], v2[None, 39:], codec, rot, 0.125)
+    torch.testing.assert_close(both[1:], one, rtol=1e-5, atol=1e-6)
+
+
+def test_settings_parse_and_refuse():
+    assert PluginSettings.from_additional_config({}) is None
+    assert PluginSettings.from_additional_config({"kv_cache": {}}).codec == "q4d"
+    assert PluginSettings.from_additional_config({"kv_cache": {"codec": "q8"}}).codec == "q8"
+    with pytest.raises(ValueError, match="unknown keys"):
+        PluginSettings.from_additional_config({"kv_cache": {"bits": 4}})
+    with pytest.raises(ValueError, match="must be one of"):
+        PluginSettings.from_additional_config({"kv_cache": {"codec": "fp8"}})
+    with pytest.raises(ValueError, match="mapping"):
+        PluginSettings.from_additional_config({"kv_cache": "q4d"})
