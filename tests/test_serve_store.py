@@ -239,7 +239,14 @@ def test_sigterm_while_answering_stops_within_bounded_time(tmp_path):
         assert first_chunk.wait(60)
         for t in threads[1:]:  # queued behind the stream
             t.start()
-        time.sleep(2.0)  # the four requests connect and queue (0.5 s was too short on a loaded machine)
+        # the four requests queue behind the stream: watch /health's queue depth rather than sleep
+        # (a fixed sleep was too short on a loaded machine and, at 2 s, longer than the whole
+        # stream on a fast one)
+        deadline = time.monotonic() + 30
+        while httpx.get(base + "/health", timeout=5).json()["waiting"] < 4:
+            assert time.monotonic() < deadline, "the four requests never queued"
+            time.sleep(0.01)
+        assert not any(kind == "stream" for kind, _ in results), "the stream ended before the signal"
         t0 = time.monotonic()
         child.send_signal(signal.SIGTERM)
         assert child.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once stopped
