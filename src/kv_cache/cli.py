@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_scorer import add_parser as _add_scorer
 
     _add_scorer(sub)
+    from .cli_codec import add_parser as _add_codec
+
+    _add_codec(sub)
     from .cli_allocate import add_parser as _add_allocate
 
     _add_allocate(sub)
@@ -216,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()  # the CLI owns the terminal; library code never does this
         if args.command == "bill":
             return _run_bill(args)
-        if args.command in ("calibrate", "calibrate-scorer", "allocate", "plan", "compress", "ask", "serve",
+        if args.command in ("calibrate", "calibrate-scorer", "calibrate-codec", "allocate", "plan", "compress", "ask", "serve",
                             "contexts"):
             return args._run(args)
         return _run_eval(args)

@@ -424,20 +424,62 @@ class CompressedContext:
                                        params=SamplingParams(), eos=eos))
         return self.tokenizer.decode(out, skip_special_tokens=True)
 
-    def save(self, path) -> int:
-        """Write the compressed context to ``path`` (:mod:`kv_cache.cache.serialize`); returns bytes written."""
+    def save(self, path, *, file_ratio: float | None = None, codec: Any = None, codec_settings: Any = None) -> int:
+        """Write the compressed context to ``path`` (:mod:`kv_cache.cache.serialize`); returns bytes written.
+
+        ``file_ratio=R``: transform-code the full-precision K/V (:mod:`kv_cache.codec`) so the
+        whole file is at most ``fp16 K/V bytes of every context token / R`` with the least
+        squared error; ``codec``: the model's basis (a :class:`~kv_cache.codec.CodecBasis` or
+        its path; default: the one shipped or in ``$KV_CACHE_HOME/codecs`` for this model).
+        ``codec`` alone: the codec's finest steps. The context must be held in full precision
+        (``quant=None``; eviction is fine: only the kept tokens are stored)."""
+        from .cache.report import fp16_kv_bytes
         from .cache.serialize import save_cache
 
         extra = {"context_tokens": self.context_tokens}
         if self.question_suffix is not None:
             extra["question_suffix"] = self.question_suffix
-        return save_cache(self.cache, path, model_config=self.model.config, extra=extra)
+        if file_ratio is None and codec is None:
+            if codec_settings is not None:
+                raise ValueError("codec_settings applies to a coded file: pass file_ratio= or codec= too")
+            return save_cache(self.cache, path, model_config=self.model.config, extra=extra)
+        file_bytes = None
+        if file_ratio is not None:
+            if isinstance(file_ratio, bool) or not isinstance(file_ratio, (int, float)) or not file_ratio >= 1 \
+                    or file_ratio == float("inf"):
+                raise ValueError(f"file_ratio must be a finite number >= 1 (fp16 K/V bytes over file bytes); "
+                                 f"got {file_ratio!r}")
+            file_bytes = int(fp16_kv_bytes(self.model.config, self.cache.get_seq_length()) / file_ratio)
+        return save_cache(self.cache, path, model_config=self.model.config, extra=extra,
+                          codec=self._basis(codec), file_bytes=file_bytes, codec_settings=codec_settings)
+
+    def _basis(self, codec: Any) -> Any:
+        from .codec import CodecBasis, basis_for_model, load_basis
+        from .compression.scorer_file import model_identity
+
+        if isinstance(codec, CodecBasis):
+            basis = codec
+        elif codec is not None:
+            basis = load_basis(codec)
+        else:
+            basis = basis_for_model(self.model)
+            if basis is None:
+                raise ValueError("no codec basis is shipped or in $KV_CACHE_HOME/codecs for this model: fit one with "
+                                 "`kvcache calibrate-codec --model M -o $KV_CACHE_HOME/codecs/M.safetensors` "
+                                 "(or pass codec=path)")
+        basis.check_identity(model_identity(self.model))
+        return basis
 
     @classmethod
-    def load(cls, path, model: torch.nn.Module, tokenizer: Any) -> "CompressedContext":
-        """Read a file written by :meth:`save`; refuses a different model or a damaged file."""
+    def load(cls, path, model: torch.nn.Module, tokenizer: Any, *, codec: Any = None) -> "CompressedContext":
+        """Read a file written by :meth:`save`; refuses a different model or a damaged file.
+        A transform-coded file is decoded with ``codec`` (a basis or its path; default: the
+        one its fingerprint names among the shipped ones and ``$KV_CACHE_HOME/codecs``)."""
         from .cache.serialize import load_cache
+        from .codec import CodecBasis, load_basis
 
+        if codec is not None and not isinstance(codec, CodecBasis):
+            codec = load_basis(codec)
         device = next(model.parameters()).device  # the cache's tensors go where the model is
-        cache, extra = load_cache(path, model_config=model.config, device=device)
+        cache, extra = load_cache(path, model_config=model.config, device=device, codec=codec)
         return cls(model, tokenizer, cache, int(extra["context_tokens"]), question_suffix=extra.get("question_suffix"))

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from .cache import CompressedCache
-from .report import kv_geometry
+from .report import fp16_kv_bytes, kv_geometry
 from .serialize_state import (
     STORAGE_CLASSES,  # noqa: F401  (re-exported: kv_cache.cache.serialize.STORAGE_CLASSES)
     _decode_layer,
@@ -56,9 +56,13 @@ from .serialize_state import (
 FORMAT = "kv_cache.compressed_cache"
 """The value of the ``format`` metadata key of every file written here."""
 
-FORMAT_VERSION = 2
-"""Bumped whenever the layout of the file changes; :func:`load_cache` reads this version only.
-Version 2: objects are written by their layout's declared fields (``FIELDS``), not by attribute."""
+FORMAT_VERSION = 3
+"""Bumped whenever the layout of the file changes. Version 2: objects are written by their
+layout's declared fields (``FIELDS``), not by attribute. Version 3: the header may hold a
+``codec`` record (the full-precision K/V transform-coded, :mod:`kv_cache.codec`) and
+``fp16_bytes`` (the float16 K/V of every token the file covers: its ratio's numerator)."""
+READ_VERSIONS = (2, 3)
+"""Versions :func:`load_cache` reads (a version-2 file has no codec record)."""
 
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "torch_dtype", "dtype", "architectures")
 """Config keys that do not change the cache (keys starting with ``_`` are dropped too):
@@ -121,7 +125,8 @@ def _check_model(saved: dict[str, Any], config: Any, path: str) -> None:
 
 # ---------------------------------------------------------------------------------------- the file
 def save_cache(cache: CompressedCache, path: str | os.PathLike, *, model_config: Any = None,
-               extra: dict[str, Any] | None = None) -> int:
+               extra: dict[str, Any] | None = None, codec: Any = None, file_bytes: int | None = None,
+               codec_settings: Any = None) -> int:
     """Write ``cache`` to ``path`` (safetensors + JSON header; see the module docstring).
 
     Parameters
@@ -133,6 +138,14 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike, *, model_config:
         The model's config, recorded as its identity; defaults to ``cache.config``.
     extra : dict, optional
         JSON-serializable values returned by :func:`load_cache` (e.g. ``{"context_tokens": n}``).
+    codec : kv_cache.codec.CodecBasis, optional
+        Transform-code the full-precision K/V with this model's basis (:mod:`kv_cache.codec`);
+        the file names the basis by its fingerprint. None: the tensors as held.
+    file_bytes : int, optional
+        With ``codec``: the whole file's size target (least squared error within it); None:
+        the codec's finest steps.
+    codec_settings : kv_cache.codec.CodecSettings, optional
+        What the codec keeps exact (default: 4 sinks and the last 8 tokens of every head).
 
     Returns
     -------
@@ -158,20 +171,39 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike, *, model_config:
         extra_json = json.loads(json.dumps(extra or {}))
     except TypeError as exc:
         raise ValueError(f"save_cache: extra must be JSON-serializable: {exc}") from None
-    header = {
+    tokens_seen = cache.get_seq_length()
+    base = {
         "quant": _encode_quant(cache.quant),
         "eviction": _encode_policy(cache.eviction),
         "model": model_identity(config),
-        "tokens_seen": cache.get_seq_length(),
+        "tokens_seen": tokens_seen,
         "layers": layers,
         "extra": extra_json,
         "on_cpu": w.on_cpu,
-        "tensors": {name: _tensor_digest(t) for name, t in sorted(w.tensors.items())},
+        "fp16_bytes": fp16_kv_bytes(config, tokens_seen, batch=cache_batch(cache)),
     }
-    text = json.dumps(header, sort_keys=True, separators=(",", ":"))
-    meta = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "kv_cache": text,
-            "kv_cache_sha256": hashlib.sha256(text.encode()).hexdigest()}
-    data = save(w.tensors, metadata=meta)
+
+    def serialized(tensors: dict[str, torch.Tensor], codec_record: dict[str, Any] | None) -> bytes:
+        header = {**base, "tensors": {name: _tensor_digest(t) for name, t in sorted(tensors.items())}}
+        if codec_record is not None:
+            header["codec"] = codec_record
+        text = json.dumps(header, sort_keys=True, separators=(",", ":"))
+        meta = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "kv_cache": text,
+                "kv_cache_sha256": hashlib.sha256(text.encode()).hexdigest()}
+        return save(tensors, metadata=meta)
+
+    if codec is None:
+        if file_bytes is not None or codec_settings is not None:
+            raise ValueError("save_cache: file_bytes and codec_settings need codec= (a kv_cache.codec.CodecBasis)")
+        data = serialized(w.tensors, None)
+    else:
+        from ..codec import encode_state
+
+        if file_bytes is not None and (isinstance(file_bytes, bool) or not isinstance(file_bytes, int) or file_bytes < 1):
+            raise ValueError(f"save_cache: file_bytes must be a positive int; got {file_bytes!r}")
+        tensors, record = encode_state(w.tensors, layers, codec, lambda t, r: len(serialized(t, r)), file_bytes,
+                                       codec_settings)
+        data = serialized(tensors, record)
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
@@ -199,8 +231,8 @@ def _read_header(data: bytes, path: str) -> tuple[dict[str, Any], dict[str, str]
     meta = st_header.pop("__metadata__", None) or {}
     if meta.get("format") != FORMAT:
         raise ValueError(f"{not_ours}: format expected {FORMAT!r}, found {meta.get('format')!r}")
-    if meta.get("format_version") != str(FORMAT_VERSION):
-        raise ValueError(f"{path}: kv_cache format version expected {FORMAT_VERSION}, found "
+    if meta.get("format_version") not in [str(v) for v in READ_VERSIONS]:
+        raise ValueError(f"{path}: kv_cache format version expected one of {list(READ_VERSIONS)}, found "
                          f"{meta.get('format_version')!r} (written by another version of kv_cache)")
     try:
         end = max((int(e["data_offsets"][1]) for e in st_header.values()), default=0)
@@ -240,8 +272,15 @@ def read_info(path: str | os.PathLike) -> dict[str, Any]:
     reading its tensors: ``model`` (identity), ``quant``, ``eviction``, ``tokens_seen``, ``extra``.
 
     Raises the errors of :func:`load_cache` for the file itself (not the model check)."""
-    _, header, _ = _read_file(path)
-    return {k: header[k] for k in ("model", "quant", "eviction", "tokens_seen", "extra")}
+    data, header, _ = _read_file(path)
+    out = {k: header[k] for k in ("model", "quant", "eviction", "tokens_seen", "extra")}
+    out["file_bytes"] = len(data)
+    if isinstance(header.get("fp16_bytes"), int):  # version 3
+        out["fp16_bytes"] = header["fp16_bytes"]
+        out["file_ratio"] = header["fp16_bytes"] / len(data)
+    if isinstance(header.get("codec"), dict):
+        out["codec"] = {"basis": header["codec"].get("basis"), "settings": header["codec"].get("settings")}
+    return out
 
 
 def rewrite_extra(path: str | os.PathLike, extra: dict[str, Any]) -> int:
@@ -251,12 +290,13 @@ def rewrite_extra(path: str | os.PathLike, extra: dict[str, Any]) -> int:
     from safetensors.torch import load, save
 
     data, header, _ = _read_file(path)
+    version = _read_header(data, str(path))[1]["format_version"]  # a version-2 file stays one
     try:
         header = {**header, "extra": json.loads(json.dumps(extra))}
     except TypeError as exc:
         raise ValueError(f"rewrite_extra: extra must be JSON-serializable: {exc}") from None
     text = json.dumps(header, sort_keys=True, separators=(",", ":"))
-    meta = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "kv_cache": text,
+    meta = {"format": FORMAT, "format_version": version, "kv_cache": text,
             "kv_cache_sha256": hashlib.sha256(text.encode()).hexdigest()}
     out = save(load(data), metadata=meta)
     p = Path(path)
@@ -269,8 +309,36 @@ def rewrite_extra(path: str | os.PathLike, extra: dict[str, Any]) -> int:
     return len(out)
 
 
-def load_cache(path: str | os.PathLike, *, model_config: Any, device: str | torch.device | None = None
-               ) -> tuple[CompressedCache, dict[str, Any]]:
+def cache_batch(cache: CompressedCache) -> int:
+    """Rows of a prefilled cache (1 when nothing is stored yet)."""
+    return next((layer.storage.batch for layer in cache.layers if layer.storage is not None), 1)
+
+
+def _decode_codec(tensors: dict[str, torch.Tensor], header: dict[str, Any], cache: CompressedCache, codec: Any,
+                  name: str) -> dict[str, torch.Tensor]:
+    """The coded K/V of a version-3 file decoded (:func:`kv_cache.codec.decode_state`), after the
+    tokens it claims are checked against the model's positions."""
+    from ..codec import decode_state, find_basis
+
+    record = header["codec"]
+    fingerprint = record.get("basis") if isinstance(record, dict) else None
+    basis = codec if codec is not None else (find_basis(fingerprint) if isinstance(fingerprint, str) else None)
+    if basis is None:
+        raise ValueError(f"{name} is transform-coded with the codec basis {fingerprint!r}, which is neither shipped "
+                         "nor in $KV_CACHE_HOME/codecs: pass codec= (kv_cache.codec.load_basis(path)) or fit it with "
+                         "`kvcache calibrate-codec --model M -o $KV_CACHE_HOME/codecs/M.safetensors`")
+    tokens = header.get("tokens_seen")
+    limit = getattr(cache.config, "max_position_embeddings", None) or 1 << 22
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 < tokens <= limit:
+        raise ValueError(f"{name} is corrupted: tokens seen must be an int in [1, {limit}] (the model's positions); "
+                         f"found {tokens!r}")
+    geo = cache.geometry
+    return decode_state(tensors, record, basis, tokens_seen=tokens, layers=geo.layers, kv_heads=geo.kv_heads,
+                        head_dim=geo.head_dim, where=name)
+
+
+def load_cache(path: str | os.PathLike, *, model_config: Any, device: str | torch.device | None = None,
+               codec: Any = None) -> tuple[CompressedCache, dict[str, Any]]:
     """Read a file written by :func:`save_cache` for the model of ``model_config``.
 
     Parameters
@@ -281,6 +349,9 @@ def load_cache(path: str | os.PathLike, *, model_config: Any, device: str | torc
         saved from (type, K/V shapes, config hash).
     device : str or torch.device, optional
         Where the tensors go (default: CPU).
+    codec : kv_cache.codec.CodecBasis, optional
+        The basis a transform-coded file names (by fingerprint); None: found among the shipped
+        bases and ``$KV_CACHE_HOME/codecs`` (:func:`kv_cache.codec.find_basis`).
 
     Returns
     -------
@@ -317,6 +388,8 @@ def load_cache(path: str | os.PathLike, *, model_config: Any, device: str | torc
 
     quant, policy = _decode_quant(header["quant"]), _decode_policy(header["eviction"])
     cache = CompressedCache(model_config, quant=quant, eviction=policy)
+    if "codec" in header:
+        tensors = _decode_codec(tensors, header, cache, codec, name)
     if len(layer_recs) != len(cache.layers):
         raise ValueError(f"{name} is corrupted: layers expected {len(cache.layers)}, found {len(layer_recs)}")
     dev = torch.device("cpu" if device is None else device)

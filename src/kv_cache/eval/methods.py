@@ -152,6 +152,7 @@ class Method:
     resolved: str = ""
     requires: tuple[str, str] | None = None
     needs_tokenizer: bool = False  # the prefill runs a reconstruction pass (KVzip): kv_cache.prefill
+    file_ratio: float | None = None  # file<R>: saved transform-coded at ratio R and loaded back (kv_cache.codec)
 
     @property
     def is_peer(self) -> bool:
@@ -181,6 +182,7 @@ _QUANT = re.compile(f"^{_HEAD.letter}(?P<{_HEAD.field}>{_HEAD.value})(?P<_defaul
                     + "".join(f"(?:{o.letter}(?P<{o.field}>{o.value}))?" for o in _SUFFIXES) + "$")
 _QUANT_GRAMMAR = f"{_HEAD.letter}<{_HEAD.placeholder}>[{DEFAULTS_FLAG}]" + "".join(
     f"[{o.letter}<{o.placeholder}>]" if o.placeholder else f"[{o.letter}]" for o in _SUFFIXES)
+_FILE = re.compile(r"^file(?P<ratio>\d+(?:\.\d+)?)$")
 _POLICY = re.compile(r"^(?P<name>[a-z0-9_]+)@(?:t(?P<threshold>-?\d+(?:\.\d+)?)|(?P<budget>\d+(?:\.\d+)?))"
                      r"(?:w(?P<w>\d+(?:\.\d+)?))?(?:e(?P<e>\d+))?(?::(?P<scope>[a-z]+))?(?:\[(?P<path>[^\]]+)\])?$")
 
@@ -233,10 +235,18 @@ def _policy(m: re.Match[str], original: str = "") -> EvictionPolicy:
 
 
 def _ours(spec: str, parts: list[str]) -> Method:
-    quant, policy = None, None
+    quant, policy, file_ratio = None, None, None
     originals = spec.strip().split("+")
     for n, part in enumerate(parts):
         if part == REFERENCE_SPEC:
+            continue
+        m = _FILE.match(part)
+        if m:
+            if file_ratio is not None:
+                raise _unknown(spec, "two file parts")
+            file_ratio = float(m["ratio"])
+            if file_ratio < 1:
+                raise _unknown(spec, f"file<R> needs R >= 1 (fp16 K/V bytes over file bytes); got {file_ratio:g}")
             continue
         m = _QUANT.match(part)
         if m:
@@ -252,6 +262,9 @@ def _ours(spec: str, parts: list[str]) -> Method:
             continue
         raise _unknown(spec, f"cannot parse {part!r}")
 
+    if file_ratio is not None and quant is not None:
+        raise _unknown(spec, "file<R> transform-codes the full-precision K/V: drop the quantization part "
+                             "(e.g. kvzip@0.25+file20)")
     if quant is not None and quant.evicted_bits is not None and getattr(policy, "decoding", False):
         policy = dataclasses.replace(policy, decoding=False)  # kvzap picks the tiers once, after the prefill
     if quant is not None and quant.evicted_bits is not None and (policy is None or not policy.prefill_only):
@@ -267,9 +280,14 @@ def _ours(spec: str, parts: list[str]) -> Method:
         return cache, lambda: compress(model, cache)
 
     budget = None if policy is None or getattr(policy, "threshold", None) is not None else policy.budget
+    if file_ratio is not None and quant is None and policy is None:
+        def make(model):  # noqa: F811  (file<R> alone: the full cache, coded; ours, not DynamicCache)
+            cache = CompressedCache(model.config)
+            return cache, lambda: compress(model, cache)
     return Method(spec, "ours", None if quant is None else quant.bits, budget,
-                  make, resolved=f"kv_cache quant={quant!r} eviction={policy!r}",
-                  needs_tokenizer=policy is not None and policy.needs_reconstruction)
+                  make, resolved=f"kv_cache quant={quant!r} eviction={policy!r}"
+                  + ("" if file_ratio is None else f" file_ratio={file_ratio:g} codec=CodecSettings()"),
+                  needs_tokenizer=policy is not None and policy.needs_reconstruction, file_ratio=file_ratio)
 
 
 def _hf(backend: str, spec: str, m: re.Match[str]) -> Method:

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.report import fp16_kv_bytes
+from ..cache import compress
 from ..context import forward_at, prefill
 from ..generation import SamplingParams, generate_tokens
 from .accounting import held_nbytes, walked_nbytes  # noqa: F401  (re-exported: runner's public API)
@@ -79,6 +80,7 @@ class Prefilled:
     scope: Any = field(repr=False)
     prefill_cost: float | None = None  # KVzip: its in-run prefill + reconstruction over its context prefill
     prefill_s: float | None = None  # seconds of the whole prefill
+    codec_s: tuple[float, float] | None = None  # file<R>: seconds to encode (save) and decode (load)
 
     @property
     def attention_error(self) -> float | None:
@@ -87,7 +89,44 @@ class Prefilled:
         return None if report is None else getattr(report(), "max_attention_error", None)
 
 
+def _through_file(model, pre: Prefilled, method: Method) -> Prefilled:
+    """``file<R>``: save ``pre``'s cache transform-coded at ratio R (:mod:`kv_cache.codec`, the
+    model's shipped or ``$KV_CACHE_HOME`` basis), load it back and go on from the loaded cache;
+    its ``kv_bytes`` are the file's bytes, ``codec_s`` the encode and decode seconds."""
+    import tempfile
+
+    from ..cache.serialize import load_cache, save_cache
+    from ..codec import basis_for_model
+
+    basis = basis_for_model(model)
+    if basis is None:
+        pre.scope.close()
+        raise ValueError(f"method {method.spec!r}: no codec basis for this model; fit one with "
+                         "`kvcache calibrate-codec --model M -o $KV_CACHE_HOME/codecs/M.safetensors`")
+    target = int(fp16_kv_bytes(model.config, pre.cache.get_seq_length()) / method.file_ratio)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ctx.kvc")
+        t0 = time.perf_counter()
+        try:
+            size = save_cache(pre.cache, path, model_config=model.config, codec=basis, file_bytes=target)
+        finally:
+            pre.scope.close()
+        t1 = time.perf_counter()
+        cache, _ = load_cache(path, model_config=model.config, codec=basis)
+        t2 = time.perf_counter()
+    scope = contextlib.ExitStack()
+    scope.enter_context(compress(model, cache))
+    out = Prefilled(cache, pre.logits, size, scope, pre.prefill_cost, pre.prefill_s)
+    out.codec_s = (t1 - t0, t2 - t1)
+    return out
+
+
 def _prefill(model, method: Method, ids: torch.Tensor, tokenizer=None, last_only: bool = False) -> Prefilled:
+    pre = _prefill_cache(model, method, ids, tokenizer, last_only)
+    return _through_file(model, pre, method) if method.file_ratio is not None else pre
+
+
+def _prefill_cache(model, method: Method, ids: torch.Tensor, tokenizer=None, last_only: bool = False) -> Prefilled:
     """Prefill ``ids`` into a fresh cache of ``method``; ``scope`` stays open for what follows
     (ours: the ``compress`` hooks; kvpress presses only wrap the prefill). A method scored by a
     reconstruction pass (KVzip) prefills through :func:`kv_cache.prefill`, which runs it.
@@ -121,8 +160,12 @@ def _prefill(model, method: Method, ids: torch.Tensor, tokenizer=None, last_only
 
 def _cost(pre: Prefilled, plain_s: float | None = None) -> dict:
     """The prefill cost fields of a sample: KVzip's own in-run ratio, else ``pre``'s time over
-    ``plain_s`` (a plain prefill of the same ids); nothing when neither was measured."""
-    return {"prefill_cost": pre.prefill_cost} if pre.prefill_cost is not None else prefill_cost(pre.prefill_s, plain_s)
+    ``plain_s`` (a plain prefill of the same ids); nothing when neither was measured. ``file<R>``:
+    also the encode and decode seconds."""
+    out = {"prefill_cost": pre.prefill_cost} if pre.prefill_cost is not None else prefill_cost(pre.prefill_s, plain_s)
+    if pre.codec_s is not None:
+        out = {**out, "encode_s": pre.codec_s[0], "decode_s": pre.codec_s[1], "prefill_s": pre.prefill_s}
+    return out
 
 
 def _greedy(model, cache, logits: torch.Tensor, pos: int, n: int, eos: set[int]) -> tuple[list[int], float]:

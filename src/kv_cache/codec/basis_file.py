@@ -1,0 +1,232 @@
+"""Per-model codec bases: a safetensors file with a checked header, referenced by fingerprint.
+
+``kvcache calibrate-codec`` fits, per layer, KV head and K / V, the PCA of the cached vectors on
+calibration text (:mod:`.transform`) and writes them here. A ``.kvc`` file coded with a basis
+names it by its fingerprint (the sha256 of this file's header, which holds the sha256 of every
+tensor): the basis is not embedded in each file.
+
+Tensors (``l``: layer): ``layers.<l>.k_mean`` / ``v_mean`` ``[H, d]`` float32,
+``layers.<l>.k_basis`` / ``v_basis`` ``[H, d, d]`` float16 (columns by decreasing variance;
+orthonormalized on load), ``layers.<l>.k_var`` / ``v_var`` ``[H, d]`` float32.
+
+Header (JSON): the format and its version, the identity of the model
+(:func:`kv_cache.compression.scorer_file.model_identity`: shapes and a digest of its
+embedding), how it was fitted (texts and their sha256, tokens) and the sha256 of every tensor.
+Loading checks all of it; :meth:`CodecBasis.check_identity` checks the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..compression.scorer_file import IDENTITY_KEYS, model_identity
+from .transform import orthonormalize
+
+FORMAT = "kv_cache.codec_basis"
+FORMAT_VERSION = 1
+METADATA_KEY = "kv_cache.codec_basis"
+SHA_KEY = "kv_cache.codec_basis_sha256"
+KINDS = ("k", "v")
+CODECS_DIR = Path(__file__).resolve().parent.parent / "codecs"
+"""Bases shipped with the package (``kv_cache/codecs/*.safetensors``), found by fingerprint or model."""
+
+
+class CodecBasisError(ValueError):
+    """A codec basis file that is unreadable, malformed, tampered with, or fitted for another model."""
+
+
+@dataclass(frozen=True)
+class LayerBasis:
+    """One layer's bases: ``mean`` ``[H, d]``, ``basis`` ``[H, d, d]`` (orthonormal), ``var`` ``[H, d]``
+    for keys and for values (float32)."""
+
+    k_mean: torch.Tensor
+    k_basis: torch.Tensor
+    k_var: torch.Tensor
+    v_mean: torch.Tensor
+    v_basis: torch.Tensor
+    v_var: torch.Tensor
+
+    def get(self, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return getattr(self, f"{kind}_mean"), getattr(self, f"{kind}_basis"), getattr(self, f"{kind}_var")
+
+
+@dataclass(frozen=True)
+class CodecBasis:
+    """A fitted per-model basis (:mod:`kv_cache.codec.basis_file`). ``fingerprint``: the sha256
+    of its header, by which ``.kvc`` files refer to it."""
+
+    layers: Mapping[int, LayerBasis]
+    model: Mapping[str, Any]
+    info: Mapping[str, Any] = field(default_factory=dict)
+    fingerprint: str = ""
+    path: str | None = None
+
+    @property
+    def heads(self) -> int:
+        return next(iter(self.layers.values())).k_mean.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return next(iter(self.layers.values())).k_mean.shape[1]
+
+    def check_identity(self, identity: Mapping[str, Any], what: str = "this model") -> None:
+        """Raise :class:`CodecBasisError` unless ``identity`` is the model the basis was fitted on."""
+        for key in IDENTITY_KEYS:
+            if self.model.get(key) != identity.get(key):
+                raise CodecBasisError(
+                    f"the codec basis{f' {self.path!r}' if self.path else ''} was fitted on another model: {key} "
+                    f"expected {self.model.get(key)!r} (in the file), received {identity.get(key)!r} ({what}); fit "
+                    "one for this model with `kvcache calibrate-codec --model M -o basis.safetensors`")
+
+
+def _digest(t: torch.Tensor) -> str:
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def save_basis(path: str | os.PathLike, layers: Mapping[int, Mapping[str, torch.Tensor]], model: Mapping[str, Any],
+               info: Mapping[str, Any]) -> str:
+    """Write bases (``layers[l]`` holds ``k_mean``, ``k_basis``, ``k_var``, ``v_...``) to ``path``
+    (a temporary file, then renamed); returns the fingerprint."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for i, rec in sorted(layers.items()):
+        for kind in KINDS:
+            tensors[f"layers.{i}.{kind}_mean"] = rec[f"{kind}_mean"].float().contiguous()
+            tensors[f"layers.{i}.{kind}_basis"] = rec[f"{kind}_basis"].to(torch.float16).contiguous()
+            tensors[f"layers.{i}.{kind}_var"] = rec[f"{kind}_var"].float().contiguous()
+    missing = [k for k in IDENTITY_KEYS if k not in model]
+    if missing:
+        raise CodecBasisError(f"the basis' model identity lacks {missing}")
+    header = {"format": FORMAT, "format_version": FORMAT_VERSION, "layers": sorted(int(i) for i in layers),
+              "model": dict(model), "info": dict(info),
+              "tensors": {k: _digest(v) for k, v in sorted(tensors.items())}}
+    text = json.dumps(header, sort_keys=True)
+    fingerprint = hashlib.sha256(text.encode()).hexdigest()
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={METADATA_KEY: text, SHA_KEY: fingerprint})
+    os.replace(tmp, path)
+    return fingerprint
+
+
+def read_header(path: str | os.PathLike) -> dict[str, Any]:
+    """The checked header of a basis file (format, version, header sha256), tensors unread; the
+    fingerprint is added as ``"fingerprint"``."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no codec basis file at {str(path)!r}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CodecBasisError(f"{path}: not a readable safetensors codec basis (corrupted or truncated?): {exc}") from None
+    text = meta.get(METADATA_KEY)
+    if text is None:
+        raise CodecBasisError(f"{path}: no {METADATA_KEY!r} header; was it written by `kvcache calibrate-codec`?")
+    found = hashlib.sha256(text.encode()).hexdigest()
+    if meta.get(SHA_KEY) != found:
+        raise CodecBasisError(f"{path} is corrupted: header sha256 expected {meta.get(SHA_KEY)}, found {found}")
+    header = json.loads(text)
+    if header.get("format") != FORMAT or header.get("format_version") != FORMAT_VERSION:
+        raise CodecBasisError(f"{path}: format {header.get('format')!r} version {header.get('format_version')!r}; "
+                              f"this release reads {FORMAT!r} version {FORMAT_VERSION}")
+    header["fingerprint"] = found
+    return header
+
+
+def load_basis(path: str | os.PathLike) -> CodecBasis:
+    """Read and check a basis file (cached by path, size and modification time)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no codec basis file at {str(p)!r}")
+    st = p.stat()
+    return _load_cached(str(p.resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(path: str, mtime_ns: int, size: int) -> CodecBasis:
+    from safetensors.torch import load_file
+
+    header = read_header(path)
+    tensors = load_file(path)
+    if sorted(tensors) != sorted(header["tensors"]):
+        raise CodecBasisError(f"{path}: tensors do not match the header's list")
+    for name, t in tensors.items():
+        if _digest(t) != header["tensors"][name]:
+            raise CodecBasisError(f"{path} is corrupted: tensor {name!r} sha256 expected {header['tensors'][name]}, "
+                                  f"found {_digest(t)}")
+    layers, shape = {}, None
+    for i in header["layers"]:
+        rec = {}
+        for kind in KINDS:
+            mean, basis, var = (tensors.get(f"layers.{i}.{kind}_{n}") for n in ("mean", "basis", "var"))
+            if mean is None or basis is None or var is None:
+                raise CodecBasisError(f"{path}: layer {i} lacks its {kind} tensors")
+            h, d = mean.shape
+            if basis.shape != (h, d, d) or var.shape != (h, d) or (shape is not None and (h, d) != shape):
+                raise CodecBasisError(f"{path}: layer {i} {kind} shapes {tuple(mean.shape)}, {tuple(basis.shape)}, "
+                                      f"{tuple(var.shape)} are not [H, d], [H, d, d], [H, d] of one H, d")
+            if not all(torch.isfinite(t).all() for t in (mean, basis, var)):
+                raise CodecBasisError(f"{path}: layer {i} {kind} holds NaN or Inf")
+            shape = (h, d)
+            rec.update({f"{kind}_mean": mean.float(), f"{kind}_basis": orthonormalize(basis.float()),
+                        f"{kind}_var": var.float()})
+        layers[int(i)] = LayerBasis(**rec)
+    if not layers:
+        raise CodecBasisError(f"{path}: holds no layer")
+    return CodecBasis(layers, header["model"], header.get("info", {}), header["fingerprint"], path)
+
+
+def find_basis(fingerprint: str, directories: list[Path] | None = None) -> CodecBasis | None:
+    """The basis of ``fingerprint`` among the shipped ones and ``$KV_CACHE_HOME/codecs`` (None: none)."""
+    for d in directories if directories is not None else search_dirs():
+        if not d.is_dir():
+            continue
+        for p in sorted(d.glob("*.safetensors")):
+            try:
+                if read_header(p)["fingerprint"] == fingerprint:
+                    return load_basis(p)
+            except (CodecBasisError, OSError, ValueError):
+                continue
+    return None
+
+
+def basis_for_model(model: torch.nn.Module, directories: list[Path] | None = None) -> CodecBasis | None:
+    """The basis fitted on ``model`` among the shipped ones and ``$KV_CACHE_HOME/codecs`` (None: none)."""
+    identity = model_identity(model)
+    for d in directories if directories is not None else search_dirs():
+        if not d.is_dir():
+            continue
+        for p in sorted(d.glob("*.safetensors")):
+            try:
+                head = read_header(p)
+            except (CodecBasisError, OSError, ValueError):
+                continue
+            if all(head["model"].get(k) == identity.get(k) for k in IDENTITY_KEYS):
+                return load_basis(p)
+    return None
+
+
+def search_dirs() -> list[Path]:
+    """Where bases are looked for: the package's ``codecs/``, then ``$KV_CACHE_HOME/codecs``."""
+    from ..models.paths import default_cache_dir
+
+    return [CODECS_DIR, default_cache_dir() / "codecs"]
+
+
+__all__ = ["CODECS_DIR", "CodecBasis", "CodecBasisError", "LayerBasis", "basis_for_model", "find_basis",
+           "load_basis", "read_header", "save_basis", "search_dirs"]
