@@ -236,7 +236,7 @@ def test_wrong_format_version(stories, tmp_path, monkeypatch):
     monkeypatch.setattr(serialize, "FORMAT_VERSION", 99)
     save_cache(ctx.cache, tmp_path / "v99.kvc")
     monkeypatch.undo()
-    with pytest.raises(ValueError, match=rf"format version expected {serialize.FORMAT_VERSION}, found .99."):
+    with pytest.raises(ValueError, match=r"format version expected one of \[2, 3\], found .99."):
         load_cache(tmp_path / "v99.kvc", model_config=stories[0].config)
 
 

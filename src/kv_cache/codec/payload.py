@@ -229,15 +229,26 @@ class Encoder:
             out[f"{name}.tc_scale"] = torch.stack(acc["scale"]).to(torch.float16)
             out[f"{name}.tc_exact"] = torch.cat(acc["exact"]).contiguous()
         bits = 0.0
+        digests = {}
         for layer, (sym, sc) in sorted(streams.items()):
-            words = ans.encode(np.concatenate(sym) if sym else np.zeros(0, np.int32),
-                               np.concatenate(sc) if sc else np.zeros(0))
+            symbols = np.concatenate(sym) if sym else np.zeros(0, np.int32)
+            words = ans.encode(symbols, np.concatenate(sc) if sc else np.zeros(0))
             out[f"layer{layer}.tc_stream"] = torch.from_numpy(words.view(np.int32).copy())
+            digests[str(layer)] = _symbols_digest(symbols)
             bits += words.size * 32
         record = {"version": CODEC_VERSION, "basis": self.basis.fingerprint, "settings": asdict(self.settings),
+                  "symbols_sha256": digests,
                   "targets": [{"layer": t.layer, "names": list(t.names), "layout": t.layout, "shape": list(t.shape),
                                "dtype": t.dtype, "heads": t.heads, "lengths": t.lengths} for t in self.targets]}
         return _Encoded(out, record, bits, distortion)
+
+
+def _symbols_digest(symbols: np.ndarray) -> str:
+    """sha256 of a stream's symbols (int32, little-endian): an ANS stream carries no check of its
+    own, and a damaged one may decode to other symbols of the right count."""
+    import hashlib
+
+    return hashlib.sha256(np.ascontiguousarray(symbols, dtype="<i4").tobytes()).hexdigest()
 
 
 def encode_state(tensors: dict[str, torch.Tensor], layer_recs: list[dict[str, Any]], basis: CodecBasis,
@@ -308,6 +319,9 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
             raise TypeError("targets")
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{where}: malformed codec record ({exc})") from None
+    digests = record.get("symbols_sha256")
+    if not isinstance(digests, dict):
+        raise ValueError(f"{where}: malformed codec record (symbols_sha256)")
     out = dict(tensors)
     plan: dict[int, list] = {}
     seen_layers: set = set()
@@ -391,6 +405,9 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
             symbols = ans.decode(words.numpy().view(np.uint32), scales)
         except ans.CodecStreamError as exc:
             raise ValueError(f"{where}: layer {layer}: {exc}") from None
+        if symbols.size and _symbols_digest(symbols) != digests.get(str(layer)):
+            raise ValueError(f"{where}: layer {layer}: the coded stream does not decode to the symbols its header "
+                             "names (sha256): damaged or truncated")
         pos = 0
         for names, layout, shape, dtype, heads, lengths in items:
             lb = basis.layers[layer]

@@ -1,0 +1,281 @@
+"""The storage codec of ``.kvc`` files (kv_cache.codec, math dictionary §27).
+
+Model-free: the transform, the allocation, the entropy coder, the basis file. Tiny model
+(stories260K, a basis fitted here): save -> load -> ask through the codec, the byte target, the
+version-2 files, and hostile payloads (re-hashed, so only the codec's own checks stand between
+them and a large allocation)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from kv_cache import CompressedContext, KVzip, QuantConfig
+from kv_cache.cache import serialize
+from kv_cache.cache.serialize import load_cache, read_info, save_cache
+from kv_cache.codec import CodecBasisError, CodecSettings, load_basis, save_basis
+from kv_cache.codec import ans
+from kv_cache.codec.allocation import MAX_SYMBOL, allocate, laplace_bits, rd_table
+from kv_cache.codec.calibrate import fit_codec_basis
+from kv_cache.codec.transform import accumulate_moments, fit_basis, from_components, to_components
+from kv_cache.compression.scorer_file import model_identity
+
+DOC = "One day, Tom went to the shop with his mom. He wanted a red car and a blue ball. " * 5
+CALIB = "Once upon a time there was a little girl named Lily. She liked to play with her ball in the park. " * 40
+
+
+# ------------------------------------------------------------------------------- model-free
+def test_basis_is_orthonormal_sorted_and_inverts_exactly():
+    g = torch.Generator().manual_seed(0)
+    mix = torch.randn(16, 16, generator=g)
+    x = torch.randn(500, 16, generator=g) @ mix + 5.0
+    mu, U, lam = fit_basis(accumulate_moments(x[:250], accumulate_moments(x[250:])))
+    assert torch.allclose(U.T @ U, torch.eye(16), atol=1e-5)
+    assert (lam[:-1] >= lam[1:]).all() and (lam >= 0).all()
+    assert torch.allclose(mu, x.mean(0), atol=1e-4)
+    c = to_components(x, mu, U)
+    assert torch.allclose(from_components(c, mu, U), x, atol=1e-4)
+    assert torch.allclose(c.var(0, unbiased=False), lam, rtol=1e-3, atol=1e-3)  # the variances are the components'
+
+
+def test_moments_refuse_bad_input():
+    with pytest.raises(ValueError, match=r"\[N, d\]"):
+        accumulate_moments(torch.zeros(3))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        accumulate_moments(torch.tensor([[1.0, float("nan")]]))
+    with pytest.raises(ValueError, match="at least 2 vectors"):
+        fit_basis(accumulate_moments(torch.ones(1, 4)))
+    mu, U, lam = fit_basis(accumulate_moments(torch.ones(10, 4)))  # constant channels: zero variances
+    assert torch.equal(lam, torch.zeros(4)) and torch.allclose(U.T @ U, torch.eye(4), atol=1e-6)
+
+
+def test_laplace_bits_match_a_normalised_distribution():
+    q = torch.arange(-400, 401).float()[None]
+    for b in (0.05, 0.7, 3.0, 40.0):
+        p = torch.pow(2.0, -laplace_bits(q, torch.tensor([[b]])))
+        assert abs(float(p.sum()) - 1) < 1e-3
+
+
+def test_allocation_meets_the_budget_and_more_budget_means_less_error():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 200, generator=g) * torch.logspace(1, -2, 32)[:, None]
+    rate, dist, _ = rd_table(x)
+    assert torch.allclose(dist[:, 0], x.pow(2).sum(-1))  # skip: the row's energy
+    assert rate[:, 0].eq(0).all()
+    last = float("inf")
+    for budget in (0, 500, 2000, 8000, 30000):
+        c = allocate(rate, dist, budget)
+        assert float(rate.gather(1, c[:, None]).sum()) <= budget
+        d = float(dist.gather(1, c[:, None]).sum())
+        assert d <= last
+        last = d
+    assert allocate(rate, dist, 0).eq(0).all()
+    big = allocate(rate, dist, 1e9)
+    assert (big > 0).all()  # everything coded when bits are free
+    with pytest.raises(ValueError, match="finite number of bits"):
+        allocate(rate, dist, -1)
+    with pytest.raises(ValueError, match=r"\[rows, T\]"):
+        rd_table(torch.zeros(5))
+
+
+def test_ans_roundtrip_and_damaged_streams():
+    rng = np.random.default_rng(0)
+    scales = rng.uniform(0.05, 50, 5000)
+    sym = np.clip(np.round(rng.laplace(0, scales)), -MAX_SYMBOL, MAX_SYMBOL).astype(np.int32)
+    words = ans.encode(sym, scales)
+    assert np.array_equal(ans.decode(words, scales), sym)
+    with pytest.raises(ans.CodecStreamError):  # words left over
+        ans.decode(np.concatenate([words, words[:2]]), scales)
+    short = words[:-3]  # ANS has no check of its own: a cut stream decodes to as many other symbols, or fails
+    try:
+        assert ans.decode(short, scales).shape == sym.shape
+    except ans.CodecStreamError:
+        pass
+    with pytest.raises(ans.CodecStreamError, match="finite"):
+        ans.decode(words, np.full(5000, np.nan))
+    with pytest.raises(ValueError, match="symbols must be in"):
+        ans.encode(np.array([MAX_SYMBOL + 1], np.int32), np.array([1.0]))
+    assert ans.decode(ans.encode(np.zeros(0, np.int32), np.zeros(0)), np.zeros(0)).size == 0
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="exact_sinks must be an int"):
+        CodecSettings(exact_sinks=-1)
+    with pytest.raises(ValueError, match="key_weight"):
+        CodecSettings(key_weight=float("nan"))
+
+
+# ------------------------------------------------------------------------------- tiny model
+@pytest.fixture(scope="module")
+def basis(stories, tmp_path_factory):
+    model, tok = stories
+    layers, info = fit_codec_basis(model, tok, [("calib.txt", CALIB)], tokens=1024, window=256)
+    path = tmp_path_factory.mktemp("codec") / "stories.safetensors"
+    save_basis(path, layers, model_identity(model), info)
+    return load_basis(path)
+
+
+def test_calibration_refuses_moby_dick(stories):
+    with pytest.raises(ValueError, match="held out"):
+        fit_codec_basis(*stories, [("pg2701.txt", CALIB)], tokens=1024, window=256)
+
+
+def test_basis_file_checks(basis, stories, tmp_path):
+    data = bytearray(open(basis.path, "rb").read())
+    data[-5] ^= 0xFF
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CodecBasisError, match="corrupted: tensor"):
+        load_basis(bad)
+    other = dict(model_identity(stories[0]), weights_sha256="0" * 64)
+    with pytest.raises(CodecBasisError, match="fitted on another model.*calibrate-codec"):
+        basis.check_identity(other)
+
+
+def _layer_errors(a, b):
+    out = []
+    def kv(storage):  # KVzip's ragged heads: their full-precision tokens one after another
+        return (storage.fp_keys, storage.fp_values) if hasattr(storage, "fp_keys") else storage.read()
+
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        ka, va = kv(la.storage)
+        kb, vb = kv(lb.storage)
+        out.append(max(float((ka - kb).norm() / ka.norm()), float((va - vb).norm() / va.norm())))
+    return out
+
+
+@pytest.mark.parametrize("eviction", [None, KVzip(budget=0.3)], ids=["full", "kvzip"])
+def test_roundtrip_through_the_codec(stories, basis, tmp_path, eviction):
+    model, tok = stories
+    ctx = CompressedContext.build(model, tok, DOC, eviction=eviction)
+    answer = ctx.ask("What did Tom want?", max_new_tokens=10)
+    plain = ctx.save(tmp_path / "plain.kvc")
+    fine = ctx.save(tmp_path / "fine.kvc", codec=basis)
+    loaded = CompressedContext.load(tmp_path / "fine.kvc", model, tok, codec=basis)
+    assert max(_layer_errors(ctx, loaded)) < 5e-3  # finest steps: close to exact
+    assert loaded.ask("What did Tom want?", max_new_tokens=10) == answer
+    assert fine < plain
+    # a byte target: the whole file fits it, and read_info reports the ratio against fp16
+    fp16 = read_info(tmp_path / "plain.kvc")["fp16_bytes"]
+    n = ctx.save(tmp_path / "r.kvc", file_ratio=2.0, codec=basis)
+    info = read_info(tmp_path / "r.kvc")
+    assert n == info["file_bytes"] <= fp16 / 2 and info["file_ratio"] >= 2.0
+    assert info["codec"]["basis"] == basis.fingerprint
+    coarse = CompressedContext.load(tmp_path / "r.kvc", model, tok, codec=basis)
+    assert coarse.context_tokens == ctx.context_tokens
+    assert coarse.cache.get_seq_length() == ctx.cache.get_seq_length()
+    assert max(_layer_errors(ctx, coarse)) < 0.5
+    assert coarse.ask("What did Tom want?", max_new_tokens=4)  # answers
+
+
+def test_codec_errors_say_how_to_fix(stories, basis, tmp_path):
+    model, tok = stories
+    ctx = CompressedContext.build(model, tok, DOC, eviction=KVzip(budget=0.3))
+    ctx.save(tmp_path / "c.kvc", codec=basis)
+    with pytest.raises(ValueError, match="neither shipped nor in .KV_CACHE_HOME/codecs.*calibrate-codec"):
+        CompressedContext.load(tmp_path / "c.kvc", model, tok)
+    with pytest.raises(ValueError, match="cannot hold this context.*smaller eviction budget"):
+        ctx.save(tmp_path / "x.kvc", file_ratio=1000, codec=basis)
+    for bad in (0.5, float("inf"), float("nan"), True, "20"):
+        with pytest.raises(ValueError, match="file_ratio must be a finite number >= 1"):
+            ctx.save(tmp_path / "x.kvc", file_ratio=bad, codec=basis)
+    with pytest.raises(ValueError, match="no codec basis is shipped.*calibrate-codec"):
+        ctx.save(tmp_path / "x.kvc", file_ratio=4)  # stories260K ships none
+    q = CompressedContext.build(model, tok, DOC, quant=QuantConfig(bits=4))
+    with pytest.raises(ValueError, match="no full-precision K/V to code.*quant=None"):
+        q.save(tmp_path / "q.kvc", codec=basis)
+    with pytest.raises(ValueError, match="need codec="):
+        save_cache(ctx.cache, tmp_path / "y.kvc", file_bytes=1000)
+
+
+# ------------------------------------------------------------------------------- files
+def _rewrite(path, out, edit_header=None, edit_tensors=None, version=None):
+    """Rewrite a kv_cache file with its header / tensors edited and every hash recomputed (what a
+    hostile writer does): only the loader's own checks stand in the way."""
+    from safetensors.torch import load, save
+
+    data = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", data[:8])
+    meta = json.loads(data[8:8 + n])["__metadata__"]
+    header = json.loads(meta["kv_cache"])
+    tensors = dict(load(data))
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_header:
+        edit_header(header)
+    header["tensors"] = {k: serialize._tensor_digest(t) for k, t in sorted(tensors.items())}
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"))
+    meta = {**meta, "kv_cache": text, "kv_cache_sha256": hashlib.sha256(text.encode()).hexdigest()}
+    if version is not None:
+        meta["format_version"] = version
+    open(out, "wb").write(save(tensors, metadata=meta))
+
+
+def test_version_2_files_still_load(stories, tmp_path):
+    model, tok = stories
+    ctx = CompressedContext.build(model, tok, DOC, eviction=KVzip(budget=0.3))
+    ctx.save(tmp_path / "v3.kvc")
+    _rewrite(tmp_path / "v3.kvc", tmp_path / "v2.kvc", edit_header=lambda h: h.pop("fp16_bytes"), version="2")
+    old = CompressedContext.load(tmp_path / "v2.kvc", model, tok)
+    assert old.ask("What did Tom want?", max_new_tokens=8) == ctx.ask("What did Tom want?", max_new_tokens=8)
+    assert "file_ratio" not in read_info(tmp_path / "v2.kvc")
+
+
+def _stream(tensors):
+    return next(k for k in tensors if k.endswith("tc_stream"))
+
+
+def _first_target(h):
+    return h["codec"]["targets"][0]
+
+
+HOSTILE = {
+    "tokens_seen_huge": (lambda h: h.update(tokens_seen=10 ** 12), None, "tokens seen must be an int"),
+    "segment_longer_than_the_context": (lambda h: _first_target(h)["lengths"].__setitem__(0, 10 ** 9), None,
+                                        "segment length must be an int"),
+    "shape_not_its_segments": (lambda h: _first_target(h)["shape"].__setitem__(2, 10 ** 6), None,
+                               "does not match its segments"),
+    "too_many_heads": (lambda h: _first_target(h).update(heads=list(range(99)), lengths=[1] * 99), None,
+                       "at most 4 of each"),
+    "truncated_stream": (None, lambda t: t.update({_stream(t): t[_stream(t)][:-2].clone()}),
+                         "does not decode|more words|damaged or truncated"),
+    "stream_of_gigabytes": (None, lambda t: t.update({_stream(t): torch.zeros(10 ** 6, dtype=torch.int32)}),
+                            "at most one per symbol"),
+    "nan_step": (None, lambda t: t[next(k for k in t if k.endswith("tc_delta"))].__setitem__((0, 0), float("nan")),
+                 "NaN or Inf"),
+    "scale_out_of_range": (None, lambda t: t[next(k for k in t if k.endswith("tc_scale"))].__setitem__((0, 0), 60000.0),
+                           "scales of coded components"),
+    "missing_exact_rows": (None, lambda t: t.update({(k := next(k for k in t if k.endswith("tc_exact"))): t[k][1:].clone()}),
+                           "exact rows"),
+    "missing_stream": (None, lambda t: t.pop(_stream(t)), "stream is missing"),
+    "other_basis": (lambda h: h["codec"].update(basis="0" * 64), None, "coded with basis"),
+    "unknown_version": (lambda h: h["codec"].update(version=7), None, "codec record version expected 1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_payloads_are_refused_before_decoding(stories, basis, tmp_path, case):
+    model, tok = stories
+    ctx = CompressedContext.build(model, tok, DOC, eviction=KVzip(budget=0.3))
+    ctx.save(tmp_path / "ok.kvc", file_ratio=1.5, codec=basis)
+    edit_header, edit_tensors, message = HOSTILE[case]
+    _rewrite(tmp_path / "ok.kvc", tmp_path / "bad.kvc", edit_header, edit_tensors)
+    with pytest.raises(ValueError, match=message):
+        load_cache(tmp_path / "bad.kvc", model_config=model.config, codec=basis)
+
+
+def test_eval_file_methods_parse():
+    from kv_cache.eval.methods import parse_method
+
+    m = parse_method("kvzip@0.25+file20")
+    assert m.file_ratio == 20 and m.needs_tokenizer and "file_ratio=20" in m.resolved
+    assert parse_method("file10").file_ratio == 10
+    with pytest.raises(ValueError, match="drop the quantization part"):
+        parse_method("q4+file20")
+    with pytest.raises(ValueError, match="R >= 1"):
+        parse_method("kvzip@0.5+file0.5")
