@@ -43,6 +43,9 @@ def add_parsers(sub) -> None:
                      help="a size instead of a method: the preset plan for this ratio vs fp16 (e.g. 8 or 8x), "
                           "sized for this document (kv_cache.plan.preset_plan)")
     how.add_argument("--plan", default=None, help="a plan file written by `kvcache plan`")
+    c.add_argument("--file-ratio", type=float, default=None, metavar="R",
+                   help="transform-code the file to fp16 K/V bytes / R (kv_cache.codec, the model's calibrated "
+                        "basis); without --method the planner picks the KVzip budget for R on the document itself")
     c.add_argument("--bits", type=int, default=None,
                    help="quantize to this many bits: prefixes q<bits>+ to --method (which then has no q part)")
     c.add_argument("--max-tokens", type=int, default=None, metavar="N",
@@ -132,18 +135,42 @@ def run_compress(args: argparse.Namespace) -> int:
                          "--max-tokens: pass --max-tokens N as well")
     if args.bits is not None and (args.ratio is not None or args.plan is not None):
         raise ValueError("--bits prefixes q<bits>+ to --method; --ratio and --plan already choose the widths")
+    if args.file_ratio is not None:
+        if not 1 <= args.file_ratio < float("inf"):
+            raise ValueError(f"--file-ratio must be a finite number >= 1; got {args.file_ratio}")
+        if args.bits is not None or args.ratio is not None or args.plan is not None:
+            raise ValueError("--file-ratio codes full-precision K/V: it goes with --method (eviction only) or alone, "
+                             "not with --bits, --ratio or --plan")
     doc = Path(args.document)
     text = read_document(args.document)
+    if args.file_ratio is not None and args.method is None:
+        args.method = "file-plan"  # chosen below, once the model is loaded
     if args.ratio is not None:
         from .plan import parse_target, preset_plan
 
         target = f"{parse_target(args.ratio if str(args.ratio).lower().endswith('x') else float(args.ratio)):g}x"
         spec = target
-    else:
+    elif args.method != "file-plan":
         spec = f"plan[{args.plan}]" if args.plan is not None else (args.method or DEFAULT_METHOD)
         parse_ours(spec, args.bits)
     model, tok = load_model(args.model)
     ids = _text_ids(tok, text)  # checked against the model's positions before the prefill
+    basis = None
+    if args.file_ratio is not None:
+        from .codec import basis_for_model
+
+        basis = basis_for_model(model)
+        if basis is None:
+            raise ValueError(f"--file-ratio: no codec basis is shipped or in $KV_CACHE_HOME/codecs for {args.model}: "
+                             f"fit one with `kvcache calibrate-codec --model {args.model}`")
+    if args.method == "file-plan":
+        from .plan.file_plan import plan_file
+
+        limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or len(ids)
+        fplan = plan_file(model, tok, ids[: min(len(ids), limit // 2)], args.file_ratio, basis=basis)
+        print(fplan.describe())
+        args.method = "full" if fplan.budget is None else f"kvzip@{fplan.budget:g}"
+        spec = args.method
     if args.ratio is not None:  # the preset sized for this document's length
         dtype = next(model.parameters()).dtype
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or len(ids)
@@ -156,6 +183,9 @@ def run_compress(args: argparse.Namespace) -> int:
         print(plan.describe())
     else:
         quant, eviction, spec = method_settings(spec, args.bits, model)
+        if args.file_ratio is not None and quant is not None:
+            raise ValueError(f"--file-ratio codes full-precision K/V; --method {spec} quantizes: drop its q part "
+                             "(e.g. --method kvzip@0.25) or drop --method to let the planner choose")
         kept = fit_context(ids, model.config, tok, eviction, max_tokens=args.max_tokens, keep=args.keep,
                            names=("--max-tokens ", "--keep "))
     if not args.raw_text and len(kept) == len(ids):  # the whole document: through the chat template if any
@@ -168,7 +198,14 @@ def run_compress(args: argparse.Namespace) -> int:
         extra["question_suffix"] = ctx.question_suffix
     if len(kept) < len(ids):
         extra.update(document_tokens=len(ids), keep=args.keep or "head")
-    written = save_cache(ctx.cache, args.out, model_config=model.config, extra=extra)
+    if args.file_ratio is not None:
+        from .cache.report import fp16_kv_bytes
+
+        spec = extra["method"] = f"{spec}+file{args.file_ratio:g}"
+        written = save_cache(ctx.cache, args.out, model_config=model.config, extra=extra, codec=basis,
+                             file_bytes=int(fp16_kv_bytes(model.config, ctx.cache.get_seq_length()) / args.file_ratio))
+    else:
+        written = save_cache(ctx.cache, args.out, model_config=model.config, extra=extra)
     rep, st = ctx.cache.memory_report(), ctx.stats
     print(f"compressed {doc.name}: {ctx.context_tokens} tokens with {spec} on {args.model}")
     if len(kept) < len(ids):
@@ -182,7 +219,8 @@ def run_compress(args: argparse.Namespace) -> int:
     print(line)
     for note in rep.notes:
         print(f"note:  {note}")
-    print(f"wrote: {args.out} ({written:,} B)")
+    ratio = f", {rep.fp16_bytes / written:.1f}x smaller than fp16" if args.file_ratio is not None else ""
+    print(f"wrote: {args.out} ({written:,} B{ratio})")
     return 0
 
 

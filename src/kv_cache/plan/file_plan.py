@@ -1,0 +1,98 @@
+"""Tokens and bits together for a file-size target (``kvcache compress --file-ratio R``, math
+dictionary §27.4).
+
+A ``.kvc`` file of ratio ``R`` holds ``fp16 bytes / R``: few tokens coded finely, or many coded
+coarsely. :func:`plan_file` measures it on the document itself: its last ``probe_tokens``
+tokens are held out, the rest is compressed with KVzip at each candidate budget (around
+``5 / R``, the best point on SmolLM2's wikitext windows at 10x, 20x and 40x), saved through the
+codec at ratio ``R``, loaded back, and the held-out tokens are scored teacher-forced; the
+budget of least loss wins. The whole document is then compressed with it.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_FACTORS = (0.6, 1.0, 1.6)
+"""Candidate budgets: ``5 / R`` times these (clipped to [0.03, 1])."""
+
+
+@dataclass
+class FilePlan:
+    """The chosen KVzip budget (None: every token) and what each candidate measured:
+    ``(budget, held-out NLL per token, file bytes)``."""
+
+    budget: float | None
+    file_ratio: float
+    measured: list[tuple[float | None, float, int]] = field(default_factory=list)
+
+    def describe(self) -> str:
+        rows = ", ".join(f"{'all' if b is None else f'kvzip@{b:g}'}: nll {n:.3f} ({s:,} B)" for b, n, s in self.measured)
+        chosen = "all tokens" if self.budget is None else f"KVzip keeping {self.budget:g}"
+        return f"file ratio {self.file_ratio:g}: {chosen} (held-out tail of the document, {rows})"
+
+
+def candidate_budgets(file_ratio: float, factors: Sequence[float] = DEFAULT_FACTORS) -> list[float | None]:
+    """The KVzip budgets tried for ``file_ratio`` (None: no eviction)."""
+    out: list[float | None] = []
+    for f in factors:
+        b = min(1.0, max(0.03, 5.0 / file_ratio * f))
+        b = None if b >= 1.0 else round(b, 3)
+        if b not in out:
+            out.append(b)
+    return out
+
+
+def plan_file(model: torch.nn.Module, tokenizer: Any, ids: Sequence[int], file_ratio: float, *, basis: Any,
+              probe_tokens: int = 64, candidates: Sequence[float | None] | None = None,
+              settings: Any = None) -> FilePlan:
+    """Measure each candidate budget on ``ids`` (see the module docstring); the best one.
+
+    Raises ``ValueError`` for a ratio below 1, a document too short to hold out ``probe_tokens``
+    (fewer than 4 times that many tokens), or a target no candidate fits."""
+    from ..cache import CompressedCache, compress
+    from ..cache.report import fp16_kv_bytes
+    from ..cache.serialize import load_cache, save_cache
+    from ..context import forward_at, prefill
+    from ..policies import KVzip
+
+    if isinstance(file_ratio, bool) or not isinstance(file_ratio, (int, float)) or not 1 <= file_ratio < math.inf:
+        raise ValueError(f"file_ratio must be a finite number >= 1; got {file_ratio!r}")
+    cands = list(candidates) if candidates is not None else candidate_budgets(file_ratio)
+    if len(ids) < 4 * probe_tokens:
+        return FilePlan(cands[len(cands) // 2], float(file_ratio))
+    prefix = torch.tensor([list(ids[:-probe_tokens])])
+    tail = torch.tensor([list(ids[-probe_tokens:])])
+    target = int(fp16_kv_bytes(model.config, prefix.shape[1]) / file_ratio)
+    measured, errors = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "probe.kvc"
+        for b in cands:
+            cache = CompressedCache(model.config, eviction=None if b is None else KVzip(budget=b))
+            with torch.no_grad():
+                last, _ = prefill(model, cache, prefix, tokenizer=tokenizer, last_only=True)
+            try:
+                size = save_cache(cache, path, model_config=model.config, codec=basis, file_bytes=target,
+                                  codec_settings=settings)
+            except ValueError as exc:  # this budget's exact tokens alone overflow the target
+                errors.append(f"{b}: {exc}")
+                continue
+            loaded, _ = load_cache(path, model_config=model.config, codec=basis)
+            with compress(model, loaded), torch.no_grad():
+                logits = forward_at(model, loaded, tail[:, :-1], prefix.shape[1])
+            all_logits = torch.cat([last[:, -1:].float(), logits], dim=1)[0]
+            measured.append((b, F.cross_entropy(all_logits, tail[0]).item(), size))
+    if not measured:
+        raise ValueError(f"no candidate budget fits a file ratio of {file_ratio:g}: {'; '.join(errors)}")
+    best = min(measured, key=lambda m: m[1])
+    return FilePlan(best[0], float(file_ratio), measured)
+
+
+__all__ = ["DEFAULT_FACTORS", "FilePlan", "candidate_budgets", "plan_file"]
