@@ -22,7 +22,7 @@ from kv_cache.codec import CodecBasisError, CodecSettings, load_basis, save_basi
 from kv_cache.codec import ans
 from kv_cache.codec.allocation import MAX_SYMBOL, allocate, laplace_bits, rd_table
 from kv_cache.codec.calibrate import fit_codec_basis
-from kv_cache.codec.transform import accumulate_moments, fit_basis, from_components, to_components
+from kv_cache.codec.transform import accumulate_moments, fit_basis, from_components, query_metric, to_components
 from kv_cache.compression.scorer_file import model_identity
 
 DOC = "One day, Tom went to the shop with his mom. He wanted a red car and a blue ball. " * 5
@@ -41,6 +41,22 @@ def test_basis_is_orthonormal_sorted_and_inverts_exactly():
     c = to_components(x, mu, U)
     assert torch.allclose(from_components(c, mu, U), x, atol=1e-4)
     assert torch.allclose(c.var(0, unbiased=False), lam, rtol=1e-3, atol=1e-3)  # the variances are the components'
+
+
+def test_query_metric_turns_key_error_into_logit_error():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(4000, 8, generator=g, dtype=torch.float64) * torch.tensor([5, 3, 1, 1, .5, .2, .1, .1]).double()
+    a = query_metric(q.T @ q, q.shape[0]).double()
+    delta = torch.randn(8, generator=g, dtype=torch.float64)
+    assert torch.allclose((q @ delta).pow(2).mean(), (delta @ a).pow(2).sum(), rtol=1e-6)
+    x = torch.randn(300, 8, generator=g)
+    mu, U, lam = fit_basis(accumulate_moments(x), a.float())
+    inv = torch.linalg.inv(a).float()
+    c = to_components(x, mu, U, a.float())
+    assert torch.allclose(from_components(c, mu, U, inv), x, atol=1e-4)  # exact inverse pair
+    assert torch.allclose(c.var(0, unbiased=False), lam, rtol=1e-3, atol=1e-3)  # PCA after the metric
+    with pytest.raises(ValueError, match="at least one query"):
+        query_metric(torch.zeros(8, 8), 0)
 
 
 def test_moments_refuse_bad_input():
@@ -123,6 +139,13 @@ def basis(stories, tmp_path_factory):
 def test_calibration_refuses_moby_dick(stories):
     with pytest.raises(ValueError, match="held out"):
         fit_codec_basis(*stories, [("pg2701.txt", CALIB)], tokens=1024, window=256)
+
+
+def test_basis_holds_the_query_metric(basis):
+    layer = basis.layers[0]
+    assert layer.k_metric is not None and layer.k_metric.shape == layer.k_basis.shape
+    assert torch.allclose(layer.k_metric[0] @ layer.k_inverse[0], torch.eye(layer.k_basis.shape[-1]), atol=1e-4)
+    assert basis.layers[0].metric("v") == (None, None)
 
 
 def test_basis_file_checks(basis, stories, tmp_path):

@@ -7,7 +7,9 @@ tensor): the basis is not embedded in each file.
 
 Tensors (``l``: layer): ``layers.<l>.k_mean`` / ``v_mean`` ``[H, d]`` float32,
 ``layers.<l>.k_basis`` / ``v_basis`` ``[H, d, d]`` float16 (columns by decreasing variance;
-orthonormalized on load), ``layers.<l>.k_var`` / ``v_var`` ``[H, d]`` float32.
+orthonormalized on load), ``layers.<l>.k_var`` / ``v_var`` ``[H, d]`` float32, and where the
+queries could be read ``layers.<l>.k_metric`` ``[H, d, d]`` float32 (the keys' query metric
+``A``, :func:`~kv_cache.codec.transform.query_metric`; inverted on load).
 
 Header (JSON): the format and its version, the identity of the model
 (:func:`kv_cache.compression.scorer_file.model_identity`: shapes and a digest of its
@@ -54,9 +56,15 @@ class LayerBasis:
     v_mean: torch.Tensor
     v_basis: torch.Tensor
     v_var: torch.Tensor
+    k_metric: torch.Tensor | None = None  # [H, d, d]: the query metric A of the keys (None: identity)
+    k_inverse: torch.Tensor | None = None  # [H, d, d]: A^-1
 
     def get(self, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return getattr(self, f"{kind}_mean"), getattr(self, f"{kind}_basis"), getattr(self, f"{kind}_var")
+
+    def metric(self, kind: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(A [H, d, d], A^-1)`` for keys with a query metric; ``(None, None)`` otherwise."""
+        return (self.k_metric, self.k_inverse) if kind == "k" else (None, None)
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,8 @@ def save_basis(path: str | os.PathLike, layers: Mapping[int, Mapping[str, torch.
             tensors[f"layers.{i}.{kind}_mean"] = rec[f"{kind}_mean"].float().contiguous()
             tensors[f"layers.{i}.{kind}_basis"] = rec[f"{kind}_basis"].to(torch.float16).contiguous()
             tensors[f"layers.{i}.{kind}_var"] = rec[f"{kind}_var"].float().contiguous()
+        if rec.get("k_metric") is not None:
+            tensors[f"layers.{i}.k_metric"] = rec["k_metric"].float().contiguous()
     missing = [k for k in IDENTITY_KEYS if k not in model]
     if missing:
         raise CodecBasisError(f"the basis' model identity lacks {missing}")
@@ -185,6 +195,18 @@ def _load_cached(path: str, mtime_ns: int, size: int) -> CodecBasis:
             shape = (h, d)
             rec.update({f"{kind}_mean": mean.float(), f"{kind}_basis": orthonormalize(basis.float()),
                         f"{kind}_var": var.float()})
+        metric = tensors.get(f"layers.{i}.k_metric")
+        if metric is not None:
+            h, d = shape
+            if metric.shape != (h, d, d) or not torch.isfinite(metric).all():
+                raise CodecBasisError(f"{path}: layer {i} k_metric must be finite [H, d, d]; got {tuple(metric.shape)}")
+            try:
+                inverse = torch.linalg.inv(metric.double())
+            except RuntimeError:
+                raise CodecBasisError(f"{path}: layer {i} k_metric is singular") from None
+            if not torch.isfinite(inverse).all():
+                raise CodecBasisError(f"{path}: layer {i} k_metric is singular")
+            rec.update(k_metric=metric.float(), k_inverse=inverse.float())
         layers[int(i)] = LayerBasis(**rec)
     if not layers:
         raise CodecBasisError(f"{path}: holds no layer")

@@ -15,7 +15,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .transform import accumulate_moments, fit_basis
+from ..cache.report import kv_geometry
+from .transform import accumulate_moments, fit_basis, query_metric
 
 DEFAULT_TEXTS = ("gutenberg/pg1342.txt", "gutenberg/pg345.txt", "gutenberg/pg98.txt")
 """Pride and Prejudice, Dracula, A Tale of Two Cities: never Moby Dick (pg2701) nor wikitext."""
@@ -25,15 +26,43 @@ HELD_OUT = ("pg2701",)
 def collect_moments(model: torch.nn.Module, token_windows: Sequence[torch.Tensor],
                     progress: Callable[[int, int], None] | None = None) -> dict[int, dict[str, list]]:
     """Per layer and kind (``"k"``/``"v"``), per KV head, the float64 moments of the cached vectors
-    of every window (``[1, T]`` token ids each)."""
+    of every window (``[1, T]`` token ids each); ``"q"``: per KV head, the sum of ``q q^T`` over
+    the post-RoPE queries of its group (read by a forward hook on the attention modules, removed
+    after each window; absent where a module has no ``q_proj``)."""
     from ..cache import CompressedCache
     from ..context import prefill
 
+    from ..cache.hooks import attention_modules, post_rope_queries
+
     moments: dict[int, dict[str, list]] = {}
+    queries: dict[int, list] = {}  # layer -> per KV head [sum q q^T (float64), count]
+    kv_heads = kv_geometry(model.config).kv_heads
+
+    def hook(i: int):
+        def run(module, args, kwargs, output):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            pos = kwargs.get("position_embeddings")
+            if hidden is None or pos is None or not hasattr(module, "q_proj"):
+                return
+            q = post_rope_queries(module, hidden, pos, hidden.shape[1]).detach().double()  # [B, Hq, T, d]
+            group = q.shape[1] // kv_heads
+            acc = queries.setdefault(i, [[torch.zeros(q.shape[-1], q.shape[-1], dtype=torch.float64), 0]
+                                         for _ in range(kv_heads)])
+            for h in range(kv_heads):
+                x = q[:, h * group:(h + 1) * group].reshape(-1, q.shape[-1])
+                acc[h][0] += x.T @ x
+                acc[h][1] += x.shape[0]
+        return run
+
     for w, ids in enumerate(token_windows):
         cache = CompressedCache(model.config)
-        with torch.no_grad():
-            prefill(model, cache, ids, last_only=True)
+        handles = [m.register_forward_hook(hook(i), with_kwargs=True) for i, m in attention_modules(model).items()]
+        try:
+            with torch.no_grad():
+                prefill(model, cache, ids, last_only=True)
+        finally:
+            for hnd in handles:
+                hnd.remove()
         for i, layer in enumerate(cache.layers):
             st = layer.storage
             if st is None:
@@ -45,6 +74,9 @@ def collect_moments(model: torch.nn.Module, token_windows: Sequence[torch.Tensor
                     rec[kind][h] = accumulate_moments(t[0, h], rec[kind][h])
         if progress is not None:
             progress(w + 1, len(token_windows))
+    for i, acc in queries.items():
+        if i in moments:
+            moments[i]["q"] = acc
     return moments
 
 
@@ -81,8 +113,12 @@ def fit_codec_basis(model: torch.nn.Module, tokenizer: Any, texts: Sequence[tupl
     layers = {}
     for i, rec in moments.items():
         out = {}
+        metrics = None
+        if rec.get("q"):  # keys: PCA after the query metric (the logits' error), where queries were read
+            metrics = [query_metric(ss, n) for ss, n in rec["q"]]
+            out["k_metric"] = torch.stack(metrics).float()
         for kind in ("k", "v"):
-            fits = [fit_basis(m) for m in rec[kind]]
+            fits = [fit_basis(m, metrics[h] if (kind == "k" and metrics) else None) for h, m in enumerate(rec[kind])]
             out[f"{kind}_mean"] = torch.stack([f[0] for f in fits])
             out[f"{kind}_basis"] = torch.stack([f[1] for f in fits])
             out[f"{kind}_var"] = torch.stack([f[2] for f in fits])

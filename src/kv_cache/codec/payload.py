@@ -50,7 +50,7 @@ class CodecSettings:
     a key segment's relative squared error against a value segment's in the allocation."""
 
     exact_sinks: int = 4
-    exact_window: int = 8
+    exact_window: int = 2
     min_tokens: int = 8
     key_weight: float = 1.0
 
@@ -158,6 +158,7 @@ class Encoder:
             lb = basis.layers[tg.layer]
             for kind, name in zip(("k", "v"), tg.names):
                 mean, U, _ = lb.get(kind)
+                metric, _ = lb.metric(kind)
                 if tensors[name].shape[-1] != U.shape[-1]:
                     raise ValueError(f"the codec basis is for head_dim {U.shape[-1]}; {name} has {tensors[name].shape[-1]}")
                 for si, seg in enumerate(_segments(tensors[name], tg)):
@@ -166,7 +167,7 @@ class Encoder:
                     mid = seg[head: seg.shape[0] - tail].float()
                     row = {"target": ti, "kind": kind, "seg": si, "exact": (head, tail), "d": seg.shape[1]}
                     if mid.shape[0]:
-                        c = to_components(mid, mean[h], U[h])  # [Tm, d]
+                        c = to_components(mid, mean[h], U[h], None if metric is None else metric[h])  # [Tm, d]
                         m = round_half(c.mean(0))
                         x = (c - m).T.contiguous()  # [d, Tm]
                         r, dd, deltas = rd_table(x, param_bits=0)  # parameters: stored for every component
@@ -413,6 +414,7 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
             lb = basis.layers[layer]
             for kind, n in zip(("k", "v"), names):
                 mean_b, U, _ = lb.get(kind)
+                _, inverse = lb.metric(kind)
                 m, dl, ex = (out.pop(f"{n}.tc_{s}") for s in ("mean", "delta", "exact"))
                 out.pop(f"{n}.tc_scale")
                 m, dl = m.float(), dl.float()
@@ -436,7 +438,9 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
                             q = torch.from_numpy(symbols[pos:pos + nu * tm].astype(np.float32)).view(nu, tm)
                             c[:, used] += (q * dl[si, used][:, None]).T
                             pos += nu * tm
-                        seg[head:length - tail] = from_components(c, mean_b[heads[si]], U[heads[si]]).to(seg.dtype)
+                        seg[head:length - tail] = from_components(
+                            c, mean_b[heads[si]], U[heads[si]],
+                            None if inverse is None else inverse[heads[si]]).to(seg.dtype)
                 out[n] = t
     return out
 
