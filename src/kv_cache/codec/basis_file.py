@@ -66,6 +66,18 @@ class LayerBasis:
         """``(A [H, d, d], A^-1)`` for keys with a query metric; ``(None, None)`` otherwise."""
         return (self.k_metric, self.k_inverse) if kind == "k" else (None, None)
 
+    def matrices(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A U, U^T A^-1)`` ``[H, d, d]`` float32: the forward and inverse transforms in one
+        matrix each (``A = I`` without a metric), computed once per basis in float64."""
+        key = f"_{kind}_matrices"
+        if key not in self.__dict__:
+            _, U, _ = self.get(kind)
+            A, Ainv = self.metric(kind)
+            fwd = U.double() if A is None else A.double() @ U.double()
+            inv = U.double().transpose(-1, -2) if Ainv is None else U.double().transpose(-1, -2) @ Ainv.double()
+            object.__setattr__(self, key, (fwd.float(), inv.float()))
+        return self.__dict__[key]
+
 
 @dataclass(frozen=True)
 class CodecBasis:

@@ -37,7 +37,7 @@ import torch
 from . import ans
 from .allocation import MAX_SYMBOL, MIN_SCALE, allocate, laplace_scale, rd_table, round_half
 from .basis_file import CodecBasis
-from .transform import from_components, to_components
+from .transform import to_components
 
 CODEC_VERSION = 1
 _MAX_SCALE = 4096.0
@@ -158,7 +158,7 @@ class Encoder:
             lb = basis.layers[tg.layer]
             for kind, name in zip(("k", "v"), tg.names):
                 mean, U, _ = lb.get(kind)
-                metric, _ = lb.metric(kind)
+                forward, _ = lb.matrices(kind)  # A U
                 if tensors[name].shape[-1] != U.shape[-1]:
                     raise ValueError(f"the codec basis is for head_dim {U.shape[-1]}; {name} has {tensors[name].shape[-1]}")
                 for si, seg in enumerate(_segments(tensors[name], tg)):
@@ -167,7 +167,7 @@ class Encoder:
                     mid = seg[head: seg.shape[0] - tail].float()
                     row = {"target": ti, "kind": kind, "seg": si, "exact": (head, tail), "d": seg.shape[1]}
                     if mid.shape[0]:
-                        c = to_components(mid, mean[h], U[h], None if metric is None else metric[h])  # [Tm, d]
+                        c = to_components(mid, mean[h], forward[h])  # (x - mu) A U: [Tm, d]
                         m = round_half(c.mean(0))
                         x = (c - m).T.contiguous()  # [d, Tm]
                         r, dd, deltas = rd_table(x, param_bits=0)  # parameters: stored for every component
@@ -413,8 +413,8 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
         for names, layout, shape, dtype, heads, lengths in items:
             lb = basis.layers[layer]
             for kind, n in zip(("k", "v"), names):
-                mean_b, U, _ = lb.get(kind)
-                _, inverse = lb.metric(kind)
+                mean_b, _, _ = lb.get(kind)
+                _, inverse = lb.matrices(kind)  # U^T A^-1
                 m, dl, ex = (out.pop(f"{n}.tc_{s}") for s in ("mean", "delta", "exact"))
                 out.pop(f"{n}.tc_scale")
                 m, dl = m.float(), dl.float()
@@ -438,9 +438,7 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
                             q = torch.from_numpy(symbols[pos:pos + nu * tm].astype(np.float32)).view(nu, tm)
                             c[:, used] += (q * dl[si, used][:, None]).T
                             pos += nu * tm
-                        seg[head:length - tail] = from_components(
-                            c, mean_b[heads[si]], U[heads[si]],
-                            None if inverse is None else inverse[heads[si]]).to(seg.dtype)
+                        seg[head:length - tail] = (c @ inverse[heads[si]] + mean_b[heads[si]]).to(seg.dtype)
                 out[n] = t
     return out
 

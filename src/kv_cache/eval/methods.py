@@ -286,8 +286,15 @@ def _ours(spec: str, parts: list[str]) -> Method:
             return cache, lambda: compress(model, cache)
     return Method(spec, "ours", None if quant is None else quant.bits, budget,
                   make, resolved=f"kv_cache quant={quant!r} eviction={policy!r}"
-                  + ("" if file_ratio is None else f" file_ratio={file_ratio:g} codec=CodecSettings()"),
+                  + ("" if file_ratio is None else f" file_ratio={file_ratio:g} codec={_codec_settings()!r}"),
                   needs_tokenizer=policy is not None and policy.needs_reconstruction, file_ratio=file_ratio)
+
+
+def _codec_settings() -> Any:
+    """The storage codec's default settings (named in ``resolved``: a changed default is a new run)."""
+    from ..codec import CodecSettings
+
+    return CodecSettings()
 
 
 def _hf(backend: str, spec: str, m: re.Match[str]) -> Method:
