@@ -8,6 +8,7 @@ them and a large allocation)."""
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import struct
 
@@ -302,3 +303,32 @@ def test_eval_file_methods_parse():
         parse_method("q4+file20")
     with pytest.raises(ValueError, match="R >= 1"):
         parse_method("kvzip@0.5+file0.5")
+
+
+def test_file_planner_measures_each_budget(stories, basis):
+    from kv_cache.plan.file_plan import candidate_budgets, plan_file
+
+    assert candidate_budgets(20) == [0.15, 0.25, 0.4]
+    assert candidate_budgets(2) == [None]  # 5/R * 0.6 >= 1: every token
+    model, tok = stories
+    ids = tok(DOC, add_special_tokens=False)["input_ids"][:160]
+    plan = plan_file(model, tok, ids, 1.5, basis=basis, probe_tokens=32, candidates=[0.5, None])
+    assert [b for b, _, _ in plan.measured] == [0.5, None]
+    assert all(math.isfinite(n) and size > 0 for _, n, size in plan.measured)
+    assert plan.budget == min(plan.measured, key=lambda m: m[1])[0]
+    assert "file ratio 1.5" in plan.describe()
+    short = plan_file(model, tok, ids[:40], 20, basis=basis, probe_tokens=32)  # too short to hold out a tail
+    assert short.budget == 0.25 and short.measured == []
+    with pytest.raises(ValueError, match="finite number >= 1"):
+        plan_file(model, tok, ids, 0.5, basis=basis)
+
+
+def test_compress_cli_file_ratio_is_checked_before_the_model_loads(tmp_path, capsys):
+    from kv_cache.cli import main
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(DOC)
+    for extra, message in ((["--file-ratio", "0.5"], "finite number >= 1"),
+                           (["--file-ratio", "20", "--bits", "4"], "goes with --method")):
+        assert main(["compress", str(doc), "-o", str(tmp_path / "x.kvc"), "--model", "stories260K", *extra]) == 2
+        assert message in capsys.readouterr().err
