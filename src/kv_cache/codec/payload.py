@@ -279,14 +279,27 @@ def encode_state(tensors: dict[str, torch.Tensor], layer_recs: list[dict[str, An
         raise ValueError(f"a file of {target_bytes:,} bytes cannot hold this context: its exact tokens, per-component "
                          f"parameters and other tensors alone take {floor:,} bytes; keep fewer tokens (a smaller "
                          "eviction budget), fewer exact tokens (CodecSettings), or ask for a smaller ratio")
+    # The largest payload budget whose whole file fits: the model's rates are close to what the
+    # coder spends, so the first guess or its correction usually fits; otherwise bisect between
+    # a budget that fits (0 does) and one that does not. Never fall back to skipping everything.
+    best = (allt, rec, floor, e)
+    lo, hi = 0.0, None
     budget = float(target_bytes - floor) * 8
-    for _ in range(8):
+    for _ in range(14):
         allt, rec, size, e = build(budget)
         if size <= target_bytes:
-            rec["distortion"] = e.distortion
-            return allt, rec
-        budget = max(0.0, budget - (size - target_bytes) * 8 * 1.05 - 256)
-    allt, rec, size, e = build(0.0)
+            best, lo = (allt, rec, size, e), budget
+            if hi is None or target_bytes - size < max(64, target_bytes // 500):
+                break
+        else:
+            hi = budget
+        if hi is None:
+            break
+        guess = budget - (size - target_bytes) * 8 * 1.05 - 256
+        budget = guess if lo < guess < hi and size > target_bytes else (lo + hi) / 2
+        if hi - lo < 64:
+            break
+    allt, rec, size, e = best
     rec["distortion"] = e.distortion
     return allt, rec
 
