@@ -100,24 +100,49 @@ def test_allocation_meets_the_budget_and_more_budget_means_less_error():
         rd_table(torch.zeros(5))
 
 
-def test_ans_roundtrip_and_damaged_streams():
+@pytest.mark.parametrize("coder", ans.CODERS)
+def test_ans_roundtrip_and_damaged_streams(coder):
     rng = np.random.default_rng(0)
-    scales = rng.uniform(0.05, 50, 5000)
+    scales = ans.snap_scale(rng.uniform(0.05, 50, 5000))
     sym = np.clip(np.round(rng.laplace(0, scales)), -MAX_SYMBOL, MAX_SYMBOL).astype(np.int32)
-    words = ans.encode(sym, scales)
-    assert np.array_equal(ans.decode(words, scales), sym)
-    with pytest.raises(ans.CodecStreamError):  # words left over
-        ans.decode(np.concatenate([words, words[:2]]), scales)
+    sym[:3] = [MAX_SYMBOL, -MAX_SYMBOL, 0]  # the ends of the support, under small scales
+    words = ans.encode(sym, scales, coder)
+    assert np.array_equal(ans.decode(words, scales, coder), sym)
+    for bad in (np.concatenate([words, words[:2]]), np.concatenate([words, [7, 9, 11]])):
+        try:  # words left over, or decoded into other symbols (the file's sha256 of its symbols catches those)
+            assert not np.array_equal(ans.decode(bad, scales, coder), sym)
+        except ans.CodecStreamError:
+            pass
     short = words[:-3]  # ANS has no check of its own: a cut stream decodes to as many other symbols, or fails
     try:
-        assert ans.decode(short, scales).shape == sym.shape
+        assert ans.decode(short, scales, coder).shape == sym.shape
     except ans.CodecStreamError:
         pass
     with pytest.raises(ans.CodecStreamError, match="finite"):
-        ans.decode(words, np.full(5000, np.nan))
+        ans.decode(words, np.full(5000, np.nan), coder)
     with pytest.raises(ValueError, match="symbols must be in"):
-        ans.encode(np.array([MAX_SYMBOL + 1], np.int32), np.array([1.0]))
-    assert ans.decode(ans.encode(np.zeros(0, np.int32), np.zeros(0)), np.zeros(0)).size == 0
+        ans.encode(np.array([MAX_SYMBOL + 1], np.int32), np.array([1.0]), coder)
+    assert ans.decode(ans.encode(np.zeros(0, np.int32), np.zeros(0), coder), np.zeros(0), coder).size == 0
+    with pytest.raises(ValueError, match="coder must be one of"):
+        ans.encode(sym, scales, "huffman")
+
+
+def test_ans_table_coder_scale_grid():
+    """Scales snap to 2^(l/8) (float16, as stored), stay in range, and a stream whose scales are off
+    the grid is refused; the table coder costs within 0.1% of the per-symbol Laplace model."""
+    got = ans.snap_scale(np.array([0.0, 0.02, 1.0, 1.05, 3e4]))
+    assert got[0] >= 0.02 and got[1] >= 0.02 and got[2] == 1.0 and got[4] == ans.MAX_SCALE
+    assert abs(np.log2(got[3]) * 8 - round(np.log2(got[3]) * 8)) < 0.01
+    assert np.array_equal(ans.snap_scale(got), got)  # idempotent
+    with pytest.raises(ans.CodecStreamError, match="scale grid"):
+        ans.decode(np.zeros(4, np.uint32), np.full(10, 1.05), "table")
+    with pytest.raises(ans.CodecStreamError, match=r"in \[0.02"):
+        ans.decode(np.zeros(4, np.uint32), np.full(10, 1e5), "table")
+    rng = np.random.default_rng(1)
+    scales = np.repeat(ans.snap_scale(rng.uniform(0.1, 100, 50)), 2000)
+    sym = np.clip(np.round(rng.laplace(0, scales)), -MAX_SYMBOL, MAX_SYMBOL).astype(np.int32)
+    table, laplace = (ans.encode(sym, scales, c).size for c in ("table", "laplace"))
+    assert abs(table / laplace - 1) < 1e-3, (table, laplace)
 
 
 def test_settings_are_checked():
@@ -254,6 +279,49 @@ def _stream(tensors):
     return next(k for k in tensors if k.endswith("tc_stream"))
 
 
+def _off_grid(tensors):
+    name = next(k for k in tensors if k.endswith("tc_scale") and (tensors[k] > 0).any())
+    i = tuple(torch.nonzero(tensors[name] > 0)[0].tolist())
+    tensors[name][i] = float(tensors[name][i]) * 1.04  # between two levels of 2^(l/8)
+
+
+def test_codec_version_1_files_still_load(stories, basis, tmp_path):
+    """A file whose streams use the per-symbol Laplace coder (codec record version 1, what the
+    first release of the codec wrote) loads to exactly what the same payload coded with the
+    tables (version 2) does."""
+    from safetensors.torch import load, save
+
+    from kv_cache.codec import decode_state, encode_state
+
+    model, tok = stories
+    ctx = CompressedContext.build(model, tok, DOC, eviction=KVzip(budget=0.3))
+    ctx.save(tmp_path / "ok.kvc", file_ratio=1.5, codec=basis)
+    data = open(tmp_path / "ok.kvc", "rb").read()
+    (n,) = struct.unpack("<Q", data[:8])
+    meta = json.loads(data[8:8 + n])["__metadata__"]
+    header = json.loads(meta["kv_cache"])
+    from kv_cache.cache.report import kv_geometry
+
+    g = kv_geometry(model.config)
+    geo = dict(tokens_seen=header["tokens_seen"], layers=g.layers, kv_heads=g.kv_heads, head_dim=g.head_dim)
+    decoded = decode_state(dict(load(data)), header["codec"], basis, **geo)
+    settings = CodecSettings(**header["codec"]["settings"])
+    files = {}
+    for version in (1, 2):
+        tensors, record = encode_state(decoded, header["layers"], basis, lambda t, r: 0, None, settings, version=version)
+        assert record["version"] == version
+        h = {**header, "codec": record, "tensors": {k: serialize._tensor_digest(t) for k, t in sorted(tensors.items())}}
+        text = json.dumps(h, sort_keys=True, separators=(",", ":"))
+        m = {**meta, "kv_cache": text, "kv_cache_sha256": hashlib.sha256(text.encode()).hexdigest()}
+        open(tmp_path / f"v{version}.kvc", "wb").write(save(tensors, metadata=m))
+        files[version] = CompressedContext.load(tmp_path / f"v{version}.kvc", model, tok, codec=basis)
+        assert files[version].context_tokens == ctx.context_tokens
+    assert max(_layer_errors(files[1], files[2])) == 0.0
+    assert (tmp_path / "v2.kvc").stat().st_size <= (tmp_path / "v1.kvc").stat().st_size * 1.005
+    with pytest.raises(ValueError, match="version must be one of"):
+        encode_state(decoded, header["layers"], basis, lambda t, r: 0, None, settings, version=3)
+
+
 def _first_target(h):
     return h["codec"]["targets"][0]
 
@@ -278,7 +346,8 @@ HOSTILE = {
                            "exact rows"),
     "missing_stream": (None, lambda t: t.pop(_stream(t)), "stream is missing"),
     "other_basis": (lambda h: h["codec"].update(basis="0" * 64), None, "coded with basis"),
-    "unknown_version": (lambda h: h["codec"].update(version=7), None, "codec record version expected 1"),
+    "unknown_version": (lambda h: h["codec"].update(version=7), None, r"codec record version must be one of \(1, 2\)"),
+    "scale_off_the_grid": (None, lambda t: _off_grid(t), "scale grid"),
 }
 
 

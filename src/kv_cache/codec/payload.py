@@ -39,8 +39,12 @@ from .allocation import MAX_SYMBOL, MIN_SCALE, allocate, laplace_scale, rd_table
 from .basis_file import CodecBasis
 from .transform import to_components
 
-CODEC_VERSION = 1
-_MAX_SCALE = 4096.0
+CODEC_VERSION = 2
+"""The codec record version files are written with: 2 codes with one table per scale level
+(:mod:`.ans` ``"table"``); 1 (read only) with a Laplace model per symbol (``"laplace"``)."""
+READ_CODEC_VERSIONS = (1, 2)
+_CODER = {1: "laplace", 2: "table"}
+_MAX_SCALE = ans.MAX_SCALE
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,10 @@ class Encoder:
     :meth:`encode` then allocates and codes for any budget (``None``: the finest steps)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], layer_recs: list[dict[str, Any]], basis: CodecBasis,
-                 settings: CodecSettings | None = None):
+                 settings: CodecSettings | None = None, version: int = CODEC_VERSION):
+        if isinstance(version, bool) or version not in READ_CODEC_VERSIONS:
+            raise ValueError(f"the codec record version must be one of {READ_CODEC_VERSIONS}; got {version!r}")
+        self.version = version
         self.settings = settings or CodecSettings()
         self.basis, self.tensors = basis, tensors
         self.targets = _find_targets(layer_recs, tensors)
@@ -216,7 +223,7 @@ class Encoder:
                     dj = row["deltas"][j, int(k[j]) - 1]
                     xs = x[j] / dj
                     q = torch.round(xs).clamp(-MAX_SYMBOL, MAX_SYMBOL)
-                    b = laplace_scale(xs)
+                    b = float(ans.snap_scale(float(laplace_scale(xs))))
                     delta[j], scale[j] = dj, b
                     distortion += float((x[j] - q * dj).pow(2).sum())
                     sym.append(q.to(torch.int32).numpy())
@@ -233,11 +240,11 @@ class Encoder:
         digests = {}
         for layer, (sym, sc) in sorted(streams.items()):
             symbols = np.concatenate(sym) if sym else np.zeros(0, np.int32)
-            words = ans.encode(symbols, np.concatenate(sc) if sc else np.zeros(0))
+            words = ans.encode(symbols, np.concatenate(sc) if sc else np.zeros(0), _CODER[self.version])
             out[f"layer{layer}.tc_stream"] = torch.from_numpy(words.view(np.int32).copy())
             digests[str(layer)] = _symbols_digest(symbols)
             bits += words.size * 32
-        record = {"version": CODEC_VERSION, "basis": self.basis.fingerprint, "settings": asdict(self.settings),
+        record = {"version": self.version, "basis": self.basis.fingerprint, "settings": asdict(self.settings),
                   "symbols_sha256": digests,
                   "targets": [{"layer": t.layer, "names": list(t.names), "layout": t.layout, "shape": list(t.shape),
                                "dtype": t.dtype, "heads": t.heads, "lengths": t.lengths} for t in self.targets]}
@@ -254,14 +261,17 @@ def _symbols_digest(symbols: np.ndarray) -> str:
 
 def encode_state(tensors: dict[str, torch.Tensor], layer_recs: list[dict[str, Any]], basis: CodecBasis,
                  file_bytes: Callable[[dict[str, torch.Tensor], dict[str, Any]], int], target_bytes: int | None,
-                 settings: CodecSettings | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+                 settings: CodecSettings | None = None, version: int = CODEC_VERSION
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Replace the coded tensors of ``tensors`` by the codec's payload so the whole file (as
     ``file_bytes(tensors, record)`` measures it) fits ``target_bytes`` with the least squared
     error; ``target_bytes=None``: the finest steps. Returns ``(tensors, codec record)``.
+    ``version``: the codec record version to write (1: readable by kv_cache releases that
+    know only the per-symbol Laplace coder).
 
     Raises ``ValueError`` when even skipping every component does not fit (the message gives
     the smallest file this state can make)."""
-    enc = Encoder(tensors, layer_recs, basis, settings)
+    enc = Encoder(tensors, layer_recs, basis, settings, version)
     coded = {n for t in enc.targets for n in t.names}
     rest = {k: v for k, v in tensors.items() if k not in coded}
 
@@ -318,9 +328,10 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
     Every count in ``record`` is checked against the model's geometry and ``tokens_seen`` (itself
     checked by the caller) before anything the size of a K/V tensor is allocated: a damaged or
     hostile payload raises ``ValueError`` naming what is wrong."""
-    if not isinstance(record, dict) or record.get("version") != CODEC_VERSION:
-        raise ValueError(f"{where}: codec record version expected {CODEC_VERSION}; found "
-                         f"{record.get('version') if isinstance(record, dict) else record!r}")
+    version = record.get("version") if isinstance(record, dict) else record
+    if isinstance(version, bool) or version not in READ_CODEC_VERSIONS:
+        raise ValueError(f"{where}: codec record version must be one of {READ_CODEC_VERSIONS}; found {version!r}")
+    coder = _CODER[version]
     if record.get("basis") != basis.fingerprint:
         raise ValueError(f"{where}: coded with basis {record.get('basis')!r}; the basis given is {basis.fingerprint!r}")
     if (basis.heads, basis.head_dim) != (kv_heads, head_dim):
@@ -395,17 +406,18 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
                     raise ValueError(f"{where}: {n}: codec steps must be >= 0 and the scales of coded components in "
                                      f"[{MIN_SCALE}, {_MAX_SCALE}] (0 for skipped ones)")
                 exact_rows = 0
+                used_np, sc_np = used.numpy(), sc.numpy().astype(np.float64)
                 for si, length in enumerate(lengths):
                     head, tail = _split(length, settings)
                     exact_rows += head + tail
                     tm = length - head - tail
-                    for j in range(head_dim):
-                        if used[si, j]:
-                            scales_all.append((tm, float(sc[si, j])))
+                    coded = sc_np[si][used_np[si]]
+                    if coded.size:
+                        scales_all.append((tm, coded))
                     jobs.append((kind, n, si, head, tail, tm))
                 if ex.shape[0] != exact_rows:
                     raise ValueError(f"{where}: {n}: {ex.shape[0]} exact rows; its segments need {exact_rows}")
-        total = sum(tm for tm, _ in scales_all)
+        total = sum(tm * s.size for tm, s in scales_all)
         if total > 2 * tokens_seen * kv_heads * head_dim:
             raise ValueError(f"{where}: layer {layer}'s stream would decode {total:,} symbols; at most "
                              f"{2 * tokens_seen * kv_heads * head_dim:,} fit {tokens_seen:,} tokens")
@@ -413,10 +425,11 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
         if words.dtype != torch.int32 or words.dim() != 1 or words.numel() > total + 64:
             raise ValueError(f"{where}: layer {layer}'s stream must be int32 words, at most one per symbol (+64); "
                              f"got {words.dtype} {tuple(words.shape)} for {total:,} symbols")
-        scales = (np.repeat(np.array([s for _, s in scales_all]), np.array([tm for tm, _ in scales_all]))
+        scales = (np.repeat(np.concatenate([s for _, s in scales_all]),
+                            np.concatenate([np.full(s.size, tm) for tm, s in scales_all]))
                   if scales_all else np.zeros(0))
         try:
-            symbols = ans.decode(words.numpy().view(np.uint32), scales)
+            symbols = ans.decode(words.numpy().view(np.uint32), scales, coder)
         except ans.CodecStreamError as exc:
             raise ValueError(f"{where}: layer {layer}: {exc}") from None
         if symbols.size and _symbols_digest(symbols) != digests.get(str(layer)):
@@ -461,4 +474,4 @@ def fp16_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int) -> int:
     return 2 * 2 * layers * kv_heads * head_dim * tokens
 
 
-__all__ = ["CODEC_VERSION", "CodecSettings", "Encoder", "decode_state", "encode_state", "fp16_bytes"]
+__all__ = ["CODEC_VERSION", "READ_CODEC_VERSIONS", "CodecSettings", "Encoder", "decode_state", "encode_state", "fp16_bytes"]
