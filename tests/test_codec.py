@@ -368,8 +368,11 @@ def test_eval_file_methods_parse():
     m = parse_method("kvzip@0.25+file20")
     assert m.file_ratio == 20 and m.needs_tokenizer and "file_ratio=20" in m.resolved
     assert parse_method("file10").file_ratio == 10
-    with pytest.raises(ValueError, match="drop the quantization part"):
-        parse_method("q4+file20")
+    q = parse_method("q4d+kvzip@0.5+file10")  # prefilled in full precision, loaded into q4d
+    assert q.load_quant == QuantConfig(bits=4) and q.bits == 4 and "loaded_into=QuantConfig(bits=4" in q.resolved
+    assert "kv_cache quant=None" in q.resolved
+    with pytest.raises(ValueError, match="evicted tier"):
+        parse_method("q4o2+kvzip@0.5+file10")
     with pytest.raises(ValueError, match="R >= 1"):
         parse_method("kvzip@0.5+file0.5")
 
@@ -401,3 +404,62 @@ def test_compress_cli_file_ratio_is_checked_before_the_model_loads(tmp_path, cap
                            (["--file-ratio", "20", "--bits", "4"], "goes with --method")):
         assert main(["compress", str(doc), "-o", str(tmp_path / "x.kvc"), "--model", "stories260K", *extra]) == 2
         assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ decoding into a quantized layout
+@pytest.mark.parametrize("eviction", [None, KVzip(budget=0.3)], ids=["rectangular", "kvzip-ragged"])
+def test_file_decodes_into_q4d_as_a_prefill_stores_it(stories, basis, tmp_path, eviction):
+    """A codec file loaded with quant=QuantConfig(bits=4) holds its kept tokens in q4d: sinks,
+    packed codes and residual per row, the bytes of a q4d prefill of those tokens, read back
+    within q4d's own error of the decoded full-precision tokens; answering and decoding go on."""
+    from kv_cache.cache.packed_ragged import PackedRaggedStorage
+    from kv_cache.cache.storage import QuantizedStorage
+
+    model, tok = stories
+    ctx = CompressedContext.build(model, tok, DOC * 2, eviction=eviction, max_tokens=230)
+    ctx.save(tmp_path / "c.kvc", file_ratio=1.5, codec=basis)
+    fp = CompressedContext.load(tmp_path / "c.kvc", model, tok, codec=basis)
+    q4d = QuantConfig(bits=4)
+    q = CompressedContext.load(tmp_path / "c.kvc", model, tok, codec=basis, quant=q4d)
+    assert q.cache.quant == q4d and q.context_tokens == fp.context_tokens
+    assert q.cache.get_seq_length() == fp.cache.get_seq_length()
+    kinds = {type(layer.storage) for layer in q.cache.layers}
+    assert kinds <= {QuantizedStorage, PackedRaggedStorage}
+    report = q.cache.memory_report()
+    assert report.codes_bytes > 0 and report.scales_bytes > 0
+    assert report.total_bytes < 0.5 * fp.cache.memory_report().total_bytes
+    for la, lb in zip(fp.cache.layers, q.cache.layers):  # the same tokens in every head
+        assert torch.equal(la.storage.head_lengths(), lb.storage.head_lengths())
+    # the question's next-token distribution after the context: within 4-bit rounding of the decoded file's
+    from kv_cache.cache import compress
+    from kv_cache.context import forward_at
+
+    ids = torch.tensor([tok("What did Tom want?", add_special_tokens=False)["input_ids"]])
+    logp = []
+    for c in (fp, q):
+        with torch.no_grad(), compress(model, c.cache), c.cache.session():
+            logp.append(torch.log_softmax(forward_at(model, c.cache, ids, c.context_tokens)[0].float(), -1))
+    kl = (logp[0].exp() * (logp[0] - logp[1])).sum(-1)  # per question position
+    assert float(kl.max()) < 0.1, kl
+    assert (logp[0].argmax(-1) == logp[1].argmax(-1)).float().mean() >= 0.8
+    assert q.ask("What did Tom want?", max_new_tokens=6)  # a session on the q4d layout
+    assert q.cache.get_seq_length() == fp.cache.get_seq_length()  # the session left the context as loaded
+    # re-saved, it is a q4d file; loading a quantized file with quant= is refused, as are bad layouts
+    q.save(tmp_path / "q.kvc")
+    with pytest.raises(ValueError, match="holds a quantized cache.*without quant="):
+        CompressedContext.load(tmp_path / "q.kvc", model, tok, quant=q4d)
+    with pytest.raises(TypeError, match="quant must be a QuantConfig"):
+        CompressedContext.load(tmp_path / "c.kvc", model, tok, codec=basis, quant="q4d")
+    with pytest.raises(ValueError, match="evicted_bits"):
+        CompressedContext.load(tmp_path / "c.kvc", model, tok, codec=basis, quant=QuantConfig(bits=4, evicted_bits=2))
+
+
+def test_quantize_cache_refuses_what_it_cannot_restore(stories):
+    from kv_cache.cache.relayout import quantize_cache
+
+    model, tok = stories
+    ctx = CompressedContext.build(model, tok, DOC, quant=QuantConfig(bits=4))
+    with pytest.raises(ValueError, match="quantized already"):
+        quantize_cache(ctx.cache, QuantConfig(bits=2))
+    with pytest.raises(TypeError, match="cache must be a CompressedCache"):
+        quantize_cache(object(), QuantConfig(bits=4))

@@ -471,15 +471,19 @@ class CompressedContext:
         return basis
 
     @classmethod
-    def load(cls, path, model: torch.nn.Module, tokenizer: Any, *, codec: Any = None) -> "CompressedContext":
+    def load(cls, path, model: torch.nn.Module, tokenizer: Any, *, codec: Any = None,
+             quant: Any = None) -> "CompressedContext":
         """Read a file written by :meth:`save`; refuses a different model or a damaged file.
         A transform-coded file is decoded with ``codec`` (a basis or its path; default: the
-        one its fingerprint names among the shipped ones and ``$KV_CACHE_HOME/codecs``)."""
+        one its fingerprint names among the shipped ones and ``$KV_CACHE_HOME/codecs``).
+        ``quant`` (a :class:`~kv_cache.QuantConfig`, e.g. ``QuantConfig(bits=4)``): a
+        full-precision file (every codec file is one) is re-stored in that layout on load, as a
+        prefill of its kept tokens would store it (:func:`kv_cache.cache.relayout.quantize_cache`)."""
         from .cache.serialize import load_cache
         from .codec import CodecBasis, load_basis
 
         if codec is not None and not isinstance(codec, CodecBasis):
             codec = load_basis(codec)
         device = next(model.parameters()).device  # the cache's tensors go where the model is
-        cache, extra = load_cache(path, model_config=model.config, device=device, codec=codec)
+        cache, extra = load_cache(path, model_config=model.config, device=device, codec=codec, quant=quant)
         return cls(model, tokenizer, cache, int(extra["context_tokens"]), question_suffix=extra.get("question_suffix"))

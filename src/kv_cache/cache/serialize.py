@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .cache import CompressedCache
+from .config import QuantConfig
 from .report import fp16_kv_bytes, kv_geometry
 from .serialize_state import (
     STORAGE_CLASSES,  # noqa: F401  (re-exported: kv_cache.cache.serialize.STORAGE_CLASSES)
@@ -338,7 +339,7 @@ def _decode_codec(tensors: dict[str, torch.Tensor], header: dict[str, Any], cach
 
 
 def load_cache(path: str | os.PathLike, *, model_config: Any, device: str | torch.device | None = None,
-               codec: Any = None) -> tuple[CompressedCache, dict[str, Any]]:
+               codec: Any = None, quant: QuantConfig | None = None) -> tuple[CompressedCache, dict[str, Any]]:
     """Read a file written by :func:`save_cache` for the model of ``model_config``.
 
     Parameters
@@ -352,6 +353,10 @@ def load_cache(path: str | os.PathLike, *, model_config: Any, device: str | torc
     codec : kv_cache.codec.CodecBasis, optional
         The basis a transform-coded file names (by fingerprint); None: found among the shipped
         bases and ``$KV_CACHE_HOME/codecs`` (:func:`kv_cache.codec.find_basis`).
+    quant : QuantConfig, optional
+        The layout to hold a full-precision file's tokens in (a codec file decodes to full
+        precision): :func:`kv_cache.cache.relayout.quantize_cache` after the load. A quantized
+        file with ``quant`` raises ``ValueError``.
 
     Returns
     -------
@@ -370,6 +375,9 @@ def load_cache(path: str | os.PathLike, *, model_config: Any, device: str | torc
     from safetensors import SafetensorError
     from safetensors.torch import load
 
+    if quant is not None and not isinstance(quant, QuantConfig):
+        raise TypeError(f"quant must be a QuantConfig or None; got {type(quant).__name__}")
+    layout = quant  # the name quant is the file's own below
     data, header, name = _read_file(path)
     saved_model, layer_recs, digests = header["model"], header["layers"], header["tensors"]
     _check_model(saved_model, model_config, name)
@@ -408,6 +416,13 @@ def load_cache(path: str | os.PathLike, *, model_config: Any, device: str | torc
     if cache.get_seq_length() != header.get("tokens_seen"):
         raise ValueError(f"{name} is corrupted: tokens seen expected {header.get('tokens_seen')}, "
                          f"found {cache.get_seq_length()}")
+    if layout is not None:
+        if cache.quant is not None:
+            raise ValueError(f"{name} holds a quantized cache ({cache.quant!r}); quant= re-stores a full-precision "
+                             "file (a codec file, or one saved with quant=None) only: load it without quant=")
+        from .relayout import quantize_cache
+
+        quantize_cache(cache, layout)
     return cache, dict(header.get("extra", {}))
 
 

@@ -153,6 +153,7 @@ class Method:
     requires: tuple[str, str] | None = None
     needs_tokenizer: bool = False  # the prefill runs a reconstruction pass (KVzip): kv_cache.prefill
     file_ratio: float | None = None  # file<R>: saved transform-coded at ratio R and loaded back (kv_cache.codec)
+    load_quant: Any = None  # q<...>+file<R>: the layout the file is loaded into (the prefill is full precision)
 
     @property
     def is_peer(self) -> bool:
@@ -262,9 +263,12 @@ def _ours(spec: str, parts: list[str]) -> Method:
             continue
         raise _unknown(spec, f"cannot parse {part!r}")
 
+    load_quant = None
     if file_ratio is not None and quant is not None:
-        raise _unknown(spec, "file<R> transform-codes the full-precision K/V: drop the quantization part "
-                             "(e.g. kvzip@0.25+file20)")
+        # the codec codes full-precision K/V: prefill in full precision, load the file into this layout
+        if quant.evicted_bits is not None:
+            raise _unknown(spec, "file<R> stores the kept tokens only: o<bits> (the evicted tier) cannot be loaded")
+        load_quant, quant = quant, None
     if quant is not None and quant.evicted_bits is not None and getattr(policy, "decoding", False):
         policy = dataclasses.replace(policy, decoding=False)  # kvzap picks the tiers once, after the prefill
     if quant is not None and quant.evicted_bits is not None and (policy is None or not policy.prefill_only):
@@ -280,14 +284,17 @@ def _ours(spec: str, parts: list[str]) -> Method:
         return cache, lambda: compress(model, cache)
 
     budget = None if policy is None or getattr(policy, "threshold", None) is not None else policy.budget
-    if file_ratio is not None and quant is None and policy is None:
+    if file_ratio is not None and policy is None:
         def make(model):  # noqa: F811  (file<R> alone: the full cache, coded; ours, not DynamicCache)
             cache = CompressedCache(model.config)
             return cache, lambda: compress(model, cache)
-    return Method(spec, "ours", None if quant is None else quant.bits, budget,
+    shown = quant if load_quant is None else load_quant
+    return Method(spec, "ours", None if shown is None else shown.bits, budget,
                   make, resolved=f"kv_cache quant={quant!r} eviction={policy!r}"
-                  + ("" if file_ratio is None else f" file_ratio={file_ratio:g} codec={_codec_settings()!r}"),
-                  needs_tokenizer=policy is not None and policy.needs_reconstruction, file_ratio=file_ratio)
+                  + ("" if file_ratio is None else f" file_ratio={file_ratio:g} codec={_codec_settings()!r}")
+                  + ("" if load_quant is None else f" loaded_into={load_quant!r}"),
+                  needs_tokenizer=policy is not None and policy.needs_reconstruction, file_ratio=file_ratio,
+                  load_quant=load_quant)
 
 
 def _codec_settings() -> Any:
@@ -402,6 +409,10 @@ METHOD_GRAMMAR: tuple[MethodForm, ...] = (
                ("snapkv@0.5", "h2o@0.25", "h2o@0.5w32", "h2o@0.5e32", "streaming@512", "kvzip@0.3",
                 "snapkv@0.5:layer", "kvzap@0.25", "kvzap@t-6")),
     MethodForm("ours", "<quantization>+<eviction>", "both levers in one cache", ("q4+h2o@0.5",)),
+    MethodForm("ours", "[<quantization>+]<eviction>+file<R>", "the cache saved transform-coded at R times smaller "
+               "than its fp16 K/V (kv_cache.codec, the model's basis) and loaded back before scoring; the prefill is "
+               "full precision and <quantization> is the layout the file is loaded into", ("kvzip@0.25+file20",
+                                                                                             "q4d+kvzip@0.5+file10")),
     MethodForm("ours", "<ratio>x", "a preset: the documented default plan for that ratio vs fp16 (4-bit codes, "
                "plus KVzip keeping the largest fraction of tokens that reaches it; kv_cache.plan.preset_plan)",
                ("4x", "8x", "16x"), re.compile(r"^\d+(?:\.\d+)?x$"), _preset),

@@ -91,8 +91,9 @@ class Prefilled:
 
 def _through_file(model, pre: Prefilled, method: Method) -> Prefilled:
     """``file<R>``: save ``pre``'s cache transform-coded at ratio R (:mod:`kv_cache.codec`, the
-    model's shipped or ``$KV_CACHE_HOME`` basis), load it back and go on from the loaded cache;
-    its ``kv_bytes`` are the file's bytes, ``codec_s`` the encode and decode seconds."""
+    model's shipped or ``$KV_CACHE_HOME`` basis), load it back (into ``method.load_quant``'s
+    layout when the spec has a quantization part) and go on from the loaded cache; its
+    ``kv_bytes`` are the file's bytes, ``codec_s`` the encode and decode seconds."""
     import tempfile
 
     from ..cache.serialize import load_cache, save_cache
@@ -112,7 +113,7 @@ def _through_file(model, pre: Prefilled, method: Method) -> Prefilled:
         finally:
             pre.scope.close()
         t1 = time.perf_counter()
-        cache, _ = load_cache(path, model_config=model.config, codec=basis)
+        cache, _ = load_cache(path, model_config=model.config, codec=basis, quant=method.load_quant)
         t2 = time.perf_counter()
     scope = contextlib.ExitStack()
     scope.enter_context(compress(model, cache))
