@@ -154,12 +154,17 @@ def test_settings_are_checked():
 
 # ------------------------------------------------------------------------------- tiny model
 @pytest.fixture(scope="module")
-def basis(stories, tmp_path_factory):
+def basis_path(stories, tmp_path_factory):
     model, tok = stories
     layers, info = fit_codec_basis(model, tok, [("calib.txt", CALIB)], tokens=1024, window=256)
     path = tmp_path_factory.mktemp("codec") / "stories.safetensors"
     save_basis(path, layers, model_identity(model), info)
-    return load_basis(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def basis(basis_path):
+    return load_basis(basis_path)
 
 
 def test_calibration_refuses_moby_dick(stories):
@@ -463,3 +468,27 @@ def test_quantize_cache_refuses_what_it_cannot_restore(stories):
         quantize_cache(ctx.cache, QuantConfig(bits=2))
     with pytest.raises(TypeError, match="cache must be a CompressedCache"):
         quantize_cache(object(), QuantConfig(bits=4))
+
+
+def test_ask_cli_into_q4d(stories, basis, basis_path, tmp_path, monkeypatch, capsys):
+    """`kvcache ask --into q4d` answers from a codec file held in q4d; a bad spec or a quantized
+    file is refused before the model loads."""
+    import shutil
+
+    from kv_cache.cli import main
+
+    model, tok = stories
+    home = tmp_path / "home"
+    (home / "codecs").mkdir(parents=True)
+    shutil.copy(basis_path, home / "codecs" / "stories.safetensors")  # found by fingerprint, as a user's would be
+    monkeypatch.setenv("KV_CACHE_HOME", str(home))
+    ctx = CompressedContext.build(model, tok, DOC, eviction=KVzip(budget=0.5))
+    ctx.save(tmp_path / "c.kvc", file_ratio=1.5, codec=basis)
+    assert main(["ask", str(tmp_path / "c.kvc"), "What did Tom want?", "--into", "q4d", "--max-new-tokens", "4",
+                 "--model", "stories260K"]) == 0
+    assert "Q: What did Tom want?" in capsys.readouterr().out
+    assert main(["ask", str(tmp_path / "c.kvc"), "Why?", "--into", "q4zz", "--model", "stories260K"]) == 2
+    assert "q<bits>[d][options]" in capsys.readouterr().err
+    CompressedContext.build(model, tok, DOC, quant=QuantConfig(bits=4)).save(tmp_path / "q.kvc")
+    assert main(["ask", str(tmp_path / "q.kvc"), "Why?", "--into", "q4d", "--model", "stories260K"]) == 2
+    assert "holds a quantized cache already" in capsys.readouterr().err

@@ -68,6 +68,9 @@ def add_parsers(sub) -> None:
     a.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                    help=f"tokens generated per answer at most [{DEFAULT_MAX_NEW_TOKENS}]")
     a.add_argument("--model", default=None, help="the model to load [the one recorded in the file]")
+    a.add_argument("--into", default=None, metavar="SPEC",
+                   help="hold a full-precision file (every --file-ratio file is one) in this quantized layout once "
+                        "loaded, e.g. q4d: the bytes of a q4d prefill [as stored]")
     a.set_defaults(_run=run_ask)
 
 
@@ -244,12 +247,20 @@ def run_ask(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
     questions = _questions(args)
+    into = None
+    if args.into is not None:
+        from .eval.methods import parse_quant
+
+        into = parse_quant(args.into)
     info = read_info(args.file)  # checks the file before the model is loaded
+    if into is not None and info.get("quant") is not None:
+        raise ValueError(f"--into {args.into}: {args.file} holds a quantized cache already; --into re-stores a "
+                         "full-precision file (one written with --file-ratio, or without quantization)")
     name = args.model or info["extra"].get("model")
     if not name:
         raise ValueError(f"{args.file} does not record its model: pass --model")
     model, tok = load_model(name)
-    ctx = CompressedContext.load(args.file, model, tok)
+    ctx = CompressedContext.load(args.file, model, tok, quant=into)
     for q in questions:  # every question fits with its answer before any is answered
         ctx.question_ids(q, args.max_new_tokens)
     for q in questions:

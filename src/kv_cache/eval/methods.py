@@ -500,6 +500,18 @@ def parse_method(spec: str, *, check_packages: bool = True) -> Method:
     return _ours(spec, s.split("+"))
 
 
+def parse_quant(spec: str) -> QuantConfig:
+    """The :class:`QuantConfig` of a quantization spec alone (``q4d``, ``q4``, ``q2k3``...; the
+    grammar of ``kvcache eval --methods``); raises ``ValueError`` naming the form for anything else."""
+    if not isinstance(spec, str):
+        raise ValueError(f"a quantization spec must be a string such as 'q4d'; got {spec!r}")
+    m = _QUANT.match(spec.strip().lower())
+    if m is None:
+        raise ValueError(f"a quantization spec is q<bits>[d][options] (e.g. q4d, q4, q2d; see `kvcache eval "
+                         f"--help`); got {spec!r}")
+    return _quant_config(m)
+
+
 def parse_methods(specs: list[str]) -> tuple[list[Method], dict[str, str]]:
     """Parse the specs of a run: the reference (``full``) first, given or not, then the others in order.
 
@@ -528,4 +540,5 @@ def parse_methods(specs: list[str]) -> tuple[list[Method], dict[str, str]]:
 
 
 __all__ = ["EXAMPLES", "HF_BACKENDS", "KVPRESS_PRESSES", "METHOD_GRAMMAR", "QUANT_OPTIONS", "REFERENCE_SPEC", "Method",
-           "MethodForm", "MethodUnavailable", "QuantOption", "grammar_help", "parse_method", "parse_methods"]
+           "MethodForm", "MethodUnavailable", "QuantOption", "grammar_help", "parse_method", "parse_methods",
+           "parse_quant"]
