@@ -228,15 +228,16 @@ def test_decoding_takes_the_one_call_path(stories, monkeypatch, quant):
     assert calls["none"] == 0 and calls["fused"] == 4 * model.config.num_hidden_layers
 
 
-# With KVzip's default recent window (half the budget, math dictionary §19.5) the one-call path's
-# logits drift from the per-block path's over the decoding steps (1e-5, 1e-5, 1.3e-4, 1.1e-3 here):
-# a known discrepancy under investigation, kept as a strict expected failure until it is found.
-WINDOW_DRIFT = pytest.mark.xfail(strict=True, reason="one-call vs per-block drift with a 16-token recent window")
+# The two paths agree to float32 rounding on the same stored state (1e-7 per layer). q4d keeps its
+# residual and sinks in float16, so a 1e-7 difference in a decoded token's key can round to the
+# other side of a float16 step (2^-11 relative) and grow from there (1e-5, 1e-5, 1.3e-4, 1.1e-3 over
+# four steps, measured): the comparison stores them in float32, where the paths must agree.
+_FP32_RESIDUAL = dict(residual_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("case, window", [("kvzip-model-q4", 0), ("kvzip-head-fp", 0), ("tiers-kvzip-model", 0),
                                           ("kvzip-head-fp", 0.5), ("tiers-kvzip-model", 0.5),
-                                          pytest.param("kvzip-model-q4", 0.5, marks=WINDOW_DRIFT)])
+                                          ("kvzip-model-q4", 0.5)])
 def test_ragged_decoding_in_one_call_per_row_matches_the_per_block_path(stories, monkeypatch, case, window):
     """Heads of different lengths (a model-wide KVzip budget) and precision tiers (two packed
     blocks per row) decode through one call per layer (every row's tokens in one buffer), with the logits of the per-block path."""
@@ -245,8 +246,8 @@ def test_ragged_decoding_in_one_call_per_row_matches_the_per_block_path(stories,
     from kv_cache.cache.packed_ragged import PackedRaggedStorage
 
     model, tok = stories
-    quant = {"kvzip-model-q4": QuantConfig(bits=4, group_size=4), "kvzip-head-fp": None,
-             "tiers-kvzip-model": QuantConfig(bits=4, group_size=4, evicted_bits=2)}[case]
+    quant = {"kvzip-model-q4": QuantConfig(bits=4, group_size=4, **_FP32_RESIDUAL), "kvzip-head-fp": None,
+             "tiers-kvzip-model": QuantConfig(bits=4, group_size=4, evicted_bits=2, **_FP32_RESIDUAL)}[case]
     scope = "head" if case == "kvzip-head-fp" else "model"
     ids = tok("Once upon a time there was a little girl named Lily. She loved to play outside. " * 5,
               return_tensors="pt").input_ids
