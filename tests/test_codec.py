@@ -453,8 +453,10 @@ def test_file_decodes_into_q4d_as_a_prefill_stores_it(stories, basis, tmp_path, 
     q.save(tmp_path / "q.kvc")
     with pytest.raises(ValueError, match="holds a quantized cache.*without quant="):
         CompressedContext.load(tmp_path / "q.kvc", model, tok, quant=q4d)
-    with pytest.raises(TypeError, match="quant must be a QuantConfig"):
+    with pytest.raises(ValueError, match="quant must be a QuantConfig"):
         CompressedContext.load(tmp_path / "c.kvc", model, tok, codec=basis, quant="q4d")
+    with pytest.raises(TypeError, match="quant must be a QuantConfig or None"):
+        load_cache(tmp_path / "c.kvc", model_config=model.config, codec=basis, quant=4)
     with pytest.raises(ValueError, match="evicted_bits"):
         CompressedContext.load(tmp_path / "c.kvc", model, tok, codec=basis, quant=QuantConfig(bits=4, evicted_bits=2))
 
@@ -492,3 +494,37 @@ def test_ask_cli_into_q4d(stories, basis, basis_path, tmp_path, monkeypatch, cap
     CompressedContext.build(model, tok, DOC, quant=QuantConfig(bits=4)).save(tmp_path / "q.kvc")
     assert main(["ask", str(tmp_path / "q.kvc"), "Why?", "--into", "q4d", "--model", "stories260K"]) == 2
     assert "holds a quantized cache already" in capsys.readouterr().err
+
+
+def test_the_file_records_the_layout_it_is_loaded_into(stories, basis, tmp_path, capsys):
+    """save(into=...) / `kvcache compress --into q4d`: every reader (load, ask, the server's store)
+    holds the full-precision file in that layout; quant=None keeps it as stored."""
+    from kv_cache.cli import main
+
+    model, tok = stories
+    ctx = CompressedContext.build(model, tok, DOC, eviction=KVzip(budget=0.5))
+    ctx.save(tmp_path / "c.kvc", file_ratio=1.5, codec=basis, into=QuantConfig(bits=4))
+    assert CompressedContext.load(tmp_path / "c.kvc", model, tok, codec=basis).cache.quant == QuantConfig(bits=4)
+    assert CompressedContext.load(tmp_path / "c.kvc", model, tok, codec=basis, quant=None).cache.quant is None
+    assert CompressedContext.load(tmp_path / "c.kvc", model, tok, codec=basis,
+                                  quant=QuantConfig.kivi(bits=4)).cache.quant == QuantConfig.kivi(bits=4)
+    with pytest.raises(ValueError, match="quant must be a QuantConfig, None .* or 'file'"):
+        CompressedContext.load(tmp_path / "c.kvc", model, tok, codec=basis, quant="q4d")
+    with pytest.raises(TypeError, match="into must be a QuantConfig"):
+        ctx.save(tmp_path / "x.kvc", into="q4d")
+    with pytest.raises(ValueError, match="held quantized already"):
+        CompressedContext.build(model, tok, DOC, quant=QuantConfig(bits=4)).save(tmp_path / "x.kvc",
+                                                                               into=QuantConfig(bits=4))
+    # the CLI: compress records it (no codec needed: an eviction-only file is full precision too)
+    doc = tmp_path / "doc.txt"
+    doc.write_text(DOC)
+    assert main(["compress", str(doc), "-o", str(tmp_path / "e.kvc"), "--model", "stories260K",
+                 "--method", "kvzip@0.5", "--into", "q4d", "--raw-text"]) == 0
+    assert "into:  readers hold it as q4d" in capsys.readouterr().out
+    assert CompressedContext.load(tmp_path / "e.kvc", model, tok).cache.quant == QuantConfig(bits=4)
+    assert main(["ask", str(tmp_path / "e.kvc"), "Why?", "--into", "full", "--max-new-tokens", "2"]) == 0
+    for extra, message in ((["--into", "q4d", "--bits", "4"], "goes with --file-ratio or an eviction-only"),
+                           (["--into", "q4zz"], "q<bits>[d][options]"),
+                           (["--into", "q4d", "--method", "q4+kvzip@0.5"], "quantizes already")):
+        assert main(["compress", str(doc), "-o", str(tmp_path / "y.kvc"), "--model", "stories260K", *extra]) == 2
+        assert message in capsys.readouterr().err

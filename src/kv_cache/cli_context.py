@@ -53,6 +53,10 @@ def add_parsers(sub) -> None:
                         "[the whole document, refused if it does not fit]")
     c.add_argument("--keep", choices=KEEP, default=None,
                    help="which tokens --max-tokens keeps: the first (head) or the last (tail) [head]")
+    c.add_argument("--into", default=None, metavar="SPEC",
+                   help="record in the file the quantized layout every reader holds it in once loaded (e.g. q4d: "
+                        "the bytes of a q4d prefill); the cache must be full precision (--file-ratio, or eviction "
+                        "only) [as stored]")
     c.add_argument("--strict", action="store_true",
                    help="refuse to write a context whose compressed cache fails the fidelity check (an error "
                         "naming the layers) instead of warning (math dictionary §26)")
@@ -70,7 +74,8 @@ def add_parsers(sub) -> None:
     a.add_argument("--model", default=None, help="the model to load [the one recorded in the file]")
     a.add_argument("--into", default=None, metavar="SPEC",
                    help="hold a full-precision file (every --file-ratio file is one) in this quantized layout once "
-                        "loaded, e.g. q4d: the bytes of a q4d prefill [as stored]")
+                        "loaded, e.g. q4d: the bytes of a q4d prefill; 'full': as stored [the layout the file "
+                        "records with `kvcache compress --into`, else as stored]")
     a.set_defaults(_run=run_ask)
 
 
@@ -144,6 +149,14 @@ def run_compress(args: argparse.Namespace) -> int:
         if args.bits is not None or args.ratio is not None or args.plan is not None:
             raise ValueError("--file-ratio codes full-precision K/V: it goes with --method (eviction only) or alone, "
                              "not with --bits, --ratio or --plan")
+    into = None
+    if args.into is not None:
+        from .eval.methods import parse_quant
+
+        into = parse_quant(args.into)
+        if args.bits is not None or args.ratio is not None or args.plan is not None:
+            raise ValueError("--into records the layout a full-precision file is loaded into: it goes with "
+                             "--file-ratio or an eviction-only --method, not with --bits, --ratio or --plan")
     doc = Path(args.document)
     text = read_document(args.document)
     if args.file_ratio is not None and args.method is None:
@@ -189,6 +202,9 @@ def run_compress(args: argparse.Namespace) -> int:
         if args.file_ratio is not None and quant is not None:
             raise ValueError(f"--file-ratio codes full-precision K/V; --method {spec} quantizes: drop its q part "
                              "(e.g. --method kvzip@0.25) or drop --method to let the planner choose")
+        if into is not None and quant is not None:
+            raise ValueError(f"--into {args.into} records the layout a full-precision file is loaded into; --method "
+                             f"{spec} quantizes already: drop its q part (e.g. --method kvzip@0.25 --into q4d)")
         kept = fit_context(ids, model.config, tok, eviction, max_tokens=args.max_tokens, keep=args.keep,
                            names=("--max-tokens ", "--keep "))
     if not args.raw_text and len(kept) == len(ids):  # the whole document: through the chat template if any
@@ -201,6 +217,10 @@ def run_compress(args: argparse.Namespace) -> int:
         extra["question_suffix"] = ctx.question_suffix
     if len(kept) < len(ids):
         extra.update(document_tokens=len(ids), keep=args.keep or "head")
+    if into is not None:
+        from .cache.serialize_state import _encode_quant
+
+        extra["into"] = _encode_quant(into)
     if args.file_ratio is not None:
         from .cache.report import fp16_kv_bytes
 
@@ -224,6 +244,8 @@ def run_compress(args: argparse.Namespace) -> int:
         print(f"note:  {note}")
     ratio = f", {rep.fp16_bytes / written:.1f}x smaller than fp16" if args.file_ratio is not None else ""
     print(f"wrote: {args.out} ({written:,} B{ratio})")
+    if into is not None:
+        print(f"into:  readers hold it as {args.into} once loaded (`kvcache ask --into full` keeps it as stored)")
     return 0
 
 
@@ -247,13 +269,13 @@ def run_ask(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
     questions = _questions(args)
-    into = None
+    into = "file"  # the layout the file records, if any
     if args.into is not None:
         from .eval.methods import parse_quant
 
-        into = parse_quant(args.into)
+        into = None if args.into.strip().lower() == "full" else parse_quant(args.into)
     info = read_info(args.file)  # checks the file before the model is loaded
-    if into is not None and info.get("quant") is not None:
+    if into not in (None, "file") and info.get("quant") is not None:
         raise ValueError(f"--into {args.into}: {args.file} holds a quantized cache already; --into re-stores a "
                          "full-precision file (one written with --file-ratio, or without quantization)")
     name = args.model or info["extra"].get("model")

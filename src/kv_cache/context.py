@@ -424,7 +424,8 @@ class CompressedContext:
                                        params=SamplingParams(), eos=eos))
         return self.tokenizer.decode(out, skip_special_tokens=True)
 
-    def save(self, path, *, file_ratio: float | None = None, codec: Any = None, codec_settings: Any = None) -> int:
+    def save(self, path, *, file_ratio: float | None = None, codec: Any = None, codec_settings: Any = None,
+             into: Any = None) -> int:
         """Write the compressed context to ``path`` (:mod:`kv_cache.cache.serialize`); returns bytes written.
 
         ``file_ratio=R``: transform-code the full-precision K/V (:mod:`kv_cache.codec`) so the
@@ -432,13 +433,28 @@ class CompressedContext:
         squared error; ``codec``: the model's basis (a :class:`~kv_cache.codec.CodecBasis` or
         its path; default: the one shipped or in ``$KV_CACHE_HOME/codecs`` for this model).
         ``codec`` alone: the codec's finest steps. The context must be held in full precision
-        (``quant=None``; eviction is fine: only the kept tokens are stored)."""
+        (``quant=None``; eviction is fine: only the kept tokens are stored).
+        ``into`` (a :class:`~kv_cache.QuantConfig`): the layout every reader holds the
+        full-precision file in once loaded (:meth:`load`, ``kvcache ask``, the server), recorded
+        in the file."""
+        from .cache.config import QuantConfig
         from .cache.report import fp16_kv_bytes
         from .cache.serialize import save_cache
+        from .cache.serialize_state import _encode_quant
 
         extra = {"context_tokens": self.context_tokens}
         if self.question_suffix is not None:
             extra["question_suffix"] = self.question_suffix
+        if into is not None:
+            if not isinstance(into, QuantConfig):
+                raise TypeError(f"into must be a QuantConfig (e.g. QuantConfig(bits=4)) or None; got "
+                                f"{type(into).__name__}")
+            if self.cache.quant is not None:
+                raise ValueError(f"into= records the layout a full-precision file is loaded into; this context is "
+                                 f"held quantized already ({self.cache.quant!r})")
+            if into.evicted_bits is not None:
+                raise ValueError("into= cannot hold precision tiers (evicted_bits): the file keeps the kept tokens only")
+            extra["into"] = _encode_quant(into)
         if file_ratio is None and codec is None:
             if codec_settings is not None:
                 raise ValueError("codec_settings applies to a coded file: pass file_ratio= or codec= too")
@@ -472,13 +488,27 @@ class CompressedContext:
 
     @classmethod
     def load(cls, path, model: torch.nn.Module, tokenizer: Any, *, codec: Any = None,
-             quant: Any = None) -> "CompressedContext":
+             quant: Any = "file") -> "CompressedContext":
         """Read a file written by :meth:`save`; refuses a different model or a damaged file.
         A transform-coded file is decoded with ``codec`` (a basis or its path; default: the
         one its fingerprint names among the shipped ones and ``$KV_CACHE_HOME/codecs``).
         ``quant`` (a :class:`~kv_cache.QuantConfig`, e.g. ``QuantConfig(bits=4)``): a
         full-precision file (every codec file is one) is re-stored in that layout on load, as a
-        prefill of its kept tokens would store it (:func:`kv_cache.cache.relayout.quantize_cache`)."""
+        prefill of its kept tokens would store it (:func:`kv_cache.cache.relayout.quantize_cache`);
+        ``"file"`` (default): the layout :meth:`save` recorded with ``into=``, if any; None: as
+        stored."""
+        from .cache.serialize import read_info
+        from .cache.serialize_state import _decode_quant
+
+        if isinstance(quant, str):
+            if quant != "file":
+                raise ValueError(f"quant must be a QuantConfig, None (as stored) or 'file' (the layout the file "
+                                 f"records); got {quant!r}")
+            recorded = read_info(path)["extra"].get("into")
+            if recorded is not None and not isinstance(recorded, dict):
+                raise ValueError(f"{path} is corrupted: its recorded layout ('into') must be a QuantConfig record; "
+                                 f"got {type(recorded).__name__}")
+            quant = _decode_quant(recorded)
         from .cache.serialize import load_cache
         from .codec import CodecBasis, load_basis
 
