@@ -104,9 +104,20 @@ def runs(model_dir):
 
 
 def test_q8_greedy_identical_to_auto(runs):
-    """32 greedy tokens identical to vLLM's bf16 cache on every prompt without a near tie."""
-    decided = [i for i, m in enumerate(runs["auto"]["margins"]) if m >= DECIDED]
-    assert len(decided) >= 3, runs["auto"]["margins"]  # the check is not vacuous
+    """32 greedy tokens identical to vLLM's own cache on every prompt without a near tie.
+
+    A near tie is a greedy step whose top-1 / top-2 gap under ``auto`` is below ``DECIDED`` or
+    below twice the largest log-prob shift q8 makes on the 2.8K wikitext prompt tokens (both
+    candidates may move by that much): such a step can flip with any 8-bit rounding, so a prompt
+    that has one is not required to match (one such prompt diverged at token 21 in a fresh
+    venv with a 0.05-nat margin)."""
+    auto = [x for row in runs["auto"]["prompt_logprobs"] for x in row]
+    q8 = [x for row in runs["q8"]["prompt_logprobs"] for x in row]
+    assert len(auto) == len(q8) > 1000
+    shift = max(abs(a - b) for a, b in zip(auto, q8))
+    tie = max(DECIDED, 2 * shift)
+    decided = [i for i, m in enumerate(runs["auto"]["margins"]) if m >= tie]
+    assert len(decided) >= 3, (runs["auto"]["margins"], shift)  # the check is not vacuous
     for i in decided:
         assert runs["q8"]["generate"][i] == runs["auto"]["generate"][i], PROMPTS[i]
     assert all(len(ids) == 32 for ids in runs["q8"]["generate"])
