@@ -17,7 +17,7 @@ import warnings
 
 from .fidelity import FIDELITY_THRESHOLD, broken_layers, fidelity_message
 from .layer import CompressedLayer
-from .report import MemoryReport, fp16_kv_bytes, kv_geometry
+from .report import MemoryReport, fp16_kv_bytes, kv_geometry, layer_nbytes
 
 TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
                       "gpt_oss", "cohere2", "granite", "smollm3", "ministral", "olmo3", "exaone4")
@@ -194,14 +194,54 @@ class CompressedCache(Cache):
         if total_valid <= total_budget:
             return
         floor = pending[order[0]][4]
-        masks = {i: [] for i in order}
-        for b in range(B):
-            sel = select_global([pending[i][0][b] for i in order], total_budget, floor=floor,
-                                valid=[pending[i][1][b] for i in order], forced=[pending[i][2][b] for i in order])
-            for i, m in zip(order, sel):
-                masks[i].append(m)
+
+        def select(k: int) -> dict[int, torch.Tensor]:
+            masks = {i: [] for i in order}
+            for b in range(B):
+                sel = select_global([pending[i][0][b] for i in order], k, floor=floor,
+                                    valid=[pending[i][1][b] for i in order], forced=[pending[i][2][b] for i in order])
+                for i, m in zip(order, sel):
+                    masks[i].append(m)
+            return {i: torch.stack(m) for i, m in masks.items()}
+
+        ratio = getattr(self.layers[order[0]].policy, "target_ratio", None)
+        if ratio is not None and not any(self.layers[i].tiered for i in order):
+            total_budget = self._budget_for_ratio(select, order, total_budget, total_valid, ratio, B)
+        masks = select(total_budget)
         for i in order:
-            self.layers[i].apply_keep_masks(torch.stack(masks[i]), in_place=not pending[i][5])
+            self.layers[i].apply_keep_masks(masks[i], in_place=not pending[i][5])
+
+    def _budget_for_ratio(self, select, order: list[int], budget: int, most: int, ratio: float, batch: int) -> int:
+        """The largest model-wide token budget in ``[budget, most]`` whose cache holds at most
+        ``fp16 bytes / ratio``, the bytes measured on copies of the layers' storages
+        (:func:`.keep.bytes_if_kept`; math dictionary §19.6). Bisection to 0.5% of the range;
+        ``budget`` when even it holds more."""
+        from .keep import bytes_if_kept
+
+        tokens = max(layer.seen for layer in self.layers)
+        target = fp16_kv_bytes(self.config, tokens, batch=batch) / ratio
+        pending_set = set(order)
+        # what the eviction leaves as is: every layer's bytes but the evicted layers' storage and
+        # starts, and the policies' scores (dropped once they have acted)
+        fixed = 0
+        for i, layer in enumerate(self.layers):
+            evicted = i in pending_set
+            parts = layer_nbytes(None if evicted else layer.storage, layer.demoted, layer._tail, {},
+                                 None if evicted else layer._starts, layer.key_offset)
+            fixed += sum(parts.values())
+
+        def held(k: int) -> int:
+            masks = select(k)
+            return fixed + sum(bytes_if_kept(self.layers[i].storage, masks[i], self.layers[i]._starts) for i in order)
+
+        if held(budget) > target:
+            return budget
+        lo, hi = budget, most  # held(lo) <= target
+        step = max(1, (most - budget) // 200)
+        while hi - lo > step:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if held(mid) <= target else (lo, mid - 1)
+        return lo
 
     @contextmanager
     def session(self) -> Iterator["CompressedCache"]:

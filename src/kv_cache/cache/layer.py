@@ -34,6 +34,7 @@ from .config import QuantConfig
 from .budgets import check_budget_fits, forced_slots, layer_masks, resolved_budget
 from .checks import check_policy_can_act
 from .context_layer import RECONSTRUCTION_MISSING, running_max, session_tail
+from .keep import keep_slots
 from .ragged import ragged_state
 from .key_offset import key_offset, shift_keys, unshift_keys
 from .report import layer_nbytes, layer_tensors
@@ -405,23 +406,10 @@ class CompressedLayer(CacheLayerMixin):
     def apply_keep_masks(self, masks: torch.Tensor, in_place: bool = True) -> None:
         """Keep the slots ``masks`` (bool ``[batch, kv_heads, T]``, every protected slot set):
         heads keeping different numbers of tokens become ragged rows that hold only those."""
-        st = self.storage
-        B, H, T = masks.shape
-        counts = masks.sum(-1)
         if self.tiered:
             self._demote(masks)
-        pad = (T - st.head_lengths()).flatten().tolist()  # virtual slots before a ragged row
         self.state = {name: ragged_state(t, masks) for name, t in self.state.items()}
-        if not st.ragged and bool((counts == counts.flatten()[0]).all()):
-            keep = masks.nonzero()[:, 2].reshape(B, H, -1)
-            self._starts = starts_after(self._starts, keep)
-            st.gather(keep, in_place=in_place)
-            return
-        keeps = [masks[b, h].nonzero().squeeze(1) - pad[b * H + h] for b in range(B) for h in range(H)]
-        starts = self._starts
-        lead = [0 if starts is None else int((k < int(starts[r // H, r % H])).sum()) for r, k in enumerate(keeps)]
-        self.storage = st.keep_rows(keeps, lead, in_place)
-        self._starts = self.storage.starts()
+        self.storage, self._starts = keep_slots(self.storage, masks, self._starts, in_place)
 
     # ------------------------------------------------------------------ precision tiers (§21)
     @property

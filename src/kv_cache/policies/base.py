@@ -72,7 +72,7 @@ SCOPES = ("head", "layer", "model")
 top-k (``layer``, Ada-KV), or every head of every layer one top-k (``model``, KVzip)."""
 
 
-SHARED_FIELDS = {"scope": "head", "head_floor": 0.2, "evict_every": 1}
+SHARED_FIELDS = {"scope": "head", "head_floor": 0.2, "evict_every": 1, "target_ratio": None}
 """Fields of shared budgets and their per-head defaults (hidden from ``repr`` when equal)."""
 
 

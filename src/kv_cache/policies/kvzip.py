@@ -43,6 +43,13 @@ class KVzip(EvictionPolicy):
     overlap : int, default 8
         The last tokens of the previous chunk, repeated after :data:`CONTINUE_PROMPT` to say
         where the chunk starts.
+    target_ratio : float, optional
+        With ``scope="model"``: once the scores are known, keep the most tokens (never fewer
+        than ``budget``) whose cache still holds at most ``fp16 bytes / target_ratio``, measured
+        on the layout itself (math dictionary §19.6). The presets set it: a 4-bit layout with
+        per-channel key groups frees a group's scales only when all its tokens go, so the bytes
+        of a budget depend on which tokens KVzip keeps, and a budget sized before the scores
+        (an upper bound) overshoots the ratio (27.7x for ``16x`` on Qwen2.5 at 4K tokens).
     """
 
     recent_window: int | float = 0.5
@@ -51,6 +58,7 @@ class KVzip(EvictionPolicy):
     head_floor: float = 0.0
     chunk_size: int = 2048
     overlap: int = 8
+    target_ratio: float | None = None
 
     needs_attention: ClassVar[bool] = True
     prefill_only: ClassVar[bool] = True
@@ -62,6 +70,13 @@ class KVzip(EvictionPolicy):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"KVzip.{name} must be an int >= {low}; got {v!r}")
+        r = self.target_ratio
+        if r is not None:
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not 1.0 < r < float("inf"):
+                raise ValueError(f"KVzip.target_ratio must be None or a finite ratio > 1 (vs fp16); got {r!r}")
+            if self.scope != "model":
+                raise ValueError(f"KVzip.target_ratio sizes the model-wide budget: it needs scope='model'; got "
+                                 f"scope={self.scope!r}")
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         acc = inputs.state.get("kvzip")
