@@ -58,11 +58,13 @@ def _model_and_full(alias: str):
 
 
 # Measured on this window (wave 4): KVzip keeping 25% costs +3.4% (SmolLM2) and +3.1% (Qwen2.5)
-# with half its budget kept recent (math dictionary §19.5; +9.6% and +15.8% without), the 8x preset
-# (4-bit codes + KVzip keeping 23%) +3.8% and +4.3%: the 8x target is not met yet, so that case is
-# expected to fail, strictly (a pass makes the suite fail until the mark is removed).
+# with half its budget kept recent (math dictionary §19.5; +9.6% and +15.8% without). The 8x preset
+# (4-bit codes + KVzip sized to 8.0x by its measured bytes, §19.6) costs +4.5% and +5.4% here
+# (+3.8% / +4.3% when it held 6.4x, before target_ratio; on 4K wikitext windows it is +0.19% and
+# +1.93%): the 8x target is not met on this 768-token window, so that case is expected to fail,
+# strictly (a pass makes the suite fail until the mark is removed).
 NOT_YET = pytest.mark.xfail(strict=True, reason="issue 27 target for the 8x preset not met yet "
-                                                "(measured +3.8% and +4.3% on this window)")
+                                                "(measured +4.5% and +5.4% on this window)")
 CASES = [pytest.param(alias, name, marks=[NOT_YET] if name == "8x" else [])
          for alias in ("smollm2", "qwen2.5-0.5b") for name in LIMITS]
 
