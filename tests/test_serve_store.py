@@ -72,6 +72,21 @@ def test_truncated_file_is_listed_corrupted_at_start(stories, tmp_path):
         assert "truncated" in err["message"]
 
 
+def test_a_stored_context_is_held_in_the_layout_its_file_records(stories, tmp_path):
+    """A full-precision file that records ``into`` (`kvcache compress --into q4d`,
+    ``CompressedContext.save(into=...)``) is held in that layout by the server's store once loaded."""
+    from kv_cache import KVzip, QuantConfig
+    from kv_cache.cache.serialize_state import _encode_quant
+
+    model, tok = stories
+    ctx = CompressedContext.build(model, tok, DOC, eviction=KVzip(budget=0.5))
+    cid = ContextStore(tmp_path, model, tok).add(ctx, {"model": MODEL, "method": "kvzip@0.5",
+                                                       "into": _encode_quant(QuantConfig(bits=4))})["id"]
+    loaded = ContextStore(tmp_path, model, tok).get(cid)  # what a restarted server reads
+    assert ctx.cache.quant is None and loaded.cache.quant == QuantConfig(bits=4)
+    assert loaded.cache.memory_report().codes_bytes > 0
+
+
 @pytest.mark.parametrize("pause", ["open", "inner", "rename"])
 def test_kill_during_compression_leaves_no_partial_entry(stories, tmp_path, pause):
     """SIGKILL a server child while it writes a compressed context (half a temporary file, or a
