@@ -31,7 +31,10 @@ KV_SPACE_GIB = 1
 MAX_MODEL_LEN = 1024
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
            "The three primary colors are", "Water boils at", "The first president of the United States was",
-           "To make a cup of tea, you", "The largest planet in the solar system is"]
+           "To make a cup of tea, you", "The largest planet in the solar system is",
+           # continuations with no near tie over 32 tokens: greedy identity is well posed there
+           "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "a b c d e f g h i j k l m", "10 20 30 40 50 60 70 80",
+           "Monday Tuesday Wednesday Thursday Friday Saturday Sunday Monday Tuesday"]
 DECIDED = 0.05
 """Greedy steps whose top-1 / top-2 log-prob gap under ``auto`` is below this many nats are near
 ties that any rounding can flip; q8 must reproduce every prompt without one. The runs below use
@@ -122,9 +125,10 @@ def test_q8_close_to_auto(runs):
     shifts = sorted(abs(a - b) for a, b in zip(auto, q8))
     assert shifts[len(shifts) // 2] < 0.005, shifts[len(shifts) // 2]
     tie = max(DECIDED, 2 * shifts[int(0.99 * len(shifts))])
-    for i, margin in enumerate(runs["auto"]["margins"]):
-        if margin >= tie:
-            assert runs["q8"]["generate"][i] == runs["auto"]["generate"][i], PROMPTS[i]
+    decided = [i for i, margin in enumerate(runs["auto"]["margins"]) if margin >= tie]
+    assert len(decided) >= 2, (runs["auto"]["margins"], tie)  # the identity check is not vacuous
+    for i in decided:
+        assert runs["q8"]["generate"][i] == runs["auto"]["generate"][i], PROMPTS[i]
     assert all(len(ids) == 32 for ids in runs["q8"]["generate"])
     same = sum(a == b for a, b in zip(runs["q8"]["generate"], runs["auto"]["generate"]))
     assert same >= len(PROMPTS) // 2

@@ -196,8 +196,9 @@ def _quant_config(m: re.Match[str]) -> QuantConfig:
 
 
 def parse_quant(spec: str) -> QuantConfig:
-    """The :class:`QuantConfig` of our quantization part alone (``q3htc64l``; no ``+policy``)."""
-    m = _QUANT.match(spec.strip()) if isinstance(spec, str) else None
+    """The :class:`QuantConfig` of our quantization part alone (``q4d``, ``q4``, ``q3htc64l``; no
+    ``+policy``; the grammar of ``kvcache eval --methods``); raises ``ValueError`` naming the form."""
+    m = _QUANT.match(spec.strip().lower()) if isinstance(spec, str) else None
     if m is None:
         raise ValueError(f"not one of our quantization specs ({_QUANT_GRAMMAR}): {spec!r}")
     return _quant_config(m)
@@ -498,18 +499,6 @@ def parse_method(spec: str, *, check_packages: bool = True) -> Method:
     if s.startswith(_PEER_PREFIXES):
         raise _unknown(spec, "malformed peer spec")
     return _ours(spec, s.split("+"))
-
-
-def parse_quant(spec: str) -> QuantConfig:
-    """The :class:`QuantConfig` of a quantization spec alone (``q4d``, ``q4``, ``q2k3``...; the
-    grammar of ``kvcache eval --methods``); raises ``ValueError`` naming the form for anything else."""
-    if not isinstance(spec, str):
-        raise ValueError(f"a quantization spec must be a string such as 'q4d'; got {spec!r}")
-    m = _QUANT.match(spec.strip().lower())
-    if m is None:
-        raise ValueError(f"a quantization spec is q<bits>[d][options] (e.g. q4d, q4, q2d; see `kvcache eval "
-                         f"--help`); got {spec!r}")
-    return _quant_config(m)
 
 
 def parse_methods(specs: list[str]) -> tuple[list[Method], dict[str, str]]:
