@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> dict:
     import httpx
 
     from kv_cache.models import load_model
-    from kv_cache.serve.store import ANY_OWNER, ContextStore
+    from kv_cache.integrations.serve.store import ANY_OWNER, ContextStore
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -57,8 +57,7 @@ def _progress(config: str, what: str, t0: float) -> None:
 
 def child(args: argparse.Namespace, config: str) -> dict:
     """One configuration in this process: build the engine, run every measurement, return a dict."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     kw = dict(model=args.model, max_model_len=args.max_model_len, enforce_eager=True, max_num_batched_tokens=256,
               enable_chunked_prefill=True, dtype="bfloat16", seed=0, max_num_seqs=max(args.concurrency))
@@ -69,6 +68,17 @@ def child(args: argparse.Namespace, config: str) -> dict:
     t_start = time.perf_counter()
     llm = LLM(**kw)
     _progress(config, "engine up", t_start)
+    try:
+        return _measure(args, config, llm, t_start)
+    finally:  # stop the engine core now: left to the interpreter's teardown it may abort (rc -6)
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _measure(args: argparse.Namespace, config: str, llm, t_start: float) -> dict:
+    """Every measurement of one configuration on its running engine ``llm``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     tok = llm.get_tokenizer()
     ids = tok(_wikitext(), add_special_tokens=False)["input_ids"]
     out: dict = {}
@@ -228,7 +238,8 @@ def main() -> None:
     args.needle_depths = [float(x) for x in str(args.needle_depths).split(",")]
     if args.child:
         print(json.dumps(child(args, args.child)), flush=True)
-        return
+        sys.stderr.flush()
+        os._exit(0)  # the engine is shut down; skip a teardown that may abort after the result
     import torch
     import vllm
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import uvicorn
 
-from kv_cache.serve import build
+from kv_cache.integrations.serve import build
 
 MODEL = "stories260K"
 KEY = "test-key"

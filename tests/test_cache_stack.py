@@ -11,7 +11,7 @@ import torch
 from kv_cache import CompressedContext
 from kv_cache.cache import compress
 from kv_cache.cache.stack import layout_key, session_states, stack_reason, stack_sessions
-from kv_cache.cli_context import method_settings
+from kv_cache.cli.context import method_settings
 from kv_cache.context import forward_at
 
 DOC = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "

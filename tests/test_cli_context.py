@@ -10,7 +10,7 @@ import torch
 from kv_cache import CompressedContext, KVzip, QuantConfig
 from kv_cache.cache.serialize import read_info
 from kv_cache.cli import main
-from kv_cache.cli_context import method_settings
+from kv_cache.cli.context import method_settings
 from kv_cache.context import fit_context, max_context_tokens, max_positions
 from kv_cache.models import shared_data_dir
 

@@ -11,7 +11,7 @@ import torch
 
 import kv_cache.generation
 from kv_cache import CompressedContext, QuantConfig, compress
-from kv_cache.cli_serve import parse_bytes
+from kv_cache.cli.serve import parse_bytes
 from kv_cache.context import forward_at
 from kv_cache.eval import runner
 from kv_cache.generation import SamplingParams, sample_token, stop_scan

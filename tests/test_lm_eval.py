@@ -60,7 +60,7 @@ def test_entry_point_declared():
     from importlib.metadata import entry_points
 
     eps = {ep.name: ep.value for ep in entry_points(group="lm_eval.models")}
-    assert eps.get("kv_cache") == "kv_cache.lm_eval_model:KVCacheLM"
+    assert eps.get("kv_cache") == "kv_cache.integrations.lm_eval:KVCacheLM"
 
 
 def test_full_equals_hf(hf_results):

@@ -1,7 +1,7 @@
 """``kvcache serve`` decodes concurrent chats on stored contexts together (issue 28, batching):
 chats on the same context and on different contexts share one batch, and their greedy answers
 equal the answers of a server that runs one at a time (``--max-batch 1``). Which chats share a
-batch, and which are answered alone: :func:`kv_cache.serve.batch_context.plan_groups`."""
+batch, and which are answered alone: :func:`kv_cache.integrations.serve.batch_context.plan_groups`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai", reason="the tests drive the server with the openai client")
 
 from kv_cache import CompressedContext, KVzip, QuantConfig  # noqa: E402
-from kv_cache.serve.batch_context import plan_groups  # noqa: E402
+from kv_cache.integrations.serve.batch_context import plan_groups  # noqa: E402
 from serve_support import AUTH, DOC, KEY, MODEL, create, serving  # noqa: E402
 
 DOC2 = "Tom had a big dog named Max. Max liked to run and jump in the garden. One day Max found a bone. " * 3

@@ -1,4 +1,4 @@
-"""The model worker gathers a batch (:class:`kv_cache.serve.engine.Engine`, without a model): jobs
+"""The model worker gathers a batch (:class:`kv_cache.integrations.serve.engine.Engine`, without a model): jobs
 of one batch key run together, up to ``max_batch``; with ``batch_wait`` a job waits for more of
 its key, and stops waiting once the batch is full or the server shuts down."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kv_cache.serve.engine import Engine
+from kv_cache.integrations.serve.engine import Engine
 
 
 def _until(cond, what: str, limit: float = 30.0) -> None:

@@ -19,8 +19,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 from kv_cache import CompressedContext  # noqa: E402
-from kv_cache.serve.limits import Limits  # noqa: E402
-from kv_cache.serve.store import ContextStore  # noqa: E402
+from kv_cache.integrations.serve.limits import Limits  # noqa: E402
+from kv_cache.integrations.serve.store import ContextStore  # noqa: E402
 from serve_support import AUTH, DOC, KEY, MODEL, QUESTION, create, error, serving, sha  # noqa: E402
 
 VICTIM = "victim-key"

@@ -1,4 +1,4 @@
-"""The rows of a batch of chats (:mod:`kv_cache.serve.rows`), without a model: each row stops on
+"""The rows of a batch of chats (:mod:`kv_cache.integrations.serve.rows`), without a model: each row stops on
 its own (``max_tokens``, a stop string, end of sequence, its deadline), is answered the moment it
 is done, and a row that is done is fed the padding token."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kv_cache.generation import SamplingParams
-from kv_cache.serve.engine import Job
-from kv_cache.serve.errors import ApiError
-from kv_cache.serve.rows import Row, decode_rows
+from kv_cache.integrations.serve.engine import Job
+from kv_cache.integrations.serve.errors import ApiError
+from kv_cache.integrations.serve.rows import Row, decode_rows
 
 V, PAD, EOS = 8, 0, 7
 

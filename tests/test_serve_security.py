@@ -20,10 +20,10 @@ pytest.importorskip("fastapi", reason="needs the serve extra: pip install 'kv_ca
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai", reason="the tests drive the server with the openai client")
 
-from kv_cache.serve.auth import ApiKeys, collect_keys, is_loopback, key_id, read_keys_file  # noqa: E402
-from kv_cache.serve.errors import ApiError, redact  # noqa: E402
-from kv_cache.serve.files import ServedFiles  # noqa: E402
-from kv_cache.serve.limits import Limits, json_depth, parse_json  # noqa: E402
+from kv_cache.integrations.serve.auth import ApiKeys, collect_keys, is_loopback, key_id, read_keys_file  # noqa: E402
+from kv_cache.integrations.serve.errors import ApiError, redact  # noqa: E402
+from kv_cache.integrations.serve.files import ServedFiles  # noqa: E402
+from kv_cache.integrations.serve.limits import Limits, json_depth, parse_json  # noqa: E402
 from serve_support import AUTH, DOC, KEY, MODEL, QUESTION, ask, create, error, serving  # noqa: E402
 
 KEY2 = "second-key"
@@ -201,7 +201,7 @@ def test_redact_replaces_server_paths_keeps_routes():
 
 
 def test_served_model_name_defaults_to_the_folder_name():
-    from kv_cache.cli_serve import served_model_name
+    from kv_cache.cli.serve import served_model_name
 
     assert served_model_name("/models/SmolLM2-135M/") == "SmolLM2-135M"
     assert served_model_name("stories260K") == "stories260K"

@@ -17,9 +17,9 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai", reason="the tests drive the server with the openai client")
 
 from kv_cache import CompressedContext  # noqa: E402
-from kv_cache.serve.store import ANY_OWNER  # noqa: E402
-from kv_cache.serve.auth import key_id  # noqa: E402
-from kv_cache.serve.store import ContextStore  # noqa: E402
+from kv_cache.integrations.serve.store import ANY_OWNER  # noqa: E402
+from kv_cache.integrations.serve.auth import key_id  # noqa: E402
+from kv_cache.integrations.serve.store import ContextStore  # noqa: E402
 from serve_support import AUTH, DOC, KEY, MODEL, QUESTION, REPO, ask, create, error, free_port, serving  # noqa: E402
 
 
@@ -281,7 +281,7 @@ def test_shutdown_during_a_long_compression_answers_at_once_and_writes_nothing(s
     """What SIGTERM does (uvicorn's handle_exit: Engine.begin_shutdown, then should_exit) while a
     compression runs for a long time: its request is answered 503 at once, the server stops in
     seconds without waiting for the work, and the compression, when it ends, writes nothing."""
-    import kv_cache.serve.service as service_module
+    import kv_cache.integrations.serve.service as service_module
 
     model, tok = stories
     building, built = threading.Event(), threading.Event()

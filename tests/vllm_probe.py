@@ -14,6 +14,7 @@ Output (the stdout line that starts with ``{"``; vLLM may print more at shutdown
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 
@@ -32,9 +33,28 @@ def _gap(step: dict) -> float:
 
 
 def main(spec: dict) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     llm = LLM(**spec["engine"])
+    try:
+        return _run(llm, spec)
+    finally:
+        close(llm)
+
+
+def close(llm) -> None:
+    """Stop ``llm``'s engine core now (its processes exit), not in the interpreter's teardown: left
+    to the teardown, a C++ thread of the engine may still be joinable and abort the process
+    ("terminate called without an active exception", rc -6) after the result was printed."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as exc:  # noqa: BLE001 -- reported, then the caller exits anyway
+        print(f"vllm_probe: engine shutdown raised {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+def _run(llm, spec: dict) -> dict:
+    from vllm import SamplingParams
+
     result: dict = {}
     if spec.get("generate"):
         params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 32), ignore_eos=True, logprobs=2)
@@ -65,4 +85,6 @@ def main(spec: dict) -> dict:
 
 if __name__ == "__main__":
     out = main(json.loads(sys.argv[1]))
-    print(json.dumps(out))
+    print(json.dumps(out), flush=True)
+    sys.stderr.flush()
+    os._exit(0)  # the engine is shut down; skip a teardown that may abort (see close)

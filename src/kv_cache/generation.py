@@ -1,6 +1,6 @@
 """A small generation loop over any cache: sampling, stop strings, tokens one at a time.
 
-Shared by ``kvcache serve`` (:mod:`kv_cache.serve`) and the lm-eval model
+Shared by ``kvcache serve`` (:mod:`kv_cache.integrations.serve`) and the lm-eval model
 (:mod:`kv_cache.lm_eval_model`). The pieces are pure where they can be:
 
 * :class:`SamplingParams` holds and checks ``temperature`` / ``top_p`` / ``seed``;

@@ -1,5 +1,10 @@
-"""Adapters that run kv_cache inside other engines (vLLM).
+"""kv_cache inside other engines and behind other interfaces.
 
-Each integration lives in its own subpackage, imports the library downward, and is imported by
-nothing in the library. Importing this package imports no engine.
+* :mod:`.vllm`: the vLLM plugin (an attention backend over our codes in vLLM's paged blocks);
+* :mod:`.lm_eval`: the ``kv_cache`` model of lm-evaluation-harness;
+* :mod:`.serve`: ``kvcache serve``, the OpenAI-compatible server over compressed contexts.
+
+Each imports the library downward; nothing in ``compression/``, ``kernels/``, ``cache/`` or
+``attention/`` imports them, and importing this package imports no engine. The old import
+paths ``kv_cache.lm_eval_model`` and ``kv_cache.serve`` still work.
 """

@@ -7,14 +7,14 @@ while it holds :attr:`Engine.model_lock`; anything else that wants the model (a 
 test) takes the same lock.
 
 * The queue holds at most ``queue_size`` waiting jobs; :meth:`Engine.submit` past that raises
-  :class:`~kv_cache.serve.errors.ApiError` ``queue_full`` (503 with ``Retry-After``).
+  :class:`~kv_cache.integrations.serve.errors.ApiError` ``queue_full`` (503 with ``Retry-After``).
 * Each job has a deadline (``request_timeout`` seconds after it was submitted). A job still
   queued at its deadline is dropped; a running one checks it between tokens and stops with
   ``request_timeout`` (504). A job whose client went away (:meth:`Job.cancel`) is dropped or
   stopped the same way.
 * A job with a ``batch_key`` (a chat: ``"plain"`` without a stored context, ``"context"`` on
   one) takes with it the queued jobs of the same key, up to ``max_batch`` in all, and they run
-  as one batch (``batch_fn``; :mod:`kv_cache.serve.batch`, :mod:`kv_cache.serve.batch_context`).
+  as one batch (``batch_fn``; :mod:`kv_cache.integrations.serve.batch`, :mod:`kv_cache.integrations.serve.batch_context`).
   With ``batch_wait`` > 0 it first waits that long for more jobs of its key while fewer than
   ``max_batch`` are queued (clients whose answers a batch just sent ask again a moment later).
 * Requests are admitted (:meth:`Engine.reserve`) before their tokenization, which runs outside the

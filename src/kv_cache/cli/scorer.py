@@ -22,7 +22,7 @@ DEFAULT_WINDOW = 2048
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register the ``calibrate-scorer`` subcommand on ``sub`` (an argparse subparsers object)."""
-    from .compression.scorer import KINDS
+    from ..compression.scorer import KINDS
 
     p = sub.add_parser("calibrate-scorer", help="fit a KVzap scorer (KVzip's scores predicted from hidden states)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,9 +41,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .compression.scorer_file import save_scorer
-    from .models import load_model, shared_data_dir
-    from .plan.scorer_training import fit_scorer
+    from ..compression.scorer_file import save_scorer
+    from ..models import load_model, shared_data_dir
+    from ..plan.scorer_training import fit_scorer
 
     text_path = Path(args.text) if args.text else shared_data_dir() / DEFAULT_TEXT
     if not text_path.is_file():

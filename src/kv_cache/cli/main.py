@@ -1,4 +1,5 @@
-"""``kvcache``: evaluate KV-cache compression settings against the full cache and against peers.
+"""``kvcache``: the parser and the ``eval`` / ``demo`` / ``bill`` subcommands; every other
+subcommand lives in its own module of this package and adds its parser here.
 
 Subcommands
 -----------
@@ -65,9 +66,9 @@ def _load_config_file(path: str) -> dict[str, Any]:
 
 
 def _eval_parser(sub, name: str, help_text: str, defaults: dict[str, Any]) -> argparse.ArgumentParser:
-    from .eval.methods import grammar_help
-    from .eval.runner import EvalConfig
-    from .eval.tasks import HAYSTACK_KINDS
+    from ..eval.methods import grammar_help
+    from ..eval.runner import EvalConfig
+    from ..eval.tasks import HAYSTACK_KINDS
 
     p = sub.add_parser(name, help=help_text, description=help_text, epilog=grammar_help() + TASKS_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,7 +95,7 @@ def _eval_parser(sub, name: str, help_text: str, defaults: dict[str, Any]) -> ar
 
 def _depths(value: Any) -> list[float] | None:
     """``"0.1,0.5"`` (or a config file's list, already joined) -> ``[0.1, 0.5]``; None stays None."""
-    from .eval.tasks import check_depths
+    from ..eval.tasks import check_depths
 
     if value is None:
         return None
@@ -115,8 +116,8 @@ def _option_value(f: dataclasses.Field, value: Any) -> Any:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    from .eval.report import write_reports
-    from .eval.runner import EvalConfig, run_eval
+    from ..eval.report import write_reports
+    from ..eval.runner import EvalConfig, run_eval
 
     opts: dict[str, Any] = {"out": EVAL_OUT, **args._defaults}  # the rest defaults to EvalConfig's
     if args.config:
@@ -129,8 +130,8 @@ def _run_eval(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"kvcache: unknown option(s) {sorted(unknown)}")
     cfg = EvalConfig(**{k: _option_value(fields[k], v) for k, v in opts.items() if k != "out" and v is not None})
-    from .eval.methods import parse_methods
-    from .eval.runner import resolve_task
+    from ..eval.methods import parse_methods
+    from ..eval.runner import resolve_task
 
     methods, _ = parse_methods(cfg.methods)  # fail fast on typos, before any model is loaded
     for task in cfg.tasks:
@@ -161,8 +162,8 @@ def _run_eval(args: argparse.Namespace) -> int:
 def _run_bill(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
-    from .bill import bill, format_bill
-    from .models import load_model
+    from ..bill import bill, format_bill
+    from ..models import load_model
 
     hf_logging.disable_progress_bar()
     model, tok = load_model(args.model)
@@ -185,25 +186,25 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bill", help="byte bill of one captured KV cache")
     b.add_argument("--model", default="stories260K")
     b.add_argument("--prompt-tokens", type=int, default=256)
-    from .cli_calibrate import add_parser as _add_calibrate
+    from .calibrate import add_parser as _add_calibrate
 
     _add_calibrate(sub)
-    from .cli_scorer import add_parser as _add_scorer
+    from .scorer import add_parser as _add_scorer
 
     _add_scorer(sub)
-    from .cli_codec import add_parser as _add_codec
+    from .codec import add_parser as _add_codec
 
     _add_codec(sub)
-    from .cli_allocate import add_parser as _add_allocate
+    from .allocate import add_parser as _add_allocate
 
     _add_allocate(sub)
-    from .cli_plan import add_parser as _add_plan
+    from .plan import add_parser as _add_plan
 
     _add_plan(sub)
-    from .cli_context import add_parsers as _add_context
+    from .context import add_parsers as _add_context
 
     _add_context(sub)
-    from .cli_serve import add_parser as _add_serve
+    from .serve import add_parser as _add_serve
 
     _add_serve(sub)
     return ap
@@ -227,6 +228,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvcache: error: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

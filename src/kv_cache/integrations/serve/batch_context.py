@@ -1,7 +1,7 @@
 """Concurrent chats of ``kvcache serve`` on stored contexts, decoded together in one batch.
 
 When the worker takes a chat on a stored context and more such chats wait in the queue, it runs
-up to ``--max-batch`` of them together (:meth:`kv_cache.serve.engine.Engine._run_batch`),
+up to ``--max-batch`` of them together (:meth:`kv_cache.integrations.serve.engine.Engine._run_batch`),
 whether they ask the same context or different ones:
 
 1. **Each question is prefilled on its own** context, exactly as one at a time: inside the
@@ -19,7 +19,7 @@ whether they ask the same context or different ones:
 3. **The answers are decoded together**: each step feeds every row's last token at the row's own
    absolute position (``position_ids`` per row), inside the batch cache's session, and each row
    keeps its own sampling, stops, ``max_tokens``, stream and deadline
-   (:class:`~kv_cache.serve.rows.Row`).
+   (:class:`~kv_cache.integrations.serve.rows.Row`).
 
 Chats whose contexts cannot be stacked with the others (:func:`~kv_cache.cache.stack.layout_key`:
 another quantization or layout) form a batch of their own, one after the other. A context whose
@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from ..cache import compress
-from ..cache.stack import layout_key, session_states, stack_reason, stack_sessions
-from ..context import forward_at
+from ...cache import compress
+from ...cache.stack import layout_key, session_states, stack_reason, stack_sessions
+from ...context import forward_at
 from .engine import Job, internal_error
 from .errors import ApiError
 from .rows import Row, decode_rows, flush, pad_token
@@ -141,7 +141,7 @@ def _decode_group(service: Any, group: list[tuple[Job, Any, list[int]]]) -> None
 
 def context_batch(service: Any, jobs: list[Job]) -> None:
     """Answer the chats ``jobs`` on stored contexts (each ``job.item`` a
-    :class:`~kv_cache.serve.service.PreparedChat` with a ``context_id``) together; see the module
+    :class:`~kv_cache.integrations.serve.service.PreparedChat` with a ``context_id``) together; see the module
     docstring. Each job's events get its own answer."""
     items = []
     for job in jobs:

@@ -5,7 +5,7 @@ run *outside* the model lock (in the server's tokenizer thread): they check what
 without the model (the owner's context and quota, the method, the tokens against the limits and
 the model's positions) and tokenize, under a tokenizer lock of their own. Only then is the job
 queued; :meth:`Service.compress` / :meth:`Service.chat` run on the worker thread of
-:class:`~kv_cache.serve.engine.Engine`, under its model lock.
+:class:`~kv_cache.integrations.serve.engine.Engine`, under its model lock.
 
 **Prompts.** Without a context, the messages are rendered with the tokenizer's chat template
 when it has one (SmolLM2; the generation prompt added), or else as their texts joined by
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from ..cache import FidelityError, compress
-from ..context import CompressedContext, _ids, _text_ids, fit_context, forward_at, max_positions
-from ..generation import generate_tokens, stop_scan
+from ...cache import FidelityError, compress
+from ...context import CompressedContext, _ids, _text_ids, fit_context, forward_at, max_positions
+from ...generation import generate_tokens, stop_scan
 from .engine import Job
 from .errors import ApiError
 from .files import ServedFiles
@@ -121,8 +121,8 @@ class Service:
         """``(quant, eviction, plan, name)`` of the request's method, or preset (sized for
         ``tokens``) or plan (then ``plan`` is the :class:`~kv_cache.plan.CachePlan` and ``quant``
         None); ``invalid_method`` when it does not parse or does not fit this model."""
-        from ..cli_context import method_settings
-        from ..plan import CachePlan, preset_plan
+        from ...cli.context import method_settings
+        from ...plan import CachePlan, preset_plan
 
         try:
             if req.preset is not None:
@@ -156,7 +156,7 @@ class Service:
     def prepare_compress(self, req: ContextRequest, owner: str | None = None) -> PreparedContext:
         """Check and tokenize ``req`` for ``owner``, outside the model lock: the quota (429), the
         document's tokens (``--max-document-tokens``, the positions), the method."""
-        from ..chat import has_chat_template, split_chat
+        from ...chat import has_chat_template, split_chat
 
         try:
             self.store.check_room(owner)
@@ -247,7 +247,7 @@ class Service:
                 raise _store_error(exc, req.context_id, "context_id") from None
             question = "\n".join(text for _, text in req.messages)
             if suffix is not None:
-                from ..chat import question_text
+                from ...chat import question_text
 
                 question = question_text(question, suffix)
             with self.tokenizer_lock:

@@ -18,7 +18,7 @@ an unknown context (never a path).
   ``status: "corrupted"`` and its error; using it raises :class:`ContextCorrupted` (the server
   answers 422); deleting it works. Nothing in a file stops the store from opening.
 * **Owners.** Each context records the owner id of the API key that stored it
-  (:func:`kv_cache.serve.auth.key_id`; None without keys). Every lookup names an owner: another
+  (:func:`kv_cache.integrations.serve.auth.key_id`; None without keys). Every lookup names an owner: another
   owner's context is :class:`ContextNotFound`, exactly like a missing one. Contexts stored
   before keys were configured have owner None and are seen by no key; the operator assigns or
   deletes them (``kvcache contexts``, :meth:`ContextStore.assign`).
@@ -45,8 +45,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from ..cache.serialize import model_identity, read_info, rewrite_extra, save_cache
-from ..context import CompressedContext
+from ...cache.serialize import model_identity, read_info, rewrite_extra, save_cache
+from ...context import CompressedContext
 
 log = logging.getLogger(__name__)
 
@@ -342,11 +342,11 @@ class ContextStore:
         _fsync_dir(self.directory)
 
     def assign(self, cid: str, owner: str | None) -> dict[str, Any]:
-        """Give context ``cid`` (any owner's) to ``owner`` (an owner id, :func:`~kv_cache.serve.auth.key_id`;
+        """Give context ``cid`` (any owner's) to ``owner`` (an owner id, :func:`~kv_cache.integrations.serve.auth.key_id`;
         None: no key's): its file is rewritten atomically with the new owner. The operator's call
         (``kvcache contexts assign``), on a store no server is using."""
         if owner is not None and not (isinstance(owner, str) and re.fullmatch(r"[0-9a-f]{32}", owner)):
-            raise ValueError(f"owner must be an owner id (32 hex digits, kv_cache.serve.auth.key_id) or None; "
+            raise ValueError(f"owner must be an owner id (32 hex digits, kv_cache.integrations.serve.auth.key_id) or None; "
                              f"got {owner!r}")
         with self._lock:
             if not self._visible(cid, ANY_OWNER):

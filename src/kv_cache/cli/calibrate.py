@@ -34,9 +34,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .compression.rotation_file import save_calibration
-    from .plan.calibration import calibrate_rotations, calibration_meta
-    from .models import load_model, shared_data_dir
+    from ..compression.rotation_file import save_calibration
+    from ..plan.calibration import calibrate_rotations, calibration_meta
+    from ..models import load_model, shared_data_dir
 
     for name in ("tokens", "window"):
         if getattr(args, name) < 1:

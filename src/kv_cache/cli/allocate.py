@@ -44,11 +44,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .plan.bit_allocation import allocate_bits, layer_bits_from_allocation, save_bit_profile
-    from .compression.rotation_file import model_shapes, text_sha256
-    from .plan.sensitivity import measure_bit_costs
-    from .eval.methods import parse_quant
-    from .models import load_model, shared_data_dir
+    from ..plan.bit_allocation import allocate_bits, layer_bits_from_allocation, save_bit_profile
+    from ..compression.rotation_file import model_shapes, text_sha256
+    from ..plan.sensitivity import measure_bit_costs
+    from ..eval.methods import parse_quant
+    from ..models import load_model, shared_data_dir
 
     for name in ("windows", "prefix", "continuation"):
         if getattr(args, name) < 1:
@@ -102,7 +102,7 @@ def _reuse_costs(path: str, layout: str, choices: tuple[int, ...], model: str):
     """The costs and measurement metadata of an earlier profile, checked against this run."""
     import torch
 
-    from .plan.bit_allocation import read_bit_profile
+    from ..plan.bit_allocation import read_bit_profile
 
     doc = read_bit_profile(path)
     missing = [k for k in _REUSED if k not in doc]

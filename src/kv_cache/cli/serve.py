@@ -52,7 +52,7 @@ def served_model_name(model: str) -> str:
 
 def add_parser(sub) -> None:
     """Register ``serve`` and ``contexts`` on ``sub`` (an argparse subparsers object)."""
-    from .serve.limits import Limits
+    from ..integrations.serve.limits import Limits
 
     d = Limits()
     p = sub.add_parser("serve", help="an OpenAI-compatible server over compressed contexts",
@@ -129,7 +129,7 @@ def add_parser(sub) -> None:
 
 
 def limits_from_args(args: argparse.Namespace):
-    from .serve.limits import Limits
+    from ..integrations.serve.limits import Limits
 
     return Limits(max_body_bytes=parse_bytes(args.max_body_bytes, "--max-body-bytes"),
                   max_json_depth=args.max_json_depth, max_document_chars=args.max_document_chars,
@@ -144,7 +144,7 @@ def limits_from_args(args: argparse.Namespace):
 
 def check_exposure(host: str, keys: list[str], insecure: bool) -> None:
     """Refuse a non-loopback ``host`` without any key unless ``insecure``."""
-    from .serve.auth import is_loopback
+    from ..integrations.serve.auth import is_loopback
 
     if not keys and not is_loopback(host) and not insecure:
         raise ValueError(f"--host {host} is not a loopback address and no API key is set: anyone who reaches it "
@@ -156,15 +156,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from .serve import build
+        from ..integrations.serve import build
     except ImportError as exc:
         raise SystemExit(f"kvcache serve needs the serve extra: pip install 'kv_cache[serve]' ({exc})") from None
     import logging
 
-    from .models import load_model
-    from .serve.auth import collect_keys
-    from .serve.files import ServedFiles
-    from .serve.store import ANY_OWNER
+    from ..models import load_model
+    from ..integrations.serve.auth import collect_keys
+    from ..integrations.serve.files import ServedFiles
+    from ..integrations.serve.store import ANY_OWNER
 
     cache_bytes = parse_bytes(args.cache_bytes)
     limits = limits_from_args(args)
@@ -207,9 +207,9 @@ def run_contexts(args: argparse.Namespace) -> int:
     import json
     import os
 
-    from .models import load_model
-    from .serve.auth import KEY_ENV, key_id
-    from .serve.store import ANY_OWNER, ContextNotFound, ContextStore
+    from ..models import load_model
+    from ..integrations.serve.auth import KEY_ENV, key_id
+    from ..integrations.serve.store import ANY_OWNER, ContextNotFound, ContextStore
 
     model, tok = load_model(args.model)
     store = ContextStore(args.store, model, tok, cache_bytes=0)

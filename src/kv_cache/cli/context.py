@@ -81,7 +81,7 @@ def add_parsers(sub) -> None:
 
 def parse_ours(spec: str, bits: int | None) -> tuple[Any, str]:
     """``(method, spec)``: an ``kvcache eval`` method spec (ours only), ``bits`` prefixed; no model needed."""
-    from .eval.methods import parse_method
+    from ..eval.methods import parse_method
 
     if bits is not None:
         spec = f"q{bits}+{spec}"
@@ -94,7 +94,7 @@ def parse_ours(spec: str, bits: int | None) -> tuple[Any, str]:
 
 def method_settings(spec: str, bits: int | None, model: Any) -> tuple[Any, Any, str]:
     """``(quant, eviction, spec)`` of an ``kvcache eval`` method spec (ours only), ``bits`` prefixed."""
-    from .cache import CompressedCache
+    from ..cache import CompressedCache
 
     method, spec = parse_ours(spec, bits)
     cache, _ = method.make(model)
@@ -131,9 +131,9 @@ def read_document(path: str) -> str:
 
 
 def run_compress(args: argparse.Namespace) -> int:
-    from .cache.serialize import save_cache
-    from .context import CompressedContext, _text_ids, fit_context
-    from .models import load_model
+    from ..cache.serialize import save_cache
+    from ..context import CompressedContext, _text_ids, fit_context
+    from ..models import load_model
 
     # Everything that can be checked without the model is checked before it loads.
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -151,7 +151,7 @@ def run_compress(args: argparse.Namespace) -> int:
                              "not with --bits, --ratio or --plan")
     into = None
     if args.into is not None:
-        from .eval.methods import parse_quant
+        from ..eval.methods import parse_quant
 
         into = parse_quant(args.into)
         if args.bits is not None or args.ratio is not None or args.plan is not None:
@@ -162,7 +162,7 @@ def run_compress(args: argparse.Namespace) -> int:
     if args.file_ratio is not None and args.method is None:
         args.method = "file-plan"  # chosen below, once the model is loaded
     if args.ratio is not None:
-        from .plan import parse_target, preset_plan
+        from ..plan import parse_target, preset_plan
 
         target = f"{parse_target(args.ratio if str(args.ratio).lower().endswith('x') else float(args.ratio)):g}x"
         spec = target
@@ -173,14 +173,14 @@ def run_compress(args: argparse.Namespace) -> int:
     ids = _text_ids(tok, text)  # checked against the model's positions before the prefill
     basis = None
     if args.file_ratio is not None:
-        from .codec import basis_for_model
+        from ..codec import basis_for_model
 
         basis = basis_for_model(model)
         if basis is None:
             raise ValueError(f"--file-ratio: no codec basis is shipped or in $KV_CACHE_HOME/codecs for {args.model}: "
                              f"fit one with `kvcache calibrate-codec --model {args.model}`")
     if args.method == "file-plan":
-        from .plan.file_plan import plan_file
+        from ..plan.file_plan import plan_file
 
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or len(ids)
         fplan = plan_file(model, tok, ids[: min(len(ids), limit // 2)], args.file_ratio, basis=basis)
@@ -218,11 +218,11 @@ def run_compress(args: argparse.Namespace) -> int:
     if len(kept) < len(ids):
         extra.update(document_tokens=len(ids), keep=args.keep or "head")
     if into is not None:
-        from .cache.serialize_state import _encode_quant
+        from ..cache.serialize_state import _encode_quant
 
         extra["into"] = _encode_quant(into)
     if args.file_ratio is not None:
-        from .cache.report import fp16_kv_bytes
+        from ..cache.report import fp16_kv_bytes
 
         spec = extra["method"] = f"{spec}+file{args.file_ratio:g}"
         written = save_cache(ctx.cache, args.out, model_config=model.config, extra=extra, codec=basis,
@@ -262,16 +262,16 @@ def _questions(args: argparse.Namespace) -> list[str]:
 
 
 def run_ask(args: argparse.Namespace) -> int:
-    from .cache.serialize import read_info
-    from .context import CompressedContext
-    from .models import load_model
+    from ..cache.serialize import read_info
+    from ..context import CompressedContext
+    from ..models import load_model
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
     questions = _questions(args)
     into = "file"  # the layout the file records, if any
     if args.into is not None:
-        from .eval.methods import parse_quant
+        from ..eval.methods import parse_quant
 
         into = None if args.into.strip().lower() == "full" else parse_quant(args.into)
     info = read_info(args.file)  # checks the file before the model is loaded

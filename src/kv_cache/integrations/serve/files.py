@@ -63,7 +63,7 @@ class ServedFiles:
     plans: Mapping[str, Any] = field(default_factory=dict)  # name -> kv_cache.plan.CachePlan
     scorers: Mapping[str, str] = field(default_factory=dict)  # name -> path
     bit_profiles: Mapping[str, Any] = field(default_factory=dict)  # name -> {layer: (key_bits, value_bits)}
-    paths: tuple[str, ...] = ()  # every registered file (absolute), for kv_cache.serve.errors.redact
+    paths: tuple[str, ...] = ()  # every registered file (absolute), for kv_cache.integrations.serve.errors.redact
 
     @classmethod
     def register(cls, plans: Iterable[str | tuple[str, str]] = (), scorers: Iterable[str | tuple[str, str]] = (),
@@ -71,9 +71,9 @@ class ServedFiles:
         """Read and check each file now (start-up): a plan must load (and fit ``model_config`` when
         given), a scorer's header must read, a bit profile must load. Raises ``ValueError`` naming
         the flag and the file (for the operator), ``FileNotFoundError`` for a missing one."""
-        from ..compression.scorer_file import read_header
-        from ..plan import CachePlan
-        from ..plan.bit_allocation import load_bit_profile
+        from ...compression.scorer_file import read_header
+        from ...plan import CachePlan
+        from ...plan.bit_allocation import load_bit_profile
 
         out: dict[str, dict[str, Any]] = {"plan": {}, "scorer": {}, "bit_profile": {}}
         paths = []

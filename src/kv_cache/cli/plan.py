@@ -41,8 +41,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .models import load_model, shared_data_dir
-    from .plan import plan_for, preset_plan
+    from ..models import load_model, shared_data_dir
+    from ..plan import plan_for, preset_plan
 
     if args.context is not None and args.context < 1:
         raise ValueError(f"--context must be >= 1; got {args.context}")

@@ -1,7 +1,7 @@
 """The FastAPI application of ``kvcache serve``: OpenAI's chat endpoints and compressed contexts.
 
 Routes (every one but ``GET /health`` behind ``Authorization: Bearer <api key>`` when the server
-has keys, ``/docs`` and ``/openapi.json`` included; :mod:`kv_cache.serve.auth`):
+has keys, ``/docs`` and ``/openapi.json`` included; :mod:`kv_cache.integrations.serve.auth`):
 
 * ``GET /v1/models``: the one model served;
 * ``POST /v1/chat/completions``: OpenAI's chat completion, non-streaming or streaming
@@ -14,12 +14,12 @@ has keys, ``/docs`` and ``/openapi.json`` included; :mod:`kv_cache.serve.auth`):
   removes one (another key's context answers 404, as a missing one).
 
 Concurrent chats are decoded together, up to ``--max-batch`` at once: chats without a stored
-context (:mod:`kv_cache.serve.batch`) and chats on stored contexts, the same or different ones
-(:mod:`kv_cache.serve.batch_context`). ``GET /health`` answers ``{"status": "ok"}`` without a
+context (:mod:`kv_cache.integrations.serve.batch`) and chats on stored contexts, the same or different ones
+(:mod:`kv_cache.integrations.serve.batch_context`). ``GET /health`` answers ``{"status": "ok"}`` without a
 key. A POST body is read up to ``--max-body-bytes`` and its depth checked before it is parsed
-(:mod:`kv_cache.serve.limits`); the request is then checked and tokenized outside the model lock,
+(:mod:`kv_cache.integrations.serve.limits`); the request is then checked and tokenized outside the model lock,
 in a thread of its own, and only then queued for the worker. Every error is OpenAI's JSON body
-with the status of its case (:mod:`kv_cache.serve.errors`), its message free of server paths; an
+with the status of its case (:mod:`kv_cache.integrations.serve.errors`), its message free of server paths; an
 unexpected failure is logged with its traceback and answered 500 with an incident id, and the
 server keeps serving.
 """
@@ -199,7 +199,7 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
         with engine.reserve():
             prep = await prepare(service.prepare_chat, req, owner)
             # chats may run together with others of their kind waiting: without a stored context
-            # (kv_cache.serve.batch), on stored contexts (kv_cache.serve.batch_context)
+            # (kv_cache.integrations.serve.batch), on stored contexts (kv_cache.integrations.serve.batch_context)
             batch = ({"batch_key": "plain", "item": prep, "batch_fn": functools.partial(chat_batch, service)}
                      if req.context_id is None else
                      {"batch_key": "context", "item": prep, "batch_fn": functools.partial(context_batch, service)})

@@ -8,11 +8,11 @@
   sized for the document, as ``kvcache compress --ratio``) or a ``plan`` (the JSON object
   ``kvcache plan`` writes, :class:`kv_cache.plan.CachePlan`, as ``kvcache compress --plan``).
 
-Every bad value is an :class:`~kv_cache.serve.errors.ApiError` (400) naming the field, what is
-allowed and what was received. The server's :class:`~kv_cache.serve.limits.Limits` are checked
+Every bad value is an :class:`~kv_cache.integrations.serve.errors.ApiError` (400) naming the field, what is
+allowed and what was received. The server's :class:`~kv_cache.integrations.serve.limits.Limits` are checked
 here, before any work: the document's characters and the messages' (``text_too_long``),
 ``max_tokens`` (at most ``--max-tokens``), each ``stop`` string's characters. A plan object that
-names a file is refused here, before it is decoded (:mod:`kv_cache.serve.files`). Fields OpenAI
+names a file is refused here, before it is decoded (:mod:`kv_cache.integrations.serve.files`). Fields OpenAI
 defines that this server does not implement are refused when they ask for something (``n`` > 1,
 penalties, ``logit_bias``, ``logprobs``, ``tools``); others (``user``, ``metadata``, ...) are
 ignored.
@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..generation import MAX_TEMPERATURE, SamplingParams
+from ...generation import MAX_TEMPERATURE, SamplingParams
 from .errors import ApiError, bad_param
 from .files import ServedFiles
 from .limits import Limits
@@ -116,7 +116,7 @@ def _too_long(what: str, n: int, limit: int, param: str) -> ApiError:
 
 def parse_chat(body: Any, served_model: str, limits: Limits | None = None) -> ChatRequest:
     """Check a chat completion body against the model this server serves (``served_model``)
-    and its ``limits`` (default :class:`~kv_cache.serve.limits.Limits`)."""
+    and its ``limits`` (default :class:`~kv_cache.integrations.serve.limits.Limits`)."""
     limits = limits or Limits()
     body = _require_object(body)
     model = body.get("model")
@@ -204,7 +204,7 @@ def parse_context(body: Any, limits: Limits | None = None) -> ContextRequest:
     ``preset`` / ``plan`` (default: ``method`` :data:`DEFAULT_METHOD`), and ``max_tokens`` /
     ``keep`` as ``kvcache compress --max-tokens / --keep``. A method's grammar and a plan's
     content are checked against the model before the job is queued; ``limits`` (default
-    :class:`~kv_cache.serve.limits.Limits`) bound the document's characters."""
+    :class:`~kv_cache.integrations.serve.limits.Limits`) bound the document's characters."""
     limits = limits or Limits()
     body = _require_object(body)
     doc = body.get("document")
@@ -231,7 +231,7 @@ def parse_context(body: Any, limits: Limits | None = None) -> ContextRequest:
         raise ApiError("invalid_method", f"method must be a method spec string (e.g. {DEFAULT_METHOD!r}); "
                                          f"got {_shown(method)}", param="method")
     if preset is not None:
-        from ..plan import PRESETS, parse_target
+        from ...plan import PRESETS, parse_target
 
         try:
             preset = f"{parse_target(preset):g}x"

@@ -12,7 +12,7 @@
 * :mod:`.batch_context`: concurrent chats on stored contexts (the same or different ones)
   decoded together, the contexts stacked as rows of one cache (:mod:`kv_cache.cache.stack`).
 
-:func:`build` puts them together for a loaded model; ``kvcache serve`` (:mod:`kv_cache.cli_serve`)
+:func:`build` puts them together for a loaded model; ``kvcache serve`` (:mod:`kv_cache.cli.serve`)
 runs it with uvicorn.
 """
 

@@ -4,7 +4,7 @@ Shared by the two kinds of batch of ``kvcache serve`` (:mod:`.batch`: chats with
 context; :mod:`.batch_context`: chats on stored contexts). A :class:`Row` is one chat of a batch:
 it draws its own tokens (its seed's generator), scans its own stop strings, counts its own
 ``max_tokens``, streams its own deltas, checks its own deadline and answers its own request the
-moment it is done, exactly as :meth:`~kv_cache.serve.service.Service.chat` does one at a time.
+moment it is done, exactly as :meth:`~kv_cache.integrations.serve.service.Service.chat` does one at a time.
 :func:`decode_rows` runs the steps: every row not done draws from its logits, the step's events
 of every row go to the server's event loop at once (:func:`flush`), then ``feed`` runs the model
 once for the whole batch (a row that is done is fed a padding token, never read).
@@ -16,13 +16,13 @@ from typing import Any, Callable
 
 import torch
 
-from ..generation import sample_token, stop_scan
+from ...generation import sample_token, stop_scan
 from .engine import Job, emit_many
 from .errors import ApiError
 
 
 class Row:
-    """One chat of a batch: ``job.item`` is its :class:`~kv_cache.serve.service.PreparedChat`;
+    """One chat of a batch: ``job.item`` is its :class:`~kv_cache.integrations.serve.service.PreparedChat`;
     ``prompt`` the tokens it fed (its messages, or its question after the context), ``cached`` the
     stored context's tokens it attends (0 without one)."""
 

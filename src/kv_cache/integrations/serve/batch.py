@@ -1,15 +1,15 @@
 """Concurrent chats of ``kvcache serve`` without a stored context, decoded together in one batch.
 
 When the worker takes a chat without a stored context and more such chats wait in the queue, it
-runs up to ``--max-batch`` of them as one batch (:meth:`kv_cache.serve.engine.Engine._run_batch`):
+runs up to ``--max-batch`` of them as one batch (:meth:`kv_cache.integrations.serve.engine.Engine._run_batch`):
 their prompts are left-padded into one ``[batch, longest]`` tensor with an attention mask, prefilled
 together into one ``DynamicCache``, then each step feeds every row's last token at the row's own
 position. Each row keeps its own sampling (its seed's generator), stop strings, ``max_tokens``,
-end of sequence, stream and deadline (:class:`~kv_cache.serve.rows.Row`), exactly as
+end of sequence, stream and deadline (:class:`~kv_cache.integrations.serve.rows.Row`), exactly as
 :meth:`Service.chat` does one at a time; a row that is done is fed a padding token until the batch
 ends, and its answer is sent when it is done.
 
-Chats on stored contexts are batched by :mod:`kv_cache.serve.batch_context`.
+Chats on stored contexts are batched by :mod:`kv_cache.integrations.serve.batch_context`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .rows import Row, decode_rows, pad_token
 
 
 def chat_batch(service: Any, jobs: list[Job]) -> None:
-    """Answer the plain chats ``jobs`` (each ``job.item`` a :class:`~kv_cache.serve.service.PreparedChat`
+    """Answer the plain chats ``jobs`` (each ``job.item`` a :class:`~kv_cache.integrations.serve.service.PreparedChat`
     without a context) together; each job's events get its own answer."""
     from transformers import DynamicCache
 
