@@ -8,7 +8,7 @@ import torch
 
 from kv_cache.integrations.vllm.attention import attend
 from kv_cache.integrations.vllm.codecs import (
-    CODECS, KEY_GROUP, PagedCodec, read_blocks, value_rotations, write_slots,
+    CODECS, KEY_GROUP, PagedCodec, first_kv_head, read_blocks, value_rotations, write_slots,
 )
 from kv_cache.integrations.vllm.settings import PluginSettings
 
@@ -171,3 +171,35 @@ def test_settings_parse_and_refuse():
         PluginSettings.from_additional_config({"kv_cache": {"codec": "fp8"}})
     with pytest.raises(ValueError, match="mapping"):
         PluginSettings.from_additional_config({"kv_cache": "q4d"})
+
+
+def test_first_kv_head_follows_vllms_tensor_parallel_split():
+    assert [first_kv_head(r, 2, 4) for r in range(2)] == [0, 2]  # 2 heads per rank
+    assert [first_kv_head(r, 4, 2) for r in range(4)] == [0, 0, 1, 1]  # each head on 2 ranks
+    assert [first_kv_head(r, 2, 2) for r in range(2)] == [0, 1]
+    assert first_kv_head(0, 1, 3) == 0
+    for bad, message in (((2, 2, 4), "rank must be < world"), ((0, 2, 3), "do not split"),
+                         ((0, 4, 3), "do not replicate"), ((-1, 2, 2), "rank must be an int"),
+                         ((0, 0, 2), "world must be an int"), ((0, 2, 1.5), "total_kv_heads must be an int")):
+        with pytest.raises(ValueError, match=message):
+            first_kv_head(*bad)
+
+
+@pytest.mark.parametrize("name", ["q4d", "q2d"])
+def test_tensor_parallel_ranks_store_the_single_process_codes(name):
+    """Each rank encodes its own heads with their model-wide rotations: the two ranks' slots are
+    the single-process slots of their heads, byte for byte (a rank's local head 0 is not head 0)."""
+    codec, heads, n, bs = PagedCodec(name, 64), 4, 70, 32
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(n, heads, 64, generator=g), torch.randn(n, heads, 64, generator=g)
+    slots = torch.arange(n)
+    whole = torch.zeros(4, heads, bs, codec.slot_bytes, dtype=torch.uint8)
+    write_slots(whole, k, v, slots, codec, value_rotations(codec, 5, heads))
+    for rank in range(2):
+        local = slice(2 * rank, 2 * rank + 2)
+        part = torch.zeros(4, 2, bs, codec.slot_bytes, dtype=torch.uint8)
+        rot = value_rotations(codec, 5, 2, first_head=first_kv_head(rank, 2, heads))
+        write_slots(part, k[:, local].contiguous(), v[:, local].contiguous(), slots, codec, rot)
+        assert torch.equal(part, whole[:, local]), rank
+    with pytest.raises(ValueError, match="first_head"):
+        value_rotations(codec, 5, 2, first_head=-1)

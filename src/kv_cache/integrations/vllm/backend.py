@@ -35,7 +35,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from .attention import attend
-from .codecs import CODECS, KEY_GROUP, PagedCodec, value_rotations, write_slots
+from .codecs import CODECS, KEY_GROUP, PagedCodec, first_kv_head, value_rotations, write_slots
 from .settings import PluginSettings
 
 
@@ -179,11 +179,24 @@ class KVCacheCodecImpl(AttentionImpl[KVCacheCodecMetadata]):
         self.codec = PagedCodec(self.settings.codec, head_size)
         self._rotation: torch.Tensor | None = None
         self._rotation_ready = False
+        cfg = get_current_vllm_config_or_none()  # set while vLLM builds the model
+        self._total_kv_heads = None if cfg is None else cfg.model_config.get_total_num_kv_heads()
+
+    def _first_head(self) -> int:
+        """The model-wide index of this rank's first kv head (0 without tensor parallelism)."""
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        world = get_tensor_model_parallel_world_size()
+        if world == 1:
+            return 0
+        total = self._total_kv_heads or self.num_kv_heads * world
+        return first_kv_head(get_tensor_model_parallel_rank(), world, total)
 
     def _rot(self, layer, device) -> torch.Tensor | None:
         if not self._rotation_ready:
             index = extract_layer_index(layer.layer_name)
-            self._rotation = value_rotations(self.codec, index, self.num_kv_heads, device)
+            first = self._first_head() if self.codec.rotated_values else 0
+            self._rotation = value_rotations(self.codec, index, self.num_kv_heads, device, first_head=first)
             self._rotation_ready = True
         return self._rotation
 

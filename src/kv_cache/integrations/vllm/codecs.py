@@ -342,15 +342,43 @@ def _write_channel_keys(cache: torch.Tensor, key: torch.Tensor, slot_mapping: to
 # Public pure functions.
 
 
-def value_rotations(codec: PagedCodec, layer: int, num_kv_heads: int, device=None) -> torch.Tensor | None:
+def first_kv_head(rank: int, world: int, total_kv_heads: int) -> int:
+    """The model-wide index of the first kv head a tensor-parallel rank holds.
+
+    vLLM's ``QKVParallelLinear`` split: with at least as many kv heads as ranks, rank ``r`` holds
+    heads ``r * total / world ...``; with fewer, each head is replicated on ``world / total``
+    consecutive ranks and rank ``r`` holds head ``r // (world / total)``.
+    """
+    for name, v in (("rank", rank), ("world", world), ("total_kv_heads", total_kv_heads)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "rank" else 1):
+            raise ValueError(f"{name} must be an int >= {0 if name == 'rank' else 1}; got {v!r}")
+    if rank >= world:
+        raise ValueError(f"rank must be < world ({world}); got {rank}")
+    if total_kv_heads >= world:
+        if total_kv_heads % world:
+            raise ValueError(f"{total_kv_heads} kv heads do not split over {world} tensor-parallel ranks")
+        return rank * (total_kv_heads // world)
+    if world % total_kv_heads:
+        raise ValueError(f"{world} tensor-parallel ranks do not replicate {total_kv_heads} kv heads evenly")
+    return rank // (world // total_kv_heads)
+
+
+def value_rotations(codec: PagedCodec, layer: int, num_kv_heads: int, device=None,
+                    first_head: int = 0) -> torch.Tensor | None:
     """``R`` per kv head, float32 ``[H, D, D]`` (``x_rot = x @ R[h]``), or None for unrotated codecs.
 
-    The randomized Hadamard rotation of ``(layer, kv_head)`` of the library
+    The randomized Hadamard rotation of ``(layer, first_head + h)`` of the library
     (:meth:`RandomizedHadamard.for_head`): a constant of the format, the same in every process.
+    ``first_head`` is the model-wide index of this process's first kv head
+    (:func:`first_kv_head` under tensor parallelism), so that a head keeps its rotation whatever
+    the number of ranks: a run with 2 ranks stores the codes a run with 1 stores.
     """
     if not codec.rotated_values:
         return None
-    mats = [RandomizedHadamard.for_head(codec.head_dim, layer, h).matrix(torch.float32) for h in range(num_kv_heads)]
+    if not isinstance(first_head, int) or isinstance(first_head, bool) or first_head < 0:
+        raise ValueError(f"first_head must be an int >= 0; got {first_head!r}")
+    mats = [RandomizedHadamard.for_head(codec.head_dim, layer, first_head + h).matrix(torch.float32)
+            for h in range(num_kv_heads)]
     return torch.stack(mats).to(device)
 
 
