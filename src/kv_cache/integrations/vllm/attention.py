@@ -1,10 +1,14 @@
 """Attention that reads paged codes in place: block by block, with an online softmax.
 
-The first step of the vLLM integration on CPU (torch; the compiled kernels and, on CUDA, the
-Triton kernels are the next one). No function here decodes a whole sequence into a new buffer:
-at most ``blocks_per_step`` blocks per request are decoded at a time, attended with torch's CPU
-flash kernel (which returns the log-sum-exp), merged into the running ``(output, log-sum-exp)``
-and dropped: an online softmax over blocks.
+``blocks_per_step`` blocks per request are taken at a time (gathered by the block table) and
+attended; each part's output and log-sum-exp fold into the running pair (math dictionary
+§28.4), so no function here decodes a whole sequence into a new buffer. Two paths read a part:
+
+* ``kernels`` (the default where they serve the device): the compiled CPU kernels, or the Triton
+  kernels on CUDA, read the codes as they lie in the slots (:mod:`.blocks`,
+  :func:`kv_cache.kernels.ops.attend_block`): nothing is dequantized to memory;
+* ``torch`` (``KV_CACHE_KERNELS=torch``, or a device neither serves): the part is decoded and
+  attended with torch's CPU flash kernel, then dropped.
 
 A request's context is split in two: the ``n_cached`` tokens before this step, read from the
 codes, and the step's own tokens (``Q`` queries), attended in full precision with a causal mask,
@@ -18,7 +22,15 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import attend_block, backend
+from .blocks import code_blocks
 from .codecs import PagedCodec, read_blocks
+
+
+def kernels_serve(device: torch.device | str) -> bool:
+    """Whether the compiled (CPU) or Triton (CUDA) kernels serve ``device`` (builds them on the
+    first call on a CPU; ``KV_CACHE_KERNELS=torch`` says no)."""
+    return backend(device) in ("compiled", "triton")
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
@@ -64,6 +76,7 @@ def attend(
     rotation: torch.Tensor | None,
     scale: float,
     blocks_per_step: int = 8,
+    kernels: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``Q`` new tokens per request over paged codes plus themselves.
 
@@ -83,7 +96,10 @@ def attend(
     scale : float
         Softmax scale.
     blocks_per_step : int
-        Blocks decoded per step (per request).
+        Blocks read per step (per request).
+    kernels : bool, optional
+        Read the codes with the compiled / Triton kernels (True) or decode each part with torch
+        (False); None: the kernels where :func:`kernels_serve` says they serve the device.
 
     Returns
     -------
@@ -103,7 +119,11 @@ def attend(
     n_blocks = -(-n_max // bs)
     table = block_table[:, :n_blocks].long().clamp_min(0)
     uniform = all(c == n_max for c in counts)
-    for j0 in range(0, n_blocks, blocks_per_step):
+    if kernels is None:
+        kernels = n_blocks > 0 and kernels_serve(dev)
+    if kernels and n_blocks:
+        state = _cached_by_kernels(qf, cache, table, n_cached, codec, scale, blocks_per_step)
+    for j0 in range(0, 0 if kernels else n_blocks, blocks_per_step):
         blk = table[:, j0:j0 + blocks_per_step]  # [R, c]
         c = blk.shape[1]
         k, v = read_blocks(cache, blk, codec)  # [R, c, H, bs, D]
@@ -133,3 +153,24 @@ def attend(
     if rotation is not None:  # query head h * G + i reads kv head h
         out = torch.einsum("rqhge,hde->rqhgd", out.reshape(r, nq, h, g, d), rotation).reshape(r, nq, hq, d)
     return out
+
+
+def _cached_by_kernels(qf: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, n_cached: torch.Tensor,
+                       codec: PagedCodec, scale: float, blocks_per_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(output, log-sum-exp)`` of queries ``qf`` ``[R, H, M, D]`` over each request's cached
+    tokens, read from the codes by the kernels ``blocks_per_step`` blocks at a time."""
+    r, h, m, d = qf.shape
+    bs, width = cache.shape[2], cache.shape[3]
+    dev = qf.device
+    q_rows = qf.reshape(r * h, m, d).contiguous()
+    state = (torch.zeros(r * h, m, d, device=dev), torch.full((r * h, m), float("-inf"), device=dev))
+    counts = n_cached.to(dev).long()
+    for j0 in range(0, table.shape[1], blocks_per_step):
+        blk = table[:, j0:j0 + blocks_per_step]  # [R, c]
+        c = blk.shape[1]
+        rows = cache[blk].permute(0, 2, 1, 3, 4).reshape(r * h, c * bs, width)  # packed bytes, not decoded
+        keys, values = code_blocks(rows, codec)
+        length = (counts - j0 * bs).clamp(0, c * bs).to(torch.int32).repeat_interleave(h)
+        out, lse, _ = attend_block(q_rows, keys, values, scale, None, length)
+        state = _merge(state, (out, lse))
+    return state[0].view(r, h, m, d), state[1].view(r, h, m)
