@@ -113,31 +113,12 @@ def attend(
     # Queries of one kv head side by side: [R, H, G * Q, D] (row = g * Q + i) for the cached part,
     # where every query sees every key (no expansion of the keys to Hq heads).
     qf = q.float().permute(0, 2, 1, 3).reshape(r, h, g * nq, d)
-    state = (torch.zeros(r, h, g * nq, d, device=dev), torch.full((r, h, g * nq), float("-inf"), device=dev))
-    counts = n_cached.tolist()
-    n_max = max(counts) if counts else 0
-    n_blocks = -(-n_max // bs)
+    n_blocks = -(-int(n_cached.max()) // bs) if n_cached.numel() else 0
     table = block_table[:, :n_blocks].long().clamp_min(0)
-    uniform = all(c == n_max for c in counts)
     if kernels is None:
         kernels = n_blocks > 0 and kernels_serve(dev)
-    if kernels and n_blocks:
-        state = _cached_by_kernels(qf, cache, table, n_cached, codec, scale, blocks_per_step)
-    for j0 in range(0, 0 if kernels else n_blocks, blocks_per_step):
-        blk = table[:, j0:j0 + blocks_per_step]  # [R, c]
-        c = blk.shape[1]
-        k, v = read_blocks(cache, blk, codec)  # [R, c, H, bs, D]
-        k = k.permute(0, 2, 1, 3, 4).reshape(r, h, c * bs, d)
-        v = v.permute(0, 2, 1, 3, 4).reshape(r, h, c * bs, d)
-        mask = None
-        if uniform:  # one length for every request: slice, no mask
-            t = min(c * bs, n_max - j0 * bs)
-            k, v = k[:, :, :t].contiguous(), v[:, :, :t].contiguous()
-        else:
-            pos = j0 * bs + torch.arange(c * bs, device=dev)
-            visible = pos[None, :] < n_cached.to(dev)[:, None]  # [R, T]
-            mask = torch.zeros(r, 1, 1, c * bs, device=dev).masked_fill(~visible[:, None, None, :], float("-inf"))
-        state = _merge(state, _flash(qf, k, v, False, scale, mask))
+    read = _cached_by_kernels if kernels else _cached_by_torch
+    state = read(qf, cache, table, n_cached, codec, scale, blocks_per_step)
     # the step's own tokens, causal: expand keys to the query heads
     o, lse = state
     o = o.view(r, h, g, nq, d).reshape(r, hq, nq, d)
@@ -174,3 +155,32 @@ def _cached_by_kernels(qf: torch.Tensor, cache: torch.Tensor, table: torch.Tenso
         out, lse, _ = attend_block(q_rows, keys, values, scale, None, length)
         state = _merge(state, (out, lse))
     return state[0].view(r, h, m, d), state[1].view(r, h, m)
+
+
+def _cached_by_torch(qf: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, n_cached: torch.Tensor,
+                     codec: PagedCodec, scale: float, blocks_per_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(output, log-sum-exp)`` of queries ``qf`` ``[R, H, M, D]`` over each request's cached
+    tokens: ``blocks_per_step`` blocks at a time decoded, attended with torch's flash kernel, dropped."""
+    r, h, m, d = qf.shape
+    bs = cache.shape[2]
+    dev = qf.device
+    state = (torch.zeros(r, h, m, d, device=dev), torch.full((r, h, m), float("-inf"), device=dev))
+    counts = n_cached.tolist()
+    n_max = max(counts) if counts else 0
+    uniform = all(c == n_max for c in counts)
+    for j0 in range(0, table.shape[1], blocks_per_step):
+        blk = table[:, j0:j0 + blocks_per_step]  # [R, c]
+        c = blk.shape[1]
+        k, v = read_blocks(cache, blk, codec)  # [R, c, H, bs, D]
+        k = k.permute(0, 2, 1, 3, 4).reshape(r, h, c * bs, d)
+        v = v.permute(0, 2, 1, 3, 4).reshape(r, h, c * bs, d)
+        mask = None
+        if uniform:  # one length for every request: slice, no mask
+            t = min(c * bs, n_max - j0 * bs)
+            k, v = k[:, :, :t].contiguous(), v[:, :, :t].contiguous()
+        else:
+            pos = j0 * bs + torch.arange(c * bs, device=dev)
+            visible = pos[None, :] < n_cached.to(dev)[:, None]  # [R, T]
+            mask = torch.zeros(r, 1, 1, c * bs, device=dev).masked_fill(~visible[:, None, None, :], float("-inf"))
+        state = _merge(state, _flash(qf, k, v, False, scale, mask))
+    return state
