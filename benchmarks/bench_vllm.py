@@ -2,7 +2,8 @@
 
 For every configuration (``auto`` = vLLM's bf16 cache, ``fp8`` = vLLM's fp8 cache, and ours
 ``q4d``, ``q3d``, ``q2d`` through ``attention_backend="CUSTOM"``), a fresh subprocess starts one
-``LLM(...)`` with the same ``VLLM_CPU_KVCACHE_SPACE`` and ``max_model_len`` and reports:
+``LLM(...)`` with the same KV memory (``VLLM_CPU_KVCACHE_SPACE``, or the engine's
+``kv_cache_memory_bytes`` for a fraction of a GiB) and ``max_model_len`` and reports:
 
 * **capacity**: the KV cache size in tokens and the maximum concurrency, as vLLM logs them
   ("CPU KV cache size: N tokens, Maximum concurrency ..."), and the ratio to ``auto``;
@@ -61,6 +62,8 @@ def child(args: argparse.Namespace, config: str) -> dict:
 
     kw = dict(model=args.model, max_model_len=args.max_model_len, enforce_eager=True, max_num_batched_tokens=256,
               enable_chunked_prefill=True, dtype="bfloat16", seed=0, max_num_seqs=max(args.concurrency))
+    if not float(args.kv_space_gib).is_integer():  # VLLM_CPU_KVCACHE_SPACE takes whole GiB only
+        kw["kv_cache_memory_bytes"] = int(args.kv_space_gib * 2**30)
     if config == "fp8":
         kw["kv_cache_dtype"] = "fp8"
     elif config != "auto":
@@ -145,7 +148,10 @@ def _measure(args: argparse.Namespace, config: str, llm, t_start: float) -> dict
 
 
 def run_config(args: argparse.Namespace, config: str) -> dict:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_space_gib))
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if float(args.kv_space_gib).is_integer():
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.kv_space_gib))
     cmd = [sys.executable, __file__, "--child", config, *sys.argv[1:]]
     t0 = time.perf_counter()
     log_path = Path(args.out) / f"bench_vllm_{config}.log" if args.keep_logs else None
@@ -180,7 +186,7 @@ def markdown(report: dict) -> str:
     a = report["args"]
     lines = [f"# vLLM (CPU) with kv_cache codecs: {Path(a['model']).name}", "",
              f"vllm-cpu {report['vllm']}, torch {report['torch']}, {report['machine']}; "
-             f"`VLLM_CPU_KVCACHE_SPACE={a['kv_space_gib']}` GiB, `max_model_len={a['max_model_len']}`, bf16 weights, "
+             f"KV memory {a['kv_space_gib']:g} GiB (`VLLM_CPU_KVCACHE_SPACE`, or `kv_cache_memory_bytes` below 1 GiB), `max_model_len={a['max_model_len']}`, bf16 weights, "
              "chunked prefill (`max_num_batched_tokens=256`), `enforce_eager=True`, prefix caching on. "
              "Produced by `benchmarks/bench_vllm.py`.", "",
              "| cache | KV capacity (tokens, vLLM) | x auto | max concurrency | "
@@ -216,7 +222,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="HF folder (default: the SmolLM2-135M conversion)")
     ap.add_argument("--configs", default="auto,fp8,q4d,q3d,q2d")
-    ap.add_argument("--kv-space-gib", type=int, default=2)
+    ap.add_argument("--kv-space-gib", type=float, default=2,
+                    help="KV memory in GiB: VLLM_CPU_KVCACHE_SPACE when whole, else the engine's "
+                         "kv_cache_memory_bytes (the same setting, in bytes)")
     ap.add_argument("--max-model-len", type=int, default=4608)
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--throughput-configs", default="auto,q4d",
@@ -250,7 +258,7 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"vllm_{Path(args.model).name.replace('-hf', '')}_cpu_kv{args.kv_space_gib}gib"
+    stem = f"vllm_{Path(args.model).name.replace('-hf', '')}_cpu_kv{args.kv_space_gib:g}gib"
     rows = []
     for config in args.configs.split(","):
         row = run_config(args, config)
