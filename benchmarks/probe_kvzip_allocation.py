@@ -90,7 +90,9 @@ def main() -> None:
                     t0 = time.perf_counter()
                     ppl, ratio = perplexity(model, tok, ids, args.prefix,
                                             CompressedCache(model.config, quant=plan.quant_config(), eviction=policy))
+                    quant = plan.quant_config()
                     row = {"model": alias, "window": w, "preset": preset, "allocation": name,
+                           "layout": f"K{quant.key_bits or quant.bits}V{quant.value_bits or quant.bits}",
                            "floor_budget": plan.policy.budget, "ratio": ratio, "ppl": ppl, "full_ppl": full,
                            "delta": ppl / full - 1, "seconds": time.perf_counter() - t0}
                     print(json.dumps(row), flush=True)
@@ -101,11 +103,11 @@ def main() -> None:
     stem.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
     lines = [f"# KVzip's allocation inside the presets ({args.text}, {args.prefix} tokens compressed, "
              f"{SCORED} scored)", "",
-             "| model | window | preset | floor b | model-wide: ratio, Δppl | every head its floor first: ratio, Δppl |",
-             "|---|---|---|---|---|---|"]
+             "| model | window | preset | codes | floor b | model-wide: ratio, Δppl | every head its floor first: ratio, Δppl |",
+             "|---|---|---|---|---|---|---|"]
     for i in range(0, len(rows), len(VARIANTS)):
         a, b = rows[i], rows[i + 1]
-        lines.append(f"| {a['model']} | {a['window']} | `{a['preset']}` | {a['floor_budget']} | "
+        lines.append(f"| {a['model']} | {a['window']} | `{a['preset']}` | {a['layout']} | {a['floor_budget']} | "
                      f"{a['ratio']:.2f}x, {a['delta']:+.2%} | {b['ratio']:.2f}x, {b['delta']:+.2%} |")
     lines += ["", "Produced by `benchmarks/probe_kvzip_allocation.py` "
               f"`--models {args.models} --prefix {args.prefix} --text {args.text} --presets {args.presets}`"
