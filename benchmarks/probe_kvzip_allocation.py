@@ -8,14 +8,15 @@ the tokens:
 
 * ``model``: the preset as shipped (``head_floor=0``);
 * ``floor``: every KV head first keeps its own best ``b`` tokens (``head_floor=1.0``), then
-  the tokens the ratio still allows go to the best scores model-wide.
+  the tokens the ratio still allows go to the best scores model-wide;
+* ``--floors 0,0.25,0.5,1`` adds the steps between: every head first keeps ``f * b`` tokens.
 
 Each row is a window: ``--prefix`` tokens prefilled and compressed, the next 256 scored, against
 the full cache of the same window. Windows: the golden tests' Moby Dick window (pg2701, held
 out; 768 tokens) and wikitext windows (``--wikitext-offsets``, characters into the test set).
 
 Run: ``python benchmarks/probe_kvzip_allocation.py --models smollm2,qwen2.5-0.5b
-[--prefix 768] [--text moby|wikitext] [--presets 8x,16x]``; results go to
+[--prefix 768] [--text moby|wikitext] [--presets 8x,16x] [--floors 0,1]``; results go to
 ``benchmarks/results/probe_kvzip_allocation_<text>_ctx<prefix>.{json,md}``.
 """
 
@@ -38,7 +39,15 @@ from kv_cache.models import load_model, shared_data_dir
 from kv_cache.plan import preset_plan
 
 SCORED = 256
-VARIANTS = {"model": {}, "floor": {"head_floor": 1.0}}
+
+
+def variant_name(floor: float) -> str:
+    """``model`` (the preset as shipped), ``floor`` (every head its floor first) or ``floor<f>``."""
+    return "model" if floor == 0 else "floor" if floor == 1 else f"floor{floor:g}"
+
+
+def column(floor: float) -> str:
+    return {0: "model-wide", 1: "every head its floor first"}.get(floor, f"every head {floor:g} of its floor first")
 
 
 def windows(tok, text: str, prefix: int, offsets: list[int]) -> list[torch.Tensor]:
@@ -75,8 +84,12 @@ def main() -> None:
     ap.add_argument("--text", choices=("moby", "wikitext"), default="moby")
     ap.add_argument("--wikitext-offsets", default="0")
     ap.add_argument("--presets", default="8x,16x")
+    ap.add_argument("--floors", default="0,1", help="head_floor values (fractions of the floor b) [0,1]")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
+    floors = [float(f) for f in args.floors.split(",")]
+    if not floors or any(not 0 <= f <= 1 for f in floors):
+        raise ValueError(f"--floors must be fractions in [0, 1]; got {args.floors!r}")
     warnings.simplefilter("ignore")  # the fidelity check's warnings are not what is measured here
     rows = []
     for alias in args.models.split(","):
@@ -85,8 +98,9 @@ def main() -> None:
             full, _ = perplexity(model, tok, ids, args.prefix, CompressedCache(model.config))
             for preset in args.presets.split(","):
                 plan = preset_plan(model.config, preset, context_tokens=args.prefix)
-                for name, change in VARIANTS.items():
-                    policy = dataclasses.replace(plan.policy, **change)
+                for floor in floors:
+                    name = variant_name(floor)
+                    policy = dataclasses.replace(plan.policy, head_floor=floor)
                     t0 = time.perf_counter()
                     ppl, ratio = perplexity(model, tok, ids, args.prefix,
                                             CompressedCache(model.config, quant=plan.quant_config(), eviction=policy))
@@ -99,18 +113,21 @@ def main() -> None:
                     rows.append(row)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"probe_kvzip_allocation_{args.text}_ctx{args.prefix}"
+    stem = out / (f"probe_kvzip_allocation_{args.text}_ctx{args.prefix}"
+                  + ("" if floors == [0.0, 1.0] else "_floors" + "_".join(f"{f:g}" for f in floors)))
     stem.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
     lines = [f"# KVzip's allocation inside the presets ({args.text}, {args.prefix} tokens compressed, "
              f"{SCORED} scored)", "",
-             "| model | window | preset | codes | floor b | model-wide: ratio, Δppl | every head its floor first: ratio, Δppl |",
-             "|---|---|---|---|---|---|---|"]
-    for i in range(0, len(rows), len(VARIANTS)):
-        a, b = rows[i], rows[i + 1]
+             "| model | window | preset | codes | floor b | "
+             + " | ".join(f"{column(f)}: ratio, Δppl" for f in floors) + " |",
+             "|---|---|---|---|---|" + "---|" * len(floors)]
+    for i in range(0, len(rows), len(floors)):
+        a = rows[i]
         lines.append(f"| {a['model']} | {a['window']} | `{a['preset']}` | {a['layout']} | {a['floor_budget']} | "
-                     f"{a['ratio']:.2f}x, {a['delta']:+.2%} | {b['ratio']:.2f}x, {b['delta']:+.2%} |")
+                     + " | ".join(f"{b['ratio']:.2f}x, {b['delta']:+.2%}" for b in rows[i:i + len(floors)]) + " |")
     lines += ["", "Produced by `benchmarks/probe_kvzip_allocation.py` "
               f"`--models {args.models} --prefix {args.prefix} --text {args.text} --presets {args.presets}`"
+              + ("" if floors == [0.0, 1.0] else f" `--floors {args.floors}`")
               + (f" `--wikitext-offsets {args.wikitext_offsets}`" if args.text == "wikitext" else "")
               + ". Ratio: the cache's bytes after the prefill against fp16; Δppl against the full cache of the "
               "same window.", ""]

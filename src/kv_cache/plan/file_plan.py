@@ -3,10 +3,12 @@ dictionary §27.4).
 
 A ``.kvc`` file of ratio ``R`` holds ``fp16 bytes / R``: few tokens coded finely, or many coded
 coarsely. :func:`plan_file` measures it on the document itself: its last ``probe_tokens``
-tokens are held out, the rest is compressed with KVzip at each candidate budget (around
-``5 / R``, the best point on SmolLM2's wikitext windows at 10x, 20x and 40x), saved through the
-codec at ratio ``R``, loaded back, and the held-out tokens are scored teacher-forced; the
-budget of least loss wins. The whole document is then compressed with it.
+tokens are held out, the rest is compressed with KVzip at each candidate budget (``3 / R``,
+``4 / R`` and ``5 / R``: ``5 / R`` was the best point on SmolLM2's wikitext windows of 1,792
+tokens at 10x, 20x and 40x; at 4,096 tokens and 20x, ``3 / R`` keeps every single needle and
+``4 / R`` has the least perplexity, math dictionary §27.4), saved through the codec at ratio
+``R``, loaded back, and the held-out tokens are scored teacher-forced; the budget of least loss
+wins. The whole document is then compressed with it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-DEFAULT_FACTORS = (0.6, 1.0, 1.6)
+DEFAULT_FACTORS = (0.6, 0.8, 1.0)
 """Candidate budgets: ``5 / R`` times these (clipped to [0.03, 1])."""
 
 
