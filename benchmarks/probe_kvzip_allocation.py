@@ -114,7 +114,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / (f"probe_kvzip_allocation_{args.text}_ctx{args.prefix}"
-                  + ("" if floors == [0.0, 1.0] else "_floors" + "_".join(f"{f:g}" for f in floors)))
+                  + ("" if floors == [0.0, 1.0] else "_floors" + "_".join(f"{f:g}".replace(".", "p") for f in floors)))
     stem.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
     lines = [f"# KVzip's allocation inside the presets ({args.text}, {args.prefix} tokens compressed, "
              f"{SCORED} scored)", "",
