@@ -227,6 +227,30 @@ def test_roundtrip_through_the_codec(stories, basis, tmp_path, eviction):
     assert coarse.ask("What did Tom want?", max_new_tokens=4)  # answers
 
 
+def test_kvzap_kept_tokens_go_through_the_codec(stories, basis, tmp_path):
+    # the stored tokens are the ones KVzap keeps (a scorer fitted here on a text that is not evaluated)
+    from pathlib import Path
+
+    from kv_cache import KVzap
+    from kv_cache.compression.scorer_file import save_scorer
+    from kv_cache.plan.scorer_training import fit_scorer
+
+    model, tok = stories
+    scorer = fit_scorer(model, tok, Path(__file__).read_text(), tokens=600, window=200, max_tokens_per_window=150)
+    path = save_scorer(tmp_path / "stories_kvzap.safetensors", scorer)
+    ctx = CompressedContext.build(model, tok, DOC, eviction=KVzap(budget=0.3, scorer=str(path), decoding=False))
+    held = [layer.kept_length() for layer in ctx.cache.layers]
+    assert max(held) < ctx.context_tokens  # KVzap evicted
+    ctx.save(tmp_path / "z.kvc", file_ratio=4.0, codec=basis)
+    info = read_info(tmp_path / "z.kvc")
+    assert info["file_ratio"] >= 4.0 and info["codec"]["basis"] == basis.fingerprint
+    loaded = CompressedContext.load(tmp_path / "z.kvc", model, tok, codec=basis)
+    assert [layer.kept_length() for layer in loaded.cache.layers] == held
+    assert loaded.cache.get_seq_length() == ctx.cache.get_seq_length()
+    assert max(_layer_errors(ctx, loaded)) < 0.5
+    assert loaded.ask("What did Tom want?", max_new_tokens=4)
+
+
 def test_codec_errors_say_how_to_fix(stories, basis, tmp_path):
     model, tok = stories
     ctx = CompressedContext.build(model, tok, DOC, eviction=KVzip(budget=0.3))
