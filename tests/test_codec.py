@@ -409,7 +409,7 @@ def test_eval_file_methods_parse():
 def test_file_planner_measures_each_budget(stories, basis):
     from kv_cache.plan.file_plan import candidate_budgets, plan_file
 
-    assert candidate_budgets(20) == [0.15, 0.2, 0.25]
+    assert candidate_budgets(20) == [0.15, 0.2, 0.25, 0.4]
     assert candidate_budgets(2) == [None]  # 3/R >= 1: every token
     model, tok = stories
     ids = tok(DOC, add_special_tokens=False)["input_ids"][:160]
@@ -419,7 +419,7 @@ def test_file_planner_measures_each_budget(stories, basis):
     assert plan.budget == min(plan.measured, key=lambda m: m[1])[0]
     assert "file ratio 1.5" in plan.describe()
     short = plan_file(model, tok, ids[:40], 20, basis=basis, probe_tokens=32)  # too short to hold out a tail
-    assert short.budget == 0.2 and short.measured == []
+    assert short.budget == 0.25 and short.measured == []
     with pytest.raises(ValueError, match="finite number >= 1"):
         plan_file(model, tok, ids, 0.5, basis=basis)
 

@@ -4,9 +4,10 @@ dictionary §27.4).
 A ``.kvc`` file of ratio ``R`` holds ``fp16 bytes / R``: few tokens coded finely, or many coded
 coarsely. :func:`plan_file` measures it on the document itself: its last ``probe_tokens``
 tokens are held out, the rest is compressed with KVzip at each candidate budget (``3 / R``,
-``4 / R`` and ``5 / R``: ``5 / R`` was the best point on SmolLM2's wikitext windows of 1,792
-tokens at 10x, 20x and 40x; at 4,096 tokens and 20x, ``3 / R`` keeps every single needle and
-``4 / R`` has the least perplexity, math dictionary §27.4), saved through the codec at ratio
+``4 / R``, ``5 / R`` and ``8 / R``: ``5 / R`` was the best point on SmolLM2's wikitext windows
+of 1,792 tokens; at 4,096 tokens and 20x, ``3 / R`` keeps every single needle and ``4 / R`` has
+the least perplexity; on Qwen2.5 at 1,792 tokens ``8 / R`` is far better than ``5 / R``, math
+dictionary §27.4), saved through the codec at ratio
 ``R``, loaded back, and the held-out tokens are scored teacher-forced; the budget of least loss
 wins. The whole document is then compressed with it.
 """
@@ -22,7 +23,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-DEFAULT_FACTORS = (0.6, 0.8, 1.0)
+DEFAULT_FACTORS = (0.6, 0.8, 1.0, 1.6)
 """Candidate budgets: ``5 / R`` times these (clipped to [0.03, 1])."""
 
 
