@@ -229,6 +229,27 @@ def test_attend_block_matches_oracle(spec):
     assert torch.equal(out[3].cpu(), torch.zeros(G, 64)) and bool(torch.isneginf(lse[3]).all())
 
 
+@pytest.mark.parametrize("name", ["q8", "q4d", "q3d", "q2d", "q4"])
+@on_device
+def test_attend_paged_reads_the_block_table(name, triton_backend):
+    """vLLM's paged slots read in place through a block table (a shared prefix block, an empty
+    request, a partial block) against the torch reference; a bad block id is refused."""
+    from test_paged_kernels import paged_case
+
+    from kv_cache.kernels.paged import attend_paged, reference_attend_paged
+
+    cache, table, lengths, layout, q = paged_case(name, bs=32, lengths=(90, 0, 33, 32))
+    want_out, want_lse = reference_attend_paged(q, cache, table, lengths, layout, 0.1)
+    out, lse = attend_paged(_on(q), _on(cache), _on(table), _on(lengths), layout, 0.1)
+    torch.testing.assert_close(out.cpu(), want_out, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(lse.cpu(), want_lse, rtol=0, atol=ATOL)
+    assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu())) and bool(torch.isneginf(lse[1]).all())
+    bad = table.clone()
+    bad[0, 2] = 99
+    with pytest.raises(ValueError, match="outside the cache"):
+        attend_paged(_on(q), _on(cache), _on(bad), _on(lengths), layout, 0.1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rotated", [False, True])
 @on_device

@@ -208,35 +208,3 @@ def test_tensor_parallel_ranks_store_the_single_process_codes(name):
         assert torch.equal(part, whole[:, local]), rank
     with pytest.raises(ValueError, match="first_head"):
         value_rotations(codec, 5, 2, first_head=-1)
-
-
-@pytest.mark.parametrize("name", ["q8", "q4d", "q3d", "q2d", "q4"])
-def test_code_blocks_decode_as_the_slots(name):
-    """The kernels' view of the slots (blocks.code_blocks) decodes to what read_blocks decodes,
-    a constant channel (scale 0) included."""
-    from kv_cache.integrations.vllm.blocks import code_blocks
-    from kv_cache.kernels import dequantize_block
-
-    codec = PagedCodec(name, 64)
-    cache, k, v, blk, rot = _fill(codec, 200)
-    k_const = k.clone()
-    k_const[:, :, 5] = 3.25  # one constant key channel in every group
-    cache2 = torch.zeros_like(cache)
-    slots = blk[torch.arange(200) // 64] * 64 + torch.arange(200) % 64
-    write_slots(cache2, k_const, v, slots, codec, rot)
-    for c, keys in ((cache, k), (cache2, k_const)):
-        rows = c[blk].permute(1, 0, 2, 3).reshape(3, 4 * 64, codec.slot_bytes)
-        kb, vb = code_blocks(rows, codec)
-        kh, vh = read_blocks(c, blk, codec)  # [4, H, 64, D]
-        want_k = kh.permute(1, 0, 2, 3).reshape(3, 256, 64)
-        want_v = vh.permute(1, 0, 2, 3).reshape(3, 256, 64)
-        torch.testing.assert_close(dequantize_block(kb)[:, :200], want_k[:, :200], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(dequantize_block(vb)[:, :200], want_v[:, :200], rtol=1e-5, atol=1e-5)
-    if codec.key_layout == "channel":
-        assert torch.allclose(dequantize_block(code_blocks(
-            cache2[blk].permute(1, 0, 2, 3).reshape(3, 256, codec.slot_bytes), codec)[0])[:, :200, 5],
-            torch.tensor(3.25))
-    with pytest.raises(ValueError, match="multiple of 32"):
-        code_blocks(torch.zeros(1, 33, codec.slot_bytes, dtype=torch.uint8), codec)
-    with pytest.raises(ValueError, match="uint8"):
-        code_blocks(torch.zeros(1, 32, codec.slot_bytes), codec)

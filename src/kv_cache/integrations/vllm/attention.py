@@ -1,12 +1,13 @@
 """Attention that reads paged codes in place: block by block, with an online softmax.
 
-``blocks_per_step`` blocks per request are taken at a time (gathered by the block table) and
-attended; each part's output and log-sum-exp fold into the running pair (math dictionary
-§28.4), so no function here decodes a whole sequence into a new buffer. Two paths read a part:
+Two paths read a request's cached tokens; each part's output and log-sum-exp fold into the
+running pair (math dictionary §28.4), so no function here decodes a whole sequence into a new
+buffer:
 
 * ``kernels`` (the default where they serve the device): the compiled CPU kernels, or the Triton
-  kernels on CUDA, read the codes as they lie in the slots (:mod:`.blocks`,
-  :func:`kv_cache.kernels.ops.attend_block`): nothing is dequantized to memory;
+  kernel on CUDA, walk each request's block table and read the codes where they lie in vLLM's
+  blocks (:func:`kv_cache.kernels.paged.attend_paged`, the codec's layout from :mod:`.blocks`):
+  nothing is gathered or dequantized to memory;
 * ``torch`` (``KV_CACHE_KERNELS=torch``, or a device neither serves): the part is decoded and
   attended with torch's CPU flash kernel, then dropped.
 
@@ -22,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels import attend_block, backend
-from .blocks import code_blocks
+from ...kernels import backend
+from ...kernels.paged import attend_paged
+from .blocks import slot_layout
 from .codecs import PagedCodec, read_blocks
 
 
@@ -96,7 +98,7 @@ def attend(
     scale : float
         Softmax scale.
     blocks_per_step : int
-        Blocks read per step (per request).
+        Blocks decoded per step (per request) by the torch path; the kernels walk the whole table.
     kernels : bool, optional
         Read the codes with the compiled / Triton kernels (True) or decode each part with torch
         (False); None: the kernels where :func:`kernels_serve` says they serve the device.
@@ -139,22 +141,8 @@ def attend(
 def _cached_by_kernels(qf: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, n_cached: torch.Tensor,
                        codec: PagedCodec, scale: float, blocks_per_step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(output, log-sum-exp)`` of queries ``qf`` ``[R, H, M, D]`` over each request's cached
-    tokens, read from the codes by the kernels ``blocks_per_step`` blocks at a time."""
-    r, h, m, d = qf.shape
-    bs, width = cache.shape[2], cache.shape[3]
-    dev = qf.device
-    q_rows = qf.reshape(r * h, m, d).contiguous()
-    state = (torch.zeros(r * h, m, d, device=dev), torch.full((r * h, m), float("-inf"), device=dev))
-    counts = n_cached.to(dev).long()
-    for j0 in range(0, table.shape[1], blocks_per_step):
-        blk = table[:, j0:j0 + blocks_per_step]  # [R, c]
-        c = blk.shape[1]
-        rows = cache[blk].permute(0, 2, 1, 3, 4).reshape(r * h, c * bs, width)  # packed bytes, not decoded
-        keys, values = code_blocks(rows, codec)
-        length = (counts - j0 * bs).clamp(0, c * bs).to(torch.int32).repeat_interleave(h)
-        out, lse, _ = attend_block(q_rows, keys, values, scale, None, length)
-        state = _merge(state, (out, lse))
-    return state[0].view(r, h, m, d), state[1].view(r, h, m)
+    tokens, read by the kernels through the block table, in place (``blocks_per_step`` unused)."""
+    return attend_paged(qf, cache, table, n_cached.to(table.device), slot_layout(codec), scale)
 
 
 def _cached_by_torch(qf: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, n_cached: torch.Tensor,

@@ -252,6 +252,31 @@ struct AttendArgs {
   const float* const* xq = nullptr;
 };
 
+// Paged attention (kv_paged.h, kv_paged_impl.h): a cache [blocks, H, bs, sw] of uint8 slots
+// read through a block table. Kinds of keys and values a slot may hold:
+enum PagedKey : int { kPagedKeyChannel = 0, kPagedKeyInt8 = 1 };
+enum PagedValue : int { kPagedValueLevels = 0, kPagedValueInt8 = 1, kPagedValueChannelGroups = 2 };
+constexpr int kPagedChannelGroup = 32;  // channels per scale of per-token channel-grouped values
+
+struct PagedArgs {
+  const float* q;        // [R * H, M, D]
+  int M = 0, D = 0;
+  int64_t H = 0;
+  const uint8_t* cache;  // [blocks, H, bs, sw]
+  int64_t bs = 0, sw = 0;
+  const int32_t* table;  // [R, tpitch] block ids
+  int64_t tpitch = 0;
+  const int64_t* len;    // [R] cached tokens of each request (clipped by the host)
+  int k_kind = 0, k_bits = 0, v_kind = 0, v_bits = 0;
+  int64_t ko = 0, kmo = 0, vo = 0, vmo = 0;  // byte offsets in a slot
+  int kmb = 0;           // key meta bytes per slot (channel groups: 4 D / 32)
+  Lut klut, vlut;
+  const float* norm_table = nullptr;  // [256] for kPagedValueLevels
+  float scaling = 1.0f;
+  int64_t chunk = 0, chunks = 0;      // tokens per item, items per row
+  float *pm, *pl, *pacc;              // [items, M], [items, M], [items, M, pad(D)]
+};
+
 // q[c] = number of midpoints strictly below x[c] / s (the nearest level; ties go down);
 // s == 0 maps to x / s = 0.
 static inline void book_row(const float* x, const float* s, bool s_arr, int n, const float* mids, int nmids,
@@ -270,6 +295,7 @@ static inline void book_row(const float* x, const float* s, bool s_arr, int n, c
 namespace generic {
 #define KVK_ISA 0
 #include "kv_kernels_impl.h"
+#include "kv_paged_impl.h"
 #undef KVK_ISA
 }  // namespace generic
 
@@ -278,6 +304,7 @@ namespace generic {
 namespace avx2 {
 #define KVK_ISA 1
 #include "kv_kernels_impl.h"
+#include "kv_paged_impl.h"
 #undef KVK_ISA
 }  // namespace avx2
 #pragma GCC pop_options
@@ -287,6 +314,7 @@ namespace avx2 {
 namespace avx512 {
 #define KVK_ISA 2
 #include "kv_kernels_impl.h"
+#include "kv_paged_impl.h"
 #undef KVK_ISA
 }  // namespace avx512
 #pragma GCC pop_options
@@ -746,6 +774,8 @@ void compact_rows(torch::Tensor buf, torch::Tensor keep) {
   }
 }
 
+#include "kv_paged.h"
+
 }  // namespace kvk
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -753,6 +783,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize", &kvk::quantize, "fused quantize + pack (see kv_cache.kernels.ops.quantize_block)");
   m.def("dequantize", &kvk::dequantize, "fused unpack + dequantize (see kv_cache.kernels.ops.dequantize_block)");
   m.def("attend", &kvk::attend, "attention from packed codes (see kv_cache.kernels.ops.attend_block)");
+  m.def("attend_paged", &kvk::attend_paged, "attention read from paged slots through a block table (see kv_cache.kernels.paged)");
   m.def("compact_rows", &kvk::compact_rows, "in-place gather of sorted kept tokens per row (see ops.compact_rows_)");
   m.def("isa", &kvk::isa_name, "name of the code path a call with this isa flag takes");
 }

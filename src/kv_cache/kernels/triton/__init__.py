@@ -7,7 +7,9 @@ against :mod:`kv_cache.kernels.reference`), one file per kernel:
 * :mod:`.dequantize` - fused unpack + dequantize (:func:`kv_cache.kernels.dequantize_block`);
 * :mod:`.attend` - attention read straight from the packed codes: a decoding step's whole
   attention over a layer's blocks (:func:`kv_cache.kernels.attend_mixed`, split over the tokens,
-  merged by log-sum-exp) and one packed block (:func:`kv_cache.kernels.attend_block`).
+  merged by log-sum-exp) and one packed block (:func:`kv_cache.kernels.attend_block`);
+* :mod:`.paged` - attention read from a paged cache in place through a block table
+  (:func:`kv_cache.kernels.paged.attend_paged`, vLLM's blocks).
 
 The functions here take arguments already validated by :mod:`kv_cache.kernels._checks`; use
 the public ops, which pick this backend for CUDA tensors (:func:`kv_cache.kernels.backend`).
@@ -18,6 +20,7 @@ kernels run on CPU tensors in Triton's interpreter: that is how the tests run th
 
 from .attend import attend_block, attend_mixed
 from .dequantize import dequantize_block
+from .paged import attend_paged
 from .quantize_pack import quantize_block
 
-__all__ = ["attend_block", "attend_mixed", "dequantize_block", "quantize_block"]
+__all__ = ["attend_block", "attend_mixed", "attend_paged", "dequantize_block", "quantize_block"]

@@ -1,0 +1,152 @@
+// Per-ISA body of the paged attention kernel (kv_paged.h): included three times by
+// kv_kernels.cpp, after kv_kernels_impl.h, inside the generic / avx2 / avx512 namespaces, so it
+// uses that ISA's decode_tile, dots, accum and vexp. Math: math_dictionary/kv-compression-math.md
+// §28.5.
+//
+// The cache is read where it lies: a tile of kTile = 32 tokens of one request and kv head is
+// 32 consecutive slots of one block (block sizes are multiples of 32), found through the block
+// table; nothing is gathered into a new buffer. A slot of W bytes holds
+//   [ key codes | key meta | value codes | value meta ]   at byte offsets ko, kmo, vo, vmo.
+// Keys: per-channel groups of 32 slots (the tile), float16 scale s_c and minimum m_c spread over
+// the 32 slots' meta bytes (k = m + s * code), or per-token int8 (k = s_t * (byte - 128)).
+// Values: codebook levels times a per-token 8-bit log-coded norm, per-token int8, or per token
+// and 32-channel group uniform (v = m_j + s_j * code).
+
+// One work item: tokens [ci * chunk, min(n_r, (ci + 1) * chunk)) of row (r, h) for all M
+// queries of the row; writes the chunk's (max, sum, unnormalized output) like attend_item.
+static void attend_paged_item(const PagedArgs& a, int64_t item, Scratch& s) {
+  const int64_t row = item / a.chunks, ci = item % a.chunks;
+  const int64_t r = row / a.H, h = row % a.H;
+  const int M = a.M, D = a.D, dp = pad_to(a.D);
+  const int64_t n = a.len[r];
+  const int64_t t_begin = ci * a.chunk, t_end = std::min<int64_t>(n, t_begin + a.chunk);
+  constexpr int T = kTile;
+  const int J = D / kPagedChannelGroup;  // KIVI value groups per token
+  const size_t sizes[] = {
+      static_cast<size_t>(M) * dp,  // qs: scaling * q
+      static_cast<size_t>(M) * dp,  // qt: q * s (channel-grouped keys)
+      static_cast<size_t>(T) * dp,  // Kb
+      static_cast<size_t>(T) * dp,  // Vb
+      static_cast<size_t>(M) * T,   // S
+      static_cast<size_t>(M) * dp,  // acc
+      2 * static_cast<size_t>(dp),  // sK mK
+      static_cast<size_t>(T) * (2 * J + 1),  // per-token factors / KIVI scales and minima
+      3 * static_cast<size_t>(M),   // m l bK
+  };
+  float* buf[9];
+  carve(s.f0, sizes, buf);
+  float *qs = buf[0], *qt = buf[1], *Kb = buf[2], *Vb = buf[3], *S = buf[4], *acc = buf[5];
+  float *sK = buf[6], *mK = sK + dp, *f = buf[7], *m = buf[8];
+  float* l = m + M;
+  float* bK = l + M;
+  std::fill(Kb, Kb + sizes[2], 0.0f);
+  std::fill(Vb, Vb + sizes[3], 0.0f);
+  std::fill(acc, acc + sizes[5], 0.0f);
+  std::fill(sK, sK + sizes[6], 0.0f);
+  uint16_t half[2 * 1024];  // one key group's float16 [2, D] (D <= 1024, checked by the host)
+  for (int g = 0; g < M; ++g) {
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.0f;
+    float* qrow = qs + static_cast<size_t>(g) * dp;
+    const float* qin = a.q + (row * M + g) * static_cast<int64_t>(D);
+    for (int c = 0; c < D; ++c) qrow[c] = a.scaling * qin[c];
+    std::fill(qrow + D, qrow + dp, 0.0f);
+    std::fill(qt + static_cast<size_t>(g) * dp, qt + static_cast<size_t>(g + 1) * dp, 0.0f);
+  }
+  auto f16 = [](const uint8_t* p) {
+    uint16_t u;
+    std::memcpy(&u, p, 2);
+    return h2f(u);
+  };
+  const int64_t W_ = a.sw;  // slot bytes (W is the vector width)
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += T) {
+    const int nt = static_cast<int>(std::min<int64_t>(T, t_end - t0));
+    const int64_t blk = a.table[r * a.tpitch + t0 / a.bs];
+    const uint8_t* slot = a.cache + ((blk * a.H + h) * a.bs + t0 % a.bs) * W_;
+    if (t0 + T < t_end) {  // the next tile's slots, requested now (latency-bound decoding)
+      const int64_t nb = a.table[r * a.tpitch + (t0 + T) / a.bs];
+      prefetch_range(a.cache + ((nb * a.H + h) * a.bs + (t0 + T) % a.bs) * W_, static_cast<int64_t>(T) * W_);
+    }
+    // ---- keys -> scores S[g][t]
+    if (a.k_kind == kPagedKeyChannel) {
+      // the group's metadata: 32 slots x kmb bytes = float16 [2, D] (scales, then minima)
+      uint8_t* gm = reinterpret_cast<uint8_t*>(half);
+      for (int i = 0; i < T; ++i) std::memcpy(gm + i * a.kmb, slot + i * W_ + a.kmo, a.kmb);
+      for (int c = 0; c < D; ++c) {
+        sK[c] = h2f(half[c]);
+        mK[c] = h2f(half[D + c]);
+      }
+      decode_tile<kNoScale>(slot + a.ko, W_, nt, D, a.k_bits, a.klut, nullptr, 0, Kb, dp);
+      for (int g = 0; g < M; ++g) {  // s_t = (q * s) . code_t + q . m
+        const float* qrow = qs + static_cast<size_t>(g) * dp;
+        float* trow = qt + static_cast<size_t>(g) * dp;
+        vf bacc = vzero();
+        for (int c = 0; c < dp; c += W) {
+          const vf qv = vload(qrow + c);
+          vstore(trow + c, vmul(qv, vload(sK + c)));
+          bacc = vfma(qv, vload(mK + c), bacc);
+        }
+        bK[g] = vhsum(bacc);
+      }
+      dots(qt, dp, M, Kb, dp, nt, dp, S, T);
+      for (int g = 0; g < M; ++g)
+        for (int t = 0; t < nt; ++t) S[g * T + t] += bK[g];
+    } else {  // per-token int8: s_t = scale_t * (q . (byte - 128))
+      for (int t = 0; t < nt; ++t) f[t] = f16(slot + t * W_ + a.kmo);
+      decode_tile<kTokenScale>(slot + a.ko, W_, nt, D, 8, a.klut, f, 1, Kb, dp);
+      dots(qs, dp, M, Kb, dp, nt, dp, S, T);
+    }
+    // ---- online softmax: S becomes exp(s - m)
+    for (int g = 0; g < M; ++g) {
+      float* Sg = S + g * T;
+      float mt = m[g];
+      for (int t = 0; t < nt; ++t) mt = std::max(mt, Sg[t]);
+      if (mt > m[g]) {
+        const float alpha = std::exp(m[g] - mt);  // 0 on the first tile
+        m[g] = mt;
+        l[g] *= alpha;
+        if (alpha != 1.0f) scale_row(acc + static_cast<size_t>(g) * dp, dp, alpha);
+      }
+      const vf mv = vset1(m[g]);
+      vf lsum = vzero();
+      int t = 0;
+      for (; t + W <= nt; t += W) {
+        const vf e = vexp(vsub(vload(Sg + t), mv));
+        vstore(Sg + t, e);
+        lsum = vadd(lsum, e);
+      }
+      float ls = vhsum(lsum);
+      for (; t < nt; ++t) {
+        Sg[t] = std::exp(Sg[t] - m[g]);
+        ls += Sg[t];
+      }
+      l[g] += ls;
+    }
+    // ---- values
+    if (a.v_kind == kPagedValueLevels) {
+      for (int t = 0; t < nt; ++t) f[t] = a.norm_table[slot[t * W_ + a.vmo]];
+      decode_tile<kTokenScale>(slot + a.vo, W_, nt, D, a.v_bits, a.vlut, f, 1, Vb, dp);
+    } else if (a.v_kind == kPagedValueInt8) {
+      for (int t = 0; t < nt; ++t) f[t] = f16(slot + t * W_ + a.vmo);
+      decode_tile<kTokenScale>(slot + a.vo, W_, nt, D, 8, a.vlut, f, 1, Vb, dp);
+    } else {  // per token and 32-channel group: v = m_j + s_j * code
+      decode_tile<kNoScale>(slot + a.vo, W_, nt, D, a.v_bits, a.vlut, nullptr, 0, Vb, dp);
+      for (int t = 0; t < nt; ++t) {
+        const uint8_t* meta = slot + t * W_ + a.vmo;
+        float* row_v = Vb + static_cast<size_t>(t) * dp;
+        for (int j = 0; j < J; ++j) {
+          const vf sv = vset1(f16(meta + 2 * j)), mv = vset1(f16(meta + 2 * (J + j)));
+          float* x = row_v + j * kPagedChannelGroup;
+          for (int c = 0; c < kPagedChannelGroup; c += W) vstore(x + c, vfma(vload(x + c), sv, mv));
+        }
+      }
+    }
+    accum(S, T, M, Vb, dp, nt, dp, acc, dp);
+  }
+  for (int g = 0; g < M; ++g) {
+    a.pm[item * M + g] = m[g];
+    a.pl[item * M + g] = l[g];
+    std::memcpy(a.pacc + (item * M + g) * static_cast<int64_t>(dp), acc + static_cast<size_t>(g) * dp,
+                sizeof(float) * dp);
+  }
+}
