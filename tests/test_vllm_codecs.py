@@ -208,3 +208,32 @@ def test_tensor_parallel_ranks_store_the_single_process_codes(name):
         assert torch.equal(part, whole[:, local]), rank
     with pytest.raises(ValueError, match="first_head"):
         value_rotations(codec, 5, 2, first_head=-1)
+
+
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_compiled_writer_stores_the_torch_bytes(name, d):
+    """The compiled slot writer (kernels.paged.write_paged) against the torch encoder, byte for byte:
+    a prefill chunk, decode steps one token at a time (each re-encodes its key group), a chunk that
+    starts inside a group, bfloat16 inputs, a constant key channel."""
+    from kv_cache.kernels import _select
+
+    if _select.compiled_for((torch.zeros(1),)) is None:
+        pytest.skip("the compiled kernels are not built here (KV_CACHE_KERNELS=torch or no compiler)")
+    codec = PagedCodec(name, d)
+    g = torch.Generator().manual_seed(11)
+    n, bs, heads = 300, 64, 3
+    k = (torch.randn(n, heads, d, generator=g) * 2 + torch.linspace(-4, 4, d)).bfloat16()
+    v = torch.randn(n, heads, d, generator=g).bfloat16()
+    k[:, :, 3] = 1.5
+    slots = torch.tensor([5, 1, 7, 3, 9])[torch.arange(n) // bs] * bs + torch.arange(n) % bs
+    torch_cache = torch.zeros(10, heads, bs, codec.slot_bytes, dtype=torch.uint8)
+    compiled = torch_cache.clone()
+    rot = value_rotations(codec, 2, heads)
+    for a, b in ((0, 100), (100, 101), (101, 102), (102, 150), (150, 151), (151, 300)):
+        write_slots(torch_cache, k[a:b], v[a:b], slots[a:b], codec, rot, kernels=False)
+        write_slots(compiled, k[a:b], v[a:b], slots[a:b], codec, rot)
+    assert torch.equal(compiled, torch_cache)
+    for kernels in (None, False):
+        with pytest.raises(ValueError, match="outside the cache's 640 slots"):
+            write_slots(compiled, k[:1], v[:1], torch.tensor([640]), codec, rot, kernels=kernels)

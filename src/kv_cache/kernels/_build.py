@@ -38,7 +38,7 @@ _ENV_CACHE_HOME = "KV_CACHE_HOME"  # same variable and default as kv_cache.model
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("kv_kernels.cpp",)
-HEADERS = ("kv_kernels_impl.h", "kv_paged.h", "kv_paged_impl.h")
+HEADERS = ("kv_kernels_impl.h", "kv_paged.h", "kv_paged_impl.h", "kv_paged_write.h")
 # Safe on any x86_64: no -march; the AVX2 code is behind a run-time CPU check in the source.
 # -ffp-contract=off keeps the quantizer's rounding bit-exact (no implicit a*b+c fusion).
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off")

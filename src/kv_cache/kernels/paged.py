@@ -189,6 +189,54 @@ def attend_paged(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
     return reference_attend_paged(q, cache, block_table, lengths, layout, scale)
 
 
+def write_paged(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+                layout: SlotLayout) -> bool:
+    """Encode tokens into their slots in place with the compiled kernel (one call per layer and step).
+
+    The arithmetic is the torch encoder's (:func:`kv_cache.integrations.vllm.codecs.write_slots`),
+    in the same order: per-channel key groups re-encoded from their stored tokens plus the new
+    ones (§28.2), int8 per token, Lloyd-Max codes of ``value / norm`` with the 8-bit log-coded RMS
+    norm (§28.3; float32 sums in another order may move a norm code at a rounding tie), KIVI
+    values per 32 channels.
+
+    Parameters
+    ----------
+    cache : torch.Tensor, uint8, ``[num_blocks, H, block_size, S]`` (contiguous, CPU)
+    key, value : torch.Tensor, ``[N, H, D]``
+        Values already rotated for ``levels_token_norm`` layouts.
+    slots : torch.Tensor, int, ``[N]``
+        ``block * block_size + offset``; no padding (negative) entries.
+    layout : SlotLayout
+
+    Returns
+    -------
+    bool
+        True when the compiled kernel wrote the slots; False when it does not serve these tensors
+        (not on the CPU, ``KV_CACHE_KERNELS`` other than auto, or no build): the caller encodes
+        with torch then.
+
+    Raises
+    ------
+    ValueError
+        A slot outside the cache.
+    """
+    ext = _select.compiled_for((cache, key, value)) if _build.backend() == "auto" else None
+    if ext is None or not cache.is_contiguous():
+        return False
+    from ..compression.codebook import LOG_SCALE_MIN_EXP, LOG_SCALE_STEP, log_scale_range
+
+    kk, vk = _kind_ids(layout)
+    mids = None
+    if layout.value_kind == "levels_token_norm":
+        lv = layout.value_levels
+        mids = ((lv[:-1] + lv[1:]) * 0.5).contiguous()
+    lo, hi = log_scale_range()
+    ext.write_paged(cache, key.float().contiguous(), value.float().contiguous(), slots.long().contiguous(), kk,
+                    layout.key_bits, vk, layout.value_bits, list(layout.offsets[:4]), mids, layout.norm_table,
+                    [lo, hi, LOG_SCALE_MIN_EXP, LOG_SCALE_STEP])
+    return True
+
+
 # ---------------------------------------------------------------------------------------------
 # The torch reference: decode, then attend.
 
@@ -275,4 +323,4 @@ def reference_attend_paged(q: torch.Tensor, cache: torch.Tensor, block_table: to
 
 
 __all__ = ["GROUP", "KEY_KINDS", "VALUE_KINDS", "SlotLayout", "attend_paged", "decode_slots",
-           "reference_attend_paged"]
+           "reference_attend_paged", "write_paged"]

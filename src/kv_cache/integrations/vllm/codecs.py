@@ -389,6 +389,7 @@ def write_slots(
     slot_mapping: torch.Tensor,
     codec: PagedCodec,
     rotation: torch.Tensor | None,
+    kernels: bool | None = None,
 ) -> None:
     """Encode tokens into their slots of a paged cache, in place.
 
@@ -402,6 +403,9 @@ def write_slots(
     codec : PagedCodec
     rotation : torch.Tensor or None
         :func:`value_rotations` for rotated codecs.
+    kernels : bool, optional
+        Encode with the compiled kernel (:func:`kv_cache.kernels.paged.write_paged`, one call) where
+        it serves the cache (None, the default), or always with the torch ops below (False).
 
     Raises
     ------
@@ -422,6 +426,16 @@ def write_slots(
     if slot_mapping.numel() == 0:
         return
     slot = slot_mapping.long()
+    total = cache.shape[0] * cache.shape[2]
+    if int(slot.max()) >= total:
+        raise ValueError(f"slot_mapping: slot {int(slot.max())} is outside the cache's {total} slots")
+    if kernels is not False:
+        from ...kernels.paged import write_paged
+        from .blocks import slot_layout  # blocks imports this module
+
+        v_in = torch.einsum("nhd,hde->nhe", value.float(), rotation) if codec.rotated_values else value
+        if write_paged(cache, key, v_in, slot, slot_layout(codec)):
+            return
     bs = cache.shape[2]
     blk, off = slot // bs, slot % bs
     o = codec.offsets()

@@ -775,6 +775,7 @@ void compact_rows(torch::Tensor buf, torch::Tensor keep) {
 }
 
 #include "kv_paged.h"
+#include "kv_paged_write.h"
 
 }  // namespace kvk
 
@@ -784,6 +785,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &kvk::dequantize, "fused unpack + dequantize (see kv_cache.kernels.ops.dequantize_block)");
   m.def("attend", &kvk::attend, "attention from packed codes (see kv_cache.kernels.ops.attend_block)");
   m.def("attend_paged", &kvk::attend_paged, "attention read from paged slots through a block table (see kv_cache.kernels.paged)");
+  m.def("write_paged", &kvk::write_paged, "encode tokens into paged slots in place (see kv_cache.kernels.paged.write_paged)");
   m.def("compact_rows", &kvk::compact_rows, "in-place gather of sorted kept tokens per row (see ops.compact_rows_)");
   m.def("isa", &kvk::isa_name, "name of the code path a call with this isa flag takes");
 }
