@@ -17,6 +17,11 @@ Variants, each the cached part's ``(out, lse)``:
 * ``sdpa-bf16`` / ``sdpa-fp32``: torch's flash attention over contiguous full-precision ``[R,
   H, N, D]`` keys and values (no paging, no decoding): the floor a full-precision cache sets.
 
+And the slot writes of one layer's step (``write`` rows): one decoded token, one token for each of
+``R`` requests (each re-encodes its 32-slot key group), and a prefill chunk of ``C`` tokens, with
+the compiled writer (:func:`kv_cache.kernels.paged.write_paged`) against the torch encoder
+(``write_slots(..., kernels=False)``), both storing the same bytes.
+
 Each figure is the median of ``--repeats`` timed calls (ms, wall clock) after ``--warmup``;
 ``x sdpa-bf16`` is the ratio to the bf16 floor measured in the same run. Results go to
 ``benchmarks/results/bench_paged_*.{json,md}``.
@@ -125,8 +130,26 @@ def main() -> None:
                          "slot_bytes": codec.slot_bytes, "kv_mib_codes": kv_bytes / 2**20,
                          "kv_mib_bf16": r * n * h * 4 * d / 2**20, "ms": times})
             print(shape, name, {k_: round(v_, 3) for k_, v_ in times.items()}, flush=True)
+    writes = []
+    for name in args.codecs.split(","):
+        codec = PagedCodec(name, d)
+        g_ = torch.Generator().manual_seed(5)
+        cache = torch.zeros(dr * 4 + pc // bs + 8, h, bs, codec.slot_bytes, dtype=torch.uint8)
+        rot = value_rotations(codec, 0, h)
+        kx = torch.randn(max(pc, dr), h, d, generator=g_).bfloat16()
+        vx = torch.randn(max(pc, dr), h, d, generator=g_).bfloat16()
+        cases = {"1 token": torch.tensor([5]), f"{dr} requests x 1 token": torch.arange(dr) * 4 * bs + 7,
+                 f"chunk of {pc}": dr * 4 * bs + torch.arange(pc)}
+        for label, slots in cases.items():
+            n_ = slots.numel()
+            t_ = {kind: _median_ms(lambda: write_slots(cache, kx[:n_], vx[:n_], slots, codec, rot, kernels=flag),
+                                   args.warmup, args.repeats * 3)
+                  for kind, flag in (("compiled", None), ("torch", False))}
+            writes.append({"codec": name, "case": label, "ms": t_})
+            print("write", name, label, {k_: round(v_, 3) for k_, v_ in t_.items()}, flush=True)
     result = {"args": vars(args), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "machine": f"{platform.machine()}, {platform.processor() or '?'}", "rows": rows}
+              "machine": f"{platform.machine()}, {platform.processor() or '?'}", "rows": rows,
+              "writes": writes}
     RESULTS.mkdir(exist_ok=True)
     stem = RESULTS / f"bench_paged_h{h}g{g}d{d}_bs{bs}_dec{args.decode}_pre{args.prefill}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
@@ -156,6 +179,13 @@ def _markdown(result: dict) -> str:
                      f"{r['kv_mib_bf16']:.1f} | {t['paged-kernel']:.2f} | {t['gather+decode']:.2f} | "
                      f"{t['sdpa-bf16']:.2f} | {t['sdpa-fp32']:.2f} | {t['paged-kernel'] / t['sdpa-bf16']:.2f}x | "
                      f"{t['paged-kernel'] / t['gather+decode']:.2f}x |")
+    if result.get("writes"):
+        lines += ["", "Slot writes of one layer's step (ms; both store the same bytes):", "",
+                  "| codec | case | compiled writer | torch encoder | compiled / torch |", "|---|---|---|---|---|"]
+        for w in result["writes"]:
+            t = w["ms"]
+            lines.append(f"| `{w['codec']}` | {w['case']} | {t['compiled']:.3f} | {t['torch']:.3f} | "
+                         f"{t['compiled'] / t['torch']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

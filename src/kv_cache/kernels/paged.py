@@ -102,7 +102,14 @@ class SlotLayout:
         return self.offsets[4]
 
     def luts(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernels' code -> level tables ``(keys, values)``, float32."""
+        """The kernels' code -> level tables ``(keys, values)``, float32 (built once per device)."""
+        cache = self.__dict__.setdefault("_luts", {})
+        key = str(torch.device(device))
+        if key not in cache:
+            cache[key] = self._build_luts(device)
+        return cache[key]
+
+    def _build_luts(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         k = uniform_lut(8, True, device) if self.key_kind == "token_int8" else uniform_lut(self.key_bits, False, device)
         if self.value_kind == "token_int8":
             v = uniform_lut(8, True, device)
