@@ -179,7 +179,7 @@ def attend_paged(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
     """
     _check(q, cache, block_table, lengths, layout)
     r, h, m, d = q.shape
-    ext = _select.compiled_for((q, cache, block_table))
+    ext = _select.compiled_for((q, cache, block_table, lengths))
     if ext is not None:
         qf = q.float().contiguous().view(r * h, m, d)
         out = torch.empty_like(qf)
@@ -190,7 +190,7 @@ def attend_paged(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
                          layout.key_bits, klut, vk, layout.value_bits, vlut, layout.norm_table,
                          list(layout.offsets[:4]), float(scale), out, lse, _build.isa_flag())
         return out.view(r, h, m, d), lse.view(r, h, m)
-    tri = _select.triton_for((q, cache, block_table))
+    tri = _select.triton_for((q, cache, block_table, lengths))
     if tri is not None:
         return tri.attend_paged(q, cache, block_table, lengths, layout, float(scale))
     return reference_attend_paged(q, cache, block_table, lengths, layout, scale)
@@ -227,7 +227,7 @@ def write_paged(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     ValueError
         A slot outside the cache.
     """
-    ext = _select.compiled_for((cache, key, value)) if _build.backend() == "auto" else None
+    ext = _select.compiled_for((cache, key, value, slots)) if _build.backend() == "auto" else None
     if ext is None or not cache.is_contiguous():
         return False
     from ..compression.codebook import LOG_SCALE_MIN_EXP, LOG_SCALE_STEP, log_scale_range

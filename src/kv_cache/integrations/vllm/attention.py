@@ -131,7 +131,11 @@ def attend(
     kf = k_new.float().permute(0, 2, 1, 3).repeat_interleave(g, dim=1)  # [R, Hq, Q, D]
     vf = vf.permute(0, 2, 1, 3).repeat_interleave(g, dim=1)
     qh = q.float().permute(0, 2, 1, 3)  # [R, Hq, Q, D]
-    out, _ = _merge((o, lse), _flash(qh.contiguous(), kf.contiguous(), vf.contiguous(), True, scale))
+    if nq == 1:  # a decode step: each query sees only its own new token (softmax weight 1)
+        fresh = (vf, (qh * kf).sum(-1) * scale)
+    else:
+        fresh = _flash(qh.contiguous(), kf.contiguous(), vf.contiguous(), True, scale)
+    out, _ = _merge((o, lse), fresh)
     out = out.permute(0, 2, 1, 3)  # [R, Q, Hq, D]
     if rotation is not None:  # query head h * G + i reads kv head h
         out = torch.einsum("rqhge,hde->rqhgd", out.reshape(r, nq, h, g, d), rotation).reshape(r, nq, hq, d)
