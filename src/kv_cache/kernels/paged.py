@@ -219,7 +219,7 @@ def write_paged(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     -------
     bool
         True when the compiled kernel wrote the slots; False when it does not serve these tensors
-        (not on the CPU, ``KV_CACHE_KERNELS`` other than auto, or no build): the caller encodes
+        (not on the CPU, ``KV_CACHE_KERNELS=torch`` or ``triton``, or no build): the caller encodes
         with torch then.
 
     Raises
@@ -227,7 +227,7 @@ def write_paged(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     ValueError
         A slot outside the cache.
     """
-    ext = _select.compiled_for((cache, key, value, slots)) if _build.backend() == "auto" else None
+    ext = _select.compiled_for((cache, key, value, slots))
     if ext is None or not cache.is_contiguous():
         return False
     from ..compression.codebook import LOG_SCALE_MIN_EXP, LOG_SCALE_STEP, log_scale_range
