@@ -429,12 +429,13 @@ def write_slots(
     total = cache.shape[0] * cache.shape[2]
     if int(slot.max()) >= total:
         raise ValueError(f"slot_mapping: slot {int(slot.max())} is outside the cache's {total} slots")
+    if codec.rotated_values:  # values are stored in the rotated basis (both paths)
+        value = torch.einsum("nhd,hde->nhe", value.float(), rotation)
     if kernels is not False:
         from ...kernels.paged import write_paged
         from .blocks import slot_layout  # blocks imports this module
 
-        v_in = torch.einsum("nhd,hde->nhe", value.float(), rotation) if codec.rotated_values else value
-        if write_paged(cache, key, v_in, slot, slot_layout(codec)):
+        if write_paged(cache, key, value, slot, slot_layout(codec)):
             return
     bs = cache.shape[2]
     blk, off = slot // bs, slot % bs
@@ -443,8 +444,7 @@ def write_slots(
     if codec.value_layout == "token_int8":
         vbytes = _encode_token_int8(value)
     elif codec.value_layout == "rotated_lloyd_max":
-        v_rot = torch.einsum("nhd,hde->nhe", value.float(), rotation)
-        codes, ncode = _encode_lloyd_max(v_rot, codec.value_bits)
+        codes, ncode = _encode_lloyd_max(value, codec.value_bits)
         vbytes = torch.cat((_pack(codes, codec.value_bits), ncode), dim=-1)
     else:
         codes, meta = _encode_uniform_channel_groups(value, codec.value_bits)

@@ -375,6 +375,16 @@ static void run_items(int64_t n, int64_t work, F fn) {
   }
 }
 
+// lut: float32 [2**bits] code -> level table, zero padded to 256; `offset` where lut[i] == i + beta
+static void fill_lut(Lut& lut, const at::Tensor& t, int bits) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == (1 << bits), "lut");
+  std::fill(lut.v, lut.v + 256, 0.0f);
+  std::memcpy(lut.v, t.data_ptr<float>(), sizeof(float) * t.numel());
+  lut.beta = lut.v[0];
+  lut.offset = true;
+  for (int i = 0; i < (1 << bits); ++i) lut.offset = lut.offset && (static_cast<float>(i) + lut.beta == lut.v[i]);
+}
+
 static BlockView make_block(const at::Tensor& codes, int64_t bits, const at::Tensor& lut, int64_t grouping,
                             const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
                             const c10::optional<at::Tensor>& gid, int64_t group_size,
@@ -390,13 +400,7 @@ static BlockView make_block(const at::Tensor& codes, int64_t bits, const at::Ten
   b.P = static_cast<int>(codes.size(2));
   b.bits = static_cast<int>(bits);
   b.d = b.P * 8 / b.bits;
-  TORCH_CHECK(lut.scalar_type() == at::kFloat && lut.is_contiguous() && lut.numel() == (1 << bits), "lut");
-  std::fill(b.lut.v, b.lut.v + 256, 0.0f);
-  std::memcpy(b.lut.v, lut.data_ptr<float>(), sizeof(float) * lut.numel());
-  b.lut.beta = b.lut.v[0];
-  b.lut.offset = true;
-  for (int i = 0; i < (1 << bits); ++i)
-    b.lut.offset = b.lut.offset && (static_cast<float>(i) + b.lut.beta == b.lut.v[i]);
+  fill_lut(b.lut, lut, static_cast<int>(bits));
   b.grouping = static_cast<int>(grouping);
   TORCH_CHECK(scale.dim() == 3, "scale");
   b.scale.p = scale.data_ptr();

@@ -2,15 +2,6 @@
 // after the dispatch helpers): work items, the per-ISA item (kv_paged_impl.h), the log-sum-exp
 // merge. Python side: src/kv_cache/kernels/paged.py (validation, layouts). Math §28.5.
 
-static void fill_lut(Lut& lut, const at::Tensor& t, int bits) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == (1 << bits), "lut");
-  std::fill(lut.v, lut.v + 256, 0.0f);
-  std::memcpy(lut.v, t.data_ptr<float>(), sizeof(float) * t.numel());
-  lut.beta = lut.v[0];
-  lut.offset = true;
-  for (int i = 0; i < (1 << bits); ++i) lut.offset = lut.offset && (static_cast<float>(i) + lut.beta == lut.v[i]);
-}
-
 // q [R * H, M, D] float32; cache uint8 [blocks, H, bs, sw] (contiguous); table int32 [R, nb];
 // lengths int64 [R]; offsets (ko, kmo, vo, vmo); out [R * H, M, D], lse [R * H, M] float32.
 // Block ids a request needs are checked against the cache (ValueError).
