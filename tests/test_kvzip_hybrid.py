@@ -147,6 +147,67 @@ def test_kvzip_scores_match_float64_eager_oracle(name):
         assert max(float((plain[i] - want[i]).abs().max()) for i in want) > 0.05
 
 
+def oracle_continuation(model, ids: list[int], n: int, capped: bool = True) -> dict[int, torch.Tensor]:
+    """The continuation scores ``[1, Hkv, T]`` float64 per full-attention layer (math dictionary
+    §19.7): the probabilities the context's last ``n`` queries give each slot (causal softmax of the
+    capped logits over the context), summed over those queries, the largest over the ``G`` query
+    heads of each KV head."""
+    T = len(ids)
+    seen = _capture(model, torch.tensor([ids]))
+    out = {}
+    for i, w in enumerate(layer_windows(model.config)):
+        if w is not None:
+            continue
+        q, k, scaling, softcap, _ = seen[i]
+        Hq, Hkv = q.shape[1], k.shape[1]
+        logits = q[:, :, T - n:] @ k.repeat_interleave(Hq // Hkv, 1).transpose(-1, -2) * scaling  # [1, Hq, n, T]
+        if capped and softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        causal = torch.arange(T)[None, :] <= torch.arange(T - n, T)[:, None]
+        p = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1).sum(2)  # [1, Hq, T]
+        out[i] = p.reshape(1, Hkv, Hq // Hkv, T).amax(2)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_continuation_scores_match_float64_eager_oracle(name):
+    """``KVzip(continuation_queries=n)`` (§19.7): the attention of the context's last ``n`` queries,
+    taken by the prefill's own attention call, equals the float64 eager oracle (soft-capped on Gemma
+    2), the policy scores each slot by the larger of its two scores, and neither is held after the
+    eviction (the bytes held are the cache's tensors only)."""
+    from kv_cache.policies.base import ScoreInputs
+
+    model = _model(name)
+    ids, tok = _context(), _Tok()
+    pol = KVzip(budget=0.25, chunk_size=24, overlap=4, continuation_queries=10)
+    cache, recon = library_scores(model, ids, pol, tok)
+    want = oracle_continuation(model, ids, 10)
+    assert sorted(want) == sorted(recon) == [1, 3]
+    for i in want:
+        got = cache.layers[i].state["kvzip_continuation"]
+        torch.testing.assert_close(got.double(), want[i], atol=2e-5, rtol=2e-4, msg=f"layer {i}")
+        inputs = ScoreInputs(shape=tuple(got.shape), keys=None, query=None, key_valid=None, scaling=1.0,
+                             state=cache.layers[i].state)
+        torch.testing.assert_close(pol.score(inputs), torch.maximum(recon[i].float(), got.float()))
+        assert bool((got > recon[i]).any()), "the test should reach slots the repeat pass does not rank first"
+    torch.testing.assert_close(  # without the option the reconstruction scores are untouched
+        library_scores(model, ids, KVzip(budget=0.25, chunk_size=24, overlap=4), tok)[1][1], recon[1])
+    cache.finish_reconstruction()
+    assert all("kvzip_continuation" not in layer.state and "kvzip" not in layer.state for layer in cache.layers)
+
+
+def test_continuation_queries_is_validated_and_hidden_at_its_default():
+    for bad in (-1, 1.5, True, "96"):
+        with pytest.raises(ValueError, match="continuation_queries must be an int >= 0"):
+            KVzip(budget=0.25, continuation_queries=bad)
+    from kv_cache.cache.serialize_state import _decode_policy, _encode_policy
+
+    plain, with_cont = KVzip(budget=0.25), KVzip(budget=0.25, continuation_queries=96)
+    assert "continuation_queries" not in repr(plain) and "continuation_queries=96" in repr(with_cont)
+    assert "continuation_queries" not in _encode_policy(plain)["fields"]  # files and plan fingerprints as before
+    assert _decode_policy(_encode_policy(with_cont)) == with_cont
+
+
 def test_kvzip_on_softcapped_gemma2_evicts_and_decodes():
     """KVzip(budget=0.25) on Gemma 2 (soft-capped, hybrid): the model-wide budget is spent on the
     full-attention layers, which then hold different numbers of tokens per head (ragged rows

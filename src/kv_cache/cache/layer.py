@@ -314,6 +314,8 @@ class CompressedLayer(CacheLayerMixin):
         if self.policy.needs_reconstruction:  # KVzip: scored by its own pass (kv_cache.prefill)
             self._awaiting_reconstruction = True
             self._prefill_done = True
+            if attention is not None and queries:  # the prompt's last queries: the continuation score (§19.7)
+                self.state["kvzip_continuation"] = self.policy.continuation_scores(attention, self.storage.heads)
             return
         shape = (self.storage.batch, self.storage.heads, self.kept_length())
         valid = None
@@ -498,6 +500,7 @@ class CompressedLayer(CacheLayerMixin):
             valid = torch.arange(shape[2], device=self._starts.device) >= self._starts.unsqueeze(-1)
         self._evict(self._score_inputs(shape, key_valid=valid), valid)
         self.state.pop("kvzip", None)
+        self.state.pop("kvzip_continuation", None)
 
     # ------------------------------------------------------------------ accounting
     def held_tensors(self) -> dict[str, torch.Tensor]:

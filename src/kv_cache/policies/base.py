@@ -74,6 +74,10 @@ top-k (``layer``, Ada-KV), or every head of every layer one top-k (``model``, KV
 
 SHARED_FIELDS = {"scope": "head", "head_floor": 0.2, "evict_every": 1, "target_ratio": None}
 """Fields of shared budgets and their per-head defaults (hidden from ``repr`` when equal)."""
+LATER_FIELDS = {"continuation_queries": 0}
+"""Fields added after policies were first saved, at the value that means "as before": hidden from
+``repr`` and left out of saved files and plan fingerprints when equal, so an evaluation resumes and
+an existing file loads with the same fingerprint."""
 
 
 @dataclass(repr=False)
@@ -136,6 +140,8 @@ class EvictionPolicy(ABC):
                 continue
             v = getattr(self, f.name)
             if f.name in SHARED_FIELDS and v == SHARED_FIELDS[f.name]:
+                continue
+            if f.name in LATER_FIELDS and v == LATER_FIELDS[f.name]:
                 continue
             parts.append(f"{f.name}={v!r}")
         return f"{type(self).__name__}({', '.join(parts)})"
