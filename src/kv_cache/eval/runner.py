@@ -194,7 +194,8 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None,
     prefix = torch.tensor([sample.prefix_ids])
     cont = torch.tensor([sample.continuation_ids])
     with torch.no_grad():
-        pre = _prefill(model, method, prefix, tokenizer)
+        # the last position's logits only: the T x vocab logits of a 16K window are ~10 GB (Qwen2.5)
+        pre = _prefill(model, method, prefix, tokenizer, last_only=True)
         try:
             logits = forward_at(model, pre.cache, cont[:, :-1], prefix.shape[1])
             all_logits = torch.cat([pre.logits[:, -1:], logits], dim=1)[0]  # predicts every continuation token
