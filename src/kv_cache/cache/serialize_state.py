@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..policies import POLICIES, EvictionPolicy
-from ..policies.base import LATER_FIELDS
+from ..policies.base import LATER_FIELDS, at_hidden_default
 from .config import QuantConfig
 from .layer import CompressedLayer
 from .packed import PackedKV, Rotation
@@ -107,7 +107,7 @@ def _encode_policy(policy: EvictionPolicy | None) -> dict[str, Any] | None:
         raise ValueError(f"cannot save eviction policy {name}: only {sorted(c.__name__ for c in POLICIES.values())}")
     return {"class": name,
             "fields": {f.name: _encode_value(getattr(policy, f.name)) for f in dataclasses.fields(policy)
-                       if f.init and not (f.name in LATER_FIELDS and getattr(policy, f.name) == LATER_FIELDS[f.name])}}
+                       if f.init and not at_hidden_default(f.name, getattr(policy, f.name), LATER_FIELDS)}}
 
 
 def _decode_policy(d: dict[str, Any] | None) -> EvictionPolicy | None:

@@ -80,6 +80,13 @@ LATER_FIELDS = {"continuation_queries": 0}
 an existing file loads with the same fingerprint."""
 
 
+def at_hidden_default(name: str, value, hidden: dict) -> bool:
+    """Whether field ``name`` is one of ``hidden`` (:data:`SHARED_FIELDS`, :data:`LATER_FIELDS`)
+    and holds its default there: such a field is left out of the repr and, for
+    :data:`LATER_FIELDS`, of saved files and plan fingerprints."""
+    return name in hidden and value == hidden[name]
+
+
 @dataclass(repr=False)
 class EvictionPolicy(ABC):
     """Base class. ``budget`` is a token count (int) or a fraction (float in (0, 1]) of the
@@ -139,9 +146,7 @@ class EvictionPolicy(ABC):
             if not f.repr:
                 continue
             v = getattr(self, f.name)
-            if f.name in SHARED_FIELDS and v == SHARED_FIELDS[f.name]:
-                continue
-            if f.name in LATER_FIELDS and v == LATER_FIELDS[f.name]:
+            if at_hidden_default(f.name, v, SHARED_FIELDS) or at_hidden_default(f.name, v, LATER_FIELDS):
                 continue
             parts.append(f"{f.name}={v!r}")
         return f"{type(self).__name__}({', '.join(parts)})"
