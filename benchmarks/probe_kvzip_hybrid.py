@@ -32,6 +32,11 @@ For the two library sets, ``eviction error of the last 8 queries`` is the fideli
 attention-output error of the prompt's last 8 queries over the kept slots. It is not what the
 check reports, because it does not predict the damage (math dictionary §26).
 
+``missed mass of the last m queries`` (m = 8, 96), for every set over all full layers: per full
+layer, the share of the attention of the prompt's last ``m`` queries on the slots the set drops;
+for m = 8 and the library's sets it is the eviction check's per-layer figure (math dictionary
+§26.1), whose mean over the full layers the cache compares with its limit.
+
 ``median reconstruction score`` per full layer shows the saturation that makes KVzip's score
 uninformative on a copy layer (every slot is the copy source of some repeat query).
 
@@ -132,6 +137,16 @@ def eviction_error(probs: torch.Tensor, values: torch.Tensor, keep: torch.Tensor
     return float(((o_hat - o).norm(dim=-1) / o.norm(dim=-1)).max())
 
 
+def missed_mass(probs: torch.Tensor, keep: torch.Tensor, T: int, m: int) -> float:
+    """The share of the attention of the prompt's last ``m`` queries that falls on the slots
+    ``keep`` ``[kv_heads, T]`` drops (the mean over those queries and every query head; math
+    dictionary §26). ``probs`` ``[Hq, N, N]``."""
+    a = probs[:, T - m:T, :T]  # [Hq, m, T]
+    keep = keep if keep.dim() == 2 else keep[None]  # one set for every head
+    kept = keep.repeat_interleave(a.shape[0] // keep.shape[0], 0)[:, None, :]
+    return float((a * ~kept).sum(-1).mean())
+
+
 def probe(model, tok, ids: torch.Tensor, T: int, C: int, keep: float, sink: int, seed: int,
           recent_window: float = 0.5, continuation_queries: int = 96, single_layers: bool = True) -> dict:
     """Costs of each keep set on one sample ``ids`` ``[T + C]``."""
@@ -195,7 +210,10 @@ def probe(model, tok, ids: torch.Tensor, T: int, C: int, keep: float, sink: int,
                "median reconstruction score": {str(i): float(kvzip[i].float().median()) for i in full},
                "eviction error of the last 8 queries": {
                    name: {str(i): eviction_error(probs[i], state["values"][i], masks[i], T) for i in full}
-                   for name, masks in library.items()}}
+                   for name, masks in library.items()},
+               **{f"missed mass of the last {m} queries": {
+                   name: {str(i): missed_mass(probs[i], masks[i], T, m) for i in full}
+                   for name, masks in sets.items() if set(masks) == set(full)} for m in (8, 96)}}
         for name, masks in sets.items():
             state["keep"] = masks
             out[name] = {"kept": [int(m.sum()) for m in masks.values()], "nll": nll()}
@@ -259,6 +277,11 @@ def main() -> None:
         worst = [max(r["eviction error of the last 8 queries"][name].values()) for r in rows]
         print(f"eviction error of the prompt's last 8 queries, {name}: worst layer per sample "
               + ", ".join(f"{e:.2f}" for e in worst))
+    for m in (8, 96):
+        key = f"missed mass of the last {m} queries"
+        for name in rows[0].get(key, {}):
+            print(f"{key}, {name}: mean over the full layers per sample "
+                  + ", ".join(f"{sum(r[key][name].values()) / len(r[key][name]):.2f}" for r in rows))
     for name in [k for k in rows[0] if isinstance(rows[0][k], dict) and "nll" in rows[0][k]]:
         mean = sum(r[name]["nll"] for r in rows) / len(rows)
         print(f"{name:40s} {str(rows[0][name]['kept']):>32s} {100 * (math.exp(mean - base) - 1):+8.1f}%")

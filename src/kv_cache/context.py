@@ -335,7 +335,8 @@ class CompressedContext:
         default (None) uses it for a text when the tokenizer has one; False keeps the raw text.
         ``plan``: a :class:`kv_cache.plan.CachePlan` instead of ``quant`` / ``eviction``.
         ``strict``: raise :class:`~kv_cache.FidelityError` when the fidelity check finds layers the
-        compression wrecks, instead of warning (:class:`~kv_cache.CompressedCache`).
+        compression wrecks, or the eviction check an eviction that drops too much of what the
+        prompt's last queries read, instead of warning (:class:`~kv_cache.CompressedCache`).
         """
         from .chat import has_chat_template, split_chat
 

@@ -35,7 +35,8 @@ from typing import Any, Iterator
 import torch
 
 from .blocks import attend_new, fused_decode, join_new_token, merge, reconstruction_scores
-from ..cache.fidelity import FIDELITY_QUERIES, attention_output_error, checked_rows, masked_attention
+from ..cache.fidelity import (FIDELITY_QUERIES, attention_output_error, checked_rows, masked_attention,
+                              query_attention)
 from ..cache.key_offset import lse_shift, unshift_keys
 from .dense import apply_learned_sinks, attend_positions, attend_positions_observed, materialize
 
@@ -124,6 +125,8 @@ def compressed_attention(
             if sinks is not None and layer.key_offset is not None:  # learned sinks see true logits (§25)
                 lse = lse + lse_shift(q, layer.key_offset, scaling)
         if layer.checks_fidelity(view, L):
+            if layer.checks_eviction:
+                layer.record_query_attention(_last_queries_attention(layer, q, key, scaling, G, L, softcap, new_valid))
             layer.record_fidelity(_prefill_error(layer, q, key, value, scaling, G, L, softcap, new_valid))
     finally:
         layer.attention_done()
@@ -165,6 +168,16 @@ def _prefill_error(layer, q, key, value, scaling, G, L, softcap, new_valid) -> f
     exact_key = key if valid is None else key.masked_fill(~valid[..., None], 0)
     err = attention_output_error(qs, exact_key, value, approx, scaling, softcap, key_valid=valid)
     return float(err.max())
+
+
+def _last_queries_attention(layer, q, key, scaling, G, L, softcap, new_valid) -> torch.Tensor:
+    """The eviction check's attention (§26.1): the mean probabilities ``[B, Hkv, T]`` of the same
+    last queries as the fidelity check over this first prefill's full-precision keys."""
+    m = min(FIDELITY_QUERIES, L)
+    qs = q[:, :, checked_rows(G, L, m, q.device)]
+    valid = None if new_valid is None else new_valid[:, None, :].expand(-1, key.shape[1], -1)
+    k = key if softcap is None else unshift_keys(key, layer.key_offset)  # a constant shift leaves softmax as is
+    return query_attention(qs, k, scaling, softcap, valid)
 
 
 def _window_hides(layer, view: list, L: int) -> bool:

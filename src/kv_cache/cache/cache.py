@@ -15,7 +15,8 @@ from .config import QuantConfig
 from .budgets import fixed_parts
 import warnings
 
-from .fidelity import FIDELITY_THRESHOLD, broken_layers, fidelity_message
+from .fidelity import (EVICTION_THRESHOLD, FIDELITY_THRESHOLD, RECENT_ATTENTION, broken_layers, eviction_limit,
+                       eviction_message, fidelity_message)
 from .layer import CompressedLayer
 from .report import MemoryReport, fp16_kv_bytes, kv_geometry, layer_nbytes
 
@@ -74,9 +75,17 @@ class CompressedCache(Cache):
         over the full-precision prompt. A layer whose relative error passes
         ``fidelity_threshold`` makes the cache warn (:class:`FidelityWarning`) or, with
         ``strict=True``, raise (:class:`FidelityError`), naming the layers and what to do. The
-        figures are in :meth:`memory_report` (``attention_errors``) either way.
+        figures are in :meth:`memory_report` (``attention_errors``) either way. The same
+        ``strict`` governs the eviction check (§26.1): after KVzip's eviction, the share of the
+        attention of those last queries on the dropped slots, averaged over the evicting layers
+        (``memory_report().evicted_attention``), warns or raises past ``eviction_threshold`` (times
+        the share of full-attention layers on a hybrid model).
     fidelity_threshold : float, default 0.5
         The relative attention-output error past which a layer counts as wrecked.
+    eviction_threshold : float, default :data:`~kv_cache.cache.fidelity.EVICTION_THRESHOLD`
+        The mean share of the last queries' attention an eviction may drop (in (0, 1]) on a model
+        whose every layer attends globally; a hybrid model's limit is this times its share of
+        full-attention layers (:func:`~kv_cache.cache.fidelity.eviction_limit`).
 
     With both None the cache behaves exactly like ``DynamicCache``.
 
@@ -89,14 +98,19 @@ class CompressedCache(Cache):
     """
 
     def __init__(self, config: Any, *, quant: QuantConfig | None = None, eviction: EvictionPolicy | None = None,
-                 plan: Any = None, strict: bool = False, fidelity_threshold: float = FIDELITY_THRESHOLD):
+                 plan: Any = None, strict: bool = False, fidelity_threshold: float = FIDELITY_THRESHOLD,
+                 eviction_threshold: float = EVICTION_THRESHOLD):
         check_decoder(config)
         if not isinstance(strict, bool):
             raise TypeError(f"strict must be True or False; got {strict!r}")
         if isinstance(fidelity_threshold, bool) or not isinstance(fidelity_threshold, (int, float)) \
                 or not fidelity_threshold > 0:
             raise ValueError(f"fidelity_threshold must be a number > 0; got {fidelity_threshold!r}")
+        if isinstance(eviction_threshold, bool) or not isinstance(eviction_threshold, (int, float)) \
+                or not 0 < eviction_threshold <= 1:
+            raise ValueError(f"eviction_threshold must be a share of attention in (0, 1]; got {eviction_threshold!r}")
         self.strict, self.fidelity_threshold = strict, float(fidelity_threshold)
+        self.eviction_threshold = float(eviction_threshold)
         if plan is not None:  # a kv_cache.plan.CachePlan (duck-typed: the plan layer sits above this one)
             if quant is not None or eviction is not None:
                 raise ValueError("pass either plan= or quant=/eviction=, not both (a plan holds both)")
@@ -274,9 +288,34 @@ class CompressedCache(Cache):
             layer.end_reconstruction_chunk()
 
     def finish_reconstruction(self) -> None:
-        """Evict every layer with its KVzip scores (a model-wide budget selects once, at the end)."""
+        """Evict every layer with its KVzip scores (a model-wide budget selects once, at the end),
+        then run the eviction check (§26.1)."""
         for layer in self.layers:
             layer.finish_reconstruction()
+        for layer in self.layers:  # a layer the budget did not reach dropped nothing
+            if layer.state.pop(RECENT_ATTENTION, None) is not None:
+                layer.evicted_attention = 0.0
+        shares = self.evicted_attention()
+        limit = self.eviction_limit
+        if not shares or not sum(shares.values()) / len(shares) > limit:
+            return
+        message = eviction_message(shares, limit, self.strict)
+        if self.strict:
+            raise FidelityError(message)
+        warnings.warn(message, FidelityWarning, stacklevel=2)
+
+    @property
+    def eviction_limit(self) -> float:
+        """The eviction check's limit (§26.1): ``eviction_threshold`` times the share of layers
+        that attend globally (1 but on hybrid models; with none, nothing can be evicted)."""
+        full = sum(w is None for w in self.windows)
+        return eviction_limit(self.eviction_threshold, full, len(self.windows)) if full else self.eviction_threshold
+
+    def evicted_attention(self) -> dict[int, float]:
+        """``{layer: x}``: the eviction check's share of the prompt's last queries' attention on
+        the slots KVzip dropped, per evicting layer (§26.1)."""
+        return {i: layer.evicted_attention for i, layer in enumerate(self.layers)
+                if layer.evicted_attention is not None}
 
     @property
     def awaiting_reconstruction(self) -> bool:
@@ -329,7 +368,8 @@ class CompressedCache(Cache):
             per_layer_bytes=per_layer, tables_bytes=cat["tables"], budget_raised=self.raised_budgets(),
             notes=self._budget_notes() + self._hybrid_notes(), bytes_by_layer_kind=kinds,
             window_saved_fp16_bytes=saved, attention_errors=self.attention_errors(),
-            fidelity_threshold=self.fidelity_threshold,
+            fidelity_threshold=self.fidelity_threshold, evicted_attention=self.evicted_attention(),
+            eviction_threshold=self.eviction_limit,
         )
 
     def raised_budgets(self) -> dict[int, tuple[int, int]]:

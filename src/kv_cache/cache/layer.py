@@ -34,6 +34,7 @@ from .config import QuantConfig
 from .budgets import check_budget_fits, forced_slots, layer_masks, resolved_budget
 from .checks import check_policy_can_act
 from .context_layer import RECONSTRUCTION_MISSING, running_max, session_tail
+from .fidelity import RECENT_ATTENTION, evicted_share
 from .keep import keep_slots
 from .ragged import ragged_state
 from .key_offset import key_offset, shift_keys, unshift_keys
@@ -92,6 +93,7 @@ class CompressedLayer(CacheLayerMixin):
         self._since_evict = 0  # tokens appended since the last eviction (decode-time evict_every)
         self.key_offset: torch.Tensor | None = None  # [b, h, 1, d] float32: keys are held as k - mu (§25)
         self.attention_error: float | None = None  # the fidelity check at prefill (§26)
+        self.evicted_attention: float | None = None  # the eviction check after KVzip's pass (§26.1)
         self.on_fidelity = None  # the cache's callback once this layer's check is recorded
 
     # ------------------------------------------------------------------ transformers API
@@ -261,6 +263,25 @@ class CompressedLayer(CacheLayerMixin):
         return (self.attention_error is None and not view and q_len > 1 and self._reconstruct is None
                 and self._tail is None and (self.quant is not None or self.policy is not None))
 
+    @property
+    def checks_eviction(self) -> bool:
+        """Whether this layer's eviction follows the prefill's forward (KVzip's repeat pass) and
+        drops what it does not keep: the eviction check (§26.1) then needs the prompt's last
+        queries' attention, recorded at the fidelity check."""
+        return self.policy is not None and self.policy.needs_reconstruction and not self.tiered
+
+    def record_query_attention(self, attention: torch.Tensor) -> None:
+        """``attention`` ``[batch, kv_heads, T]``: the mean probabilities of the prompt's last
+        queries (:func:`.fidelity.query_attention`), held until KVzip evicts (§26.1)."""
+        self.state[RECENT_ATTENTION] = attention
+
+    def _record_eviction(self, keep: torch.Tensor) -> None:
+        """``keep`` ``[batch, kv_heads, T]`` bool: the slots kept; the share of the recorded
+        attention on the others is this layer's eviction figure (§26.1)."""
+        attention = self.state.pop(RECENT_ATTENTION, None)
+        if attention is not None:
+            self.evicted_attention = evicted_share(attention.to(keep.device), keep)
+
     def record_fidelity(self, error: float) -> None:
         self.attention_error = error
         if self.on_fidelity is not None:
@@ -373,9 +394,11 @@ class CompressedLayer(CacheLayerMixin):
         if trail:
             scores[..., T - trail:] = _FORCE
         keep = select_tokens(scores, budget, recent_window=window, sink_tokens=pol.sink_tokens, valid=valid)
-        if self.tiered:
+        if self.tiered or RECENT_ATTENTION in self.state:
             masks = torch.zeros(scores.shape, dtype=torch.bool, device=keep.device).scatter_(-1, keep, True)
-            self._demote(masks)
+            self._record_eviction(masks)
+            if self.tiered:
+                self._demote(masks)
         self.state = {name: gather_tokens(t, keep) for name, t in self.state.items()}
         self._starts = starts_after(self._starts, keep)
         self.storage.gather(keep, in_place=not before_attention)
@@ -408,6 +431,7 @@ class CompressedLayer(CacheLayerMixin):
     def apply_keep_masks(self, masks: torch.Tensor, in_place: bool = True) -> None:
         """Keep the slots ``masks`` (bool ``[batch, kv_heads, T]``, every protected slot set):
         heads keeping different numbers of tokens become ragged rows that hold only those."""
+        self._record_eviction(masks)
         if self.tiered:
             self._demote(masks)
         self.state = {name: ragged_state(t, masks) for name, t in self.state.items()}

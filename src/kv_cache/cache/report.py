@@ -53,6 +53,10 @@ class MemoryReport:
     ``attention_errors``: the fidelity check's relative attention-output error per layer,
     measured at prefill on the prompt's last queries (math dictionary §26), and the
     ``fidelity_threshold`` past which the cache warned (or raised with ``strict=True``).
+    ``evicted_attention``: the eviction check's share of those queries' attention on the slots
+    KVzip dropped, per evicting layer (math dictionary §26.1); its mean
+    (``mean_evicted_attention``) past ``eviction_threshold`` (the cache's limit, scaled on hybrid
+    models) made the cache warn (or raise).
     """
 
     codes_bytes: int
@@ -74,6 +78,15 @@ class MemoryReport:
     attention_errors: dict[int, float] = field(default_factory=dict)
     """``{layer: e}``: the fidelity check's relative attention-output error at prefill (§26)."""
     fidelity_threshold: float | None = None
+    evicted_attention: dict[int, float] = field(default_factory=dict)
+    """``{layer: x}``: the eviction check's dropped share of the last queries' attention (§26.1)."""
+    eviction_threshold: float | None = None
+
+    @property
+    def mean_evicted_attention(self) -> float | None:
+        """The eviction check's figure: the mean over the evicting layers (None: not measured)."""
+        v = self.evicted_attention
+        return sum(v.values()) / len(v) if v else None
 
     @property
     def max_attention_error(self) -> float | None:
@@ -107,7 +120,8 @@ class MemoryReport:
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d.update(total_bytes=self.total_bytes, ratio=self.ratio, token_ratio=self.token_ratio,
-                 bits_per_element=self.bits_per_element, bits_ratio=self.bits_ratio)
+                 bits_per_element=self.bits_per_element, bits_ratio=self.bits_ratio,
+                 mean_evicted_attention=self.mean_evicted_attention)
         return d
 
     def __str__(self) -> str:
@@ -122,7 +136,10 @@ class MemoryReport:
                 + "".join(f"\nnote: {line}" for line in self.notes)
                 + (f"\nattention-output error at prefill (fidelity check): max {self.max_attention_error:.3f} "
                    f"(layer {max(self.attention_errors, key=self.attention_errors.get)}), threshold "
-                   f"{self.fidelity_threshold}" if self.attention_errors else ""))
+                   f"{self.fidelity_threshold}" if self.attention_errors else "")
+                + (f"\nattention dropped by the eviction (eviction check): mean {self.mean_evicted_attention:.3f} over "
+                   f"{len(self.evicted_attention)} layers, threshold {self.eviction_threshold}"
+                   if self.evicted_attention else ""))
 
 
 def layer_tensors(storage, demoted, tail, state: dict, starts, key_offset=None) -> dict:

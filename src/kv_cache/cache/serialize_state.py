@@ -262,6 +262,8 @@ def _encode_layer(layer: CompressedLayer, i: int, w: _Writer) -> dict[str, Any]:
         out["key_offset"] = w.tensor(f"layer{i}.key_offset", layer.key_offset)["tensor"]
     err = layer.attention_error  # the fidelity check at prefill (§26): a figure of the stored context
     out["attention_error"] = None if err is None or err != err else float(err)
+    if layer.evicted_attention is not None:  # the eviction check (§26.1)
+        out["evicted_attention"] = float(layer.evicted_attention)
     return out
 
 
@@ -280,6 +282,10 @@ def _decode_layer(layer: CompressedLayer, d: dict[str, Any], r: _Reader) -> None
     if err is not None and (isinstance(err, bool) or not isinstance(err, (int, float))):
         raise ValueError(f"kv_cache file is corrupted: layer attention_error must be a number; got {err!r}")
     layer.attention_error = None if err is None else float(err)
+    x = d.get("evicted_attention")  # absent from files written before the eviction check existed
+    if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1):
+        raise ValueError(f"kv_cache file is corrupted: layer evicted_attention must be a share in [0, 1]; got {x!r}")
+    layer.evicted_attention = None if x is None else float(x)
     layer.is_initialized = True
 
 

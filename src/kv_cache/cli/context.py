@@ -58,8 +58,9 @@ def add_parsers(sub) -> None:
                         "the bytes of a q4d prefill); the cache must be full precision (--file-ratio, or eviction "
                         "only) [as stored]")
     c.add_argument("--strict", action="store_true",
-                   help="refuse to write a context whose compressed cache fails the fidelity check (an error "
-                        "naming the layers) instead of warning (math dictionary §26)")
+                   help="refuse to write a context whose compressed cache fails the fidelity check or, after "
+                        "KVzip, the eviction check (an error naming the layers) instead of warning (math "
+                        "dictionary §26, §26.1)")
     c.add_argument("--raw-text", action="store_true",
                    help="append questions to the document as raw text, not through the tokenizer's chat template")
     c.set_defaults(_run=run_compress)

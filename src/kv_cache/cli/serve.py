@@ -73,7 +73,7 @@ def add_parser(sub) -> None:
     g.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without any key")
     p.add_argument("--strict", action="store_true",
                    help="refuse (400, nothing stored) a context whose compressed cache fails the fidelity check "
-                        "(math dictionary §26) instead of storing it with a warning")
+                        "or the eviction check (math dictionary §26, §26.1) instead of storing it with a warning")
     f = p.add_argument_group("files requests may name (by NAME; requests never name paths)")
     f.add_argument("--plan", action="append", default=[], metavar="NAME=PATH", help="a plan file: method 'plan[NAME]'")
     f.add_argument("--scorer", action="append", default=[], metavar="[NAME=]PATH",

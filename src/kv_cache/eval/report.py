@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..cache.fidelity import EVICTION_THRESHOLD
 from .longgen import TASK as LONGGEN, longgen_table, plot_memory
 
 
@@ -54,6 +55,9 @@ def markdown_table(doc: dict) -> str:
     with_fidelity = any(m.get("attention_error") is not None for m in methods)
     if with_fidelity:
         head.append("attn err")
+    with_eviction = any(m.get("evicted_attention") is not None for m in methods)
+    if with_eviction:
+        head.append("evicted attn")
     with_cost = any(m.get("prefill_cost") is not None for m in methods)
     if with_cost:
         head.append("prefill cost")
@@ -82,6 +86,9 @@ def markdown_table(doc: dict) -> str:
         if with_fidelity:
             err = m.get("attention_error")
             row.append("-" if err is None else f"{err:.3f}")
+        if with_eviction:
+            x = m.get("evicted_attention")
+            row.append("-" if x is None else f"{x:.3f}")
         if with_cost:
             cost = m.get("prefill_cost")
             row.append("-" if cost is None else f"{cost:.2f}x")
@@ -105,6 +112,12 @@ def markdown_table(doc: dict) -> str:
                      "of the prompt's last 8 queries over the compressed prompt, over layers and samples, measured at "
                      "prefill; past 0.5 the cache warns (strict=True raises); `-`: not measured (full precision, "
                      "peers' caches, rows of earlier runs).")
+    if with_eviction:
+        lines.append("evicted attn = the eviction check (math dictionary §26.1): the share of the attention of the "
+                     "prompt's last 8 queries on the slots KVzip dropped, the mean over the evicting layers, the "
+                     f"largest over samples; past {EVICTION_THRESHOLD} (times the share of full-attention layers on a "
+                     "hybrid model) the cache warns (strict=True raises); `-`: no "
+                     "KVzip eviction, or precision tiers (evicted tokens kept at low precision, not dropped).")
     if with_cost:
         lines.append("prefill cost = time of the method's prefill over a plain prefill (transformers DynamicCache, "
                      "no hooks) of the same ids, run just before it in the same sample (retrieval tasks); `full` is "

@@ -88,6 +88,12 @@ class Prefilled:
         report = getattr(self.cache, "memory_report", None)
         return None if report is None else getattr(report(), "max_attention_error", None)
 
+    @property
+    def evicted_attention(self) -> float | None:
+        """The eviction check's mean dropped share of attention (§26.1); None where not measured."""
+        report = getattr(self.cache, "memory_report", None)
+        return None if report is None else getattr(report(), "mean_evicted_attention", None)
+
 
 def _through_file(model, pre: Prefilled, method: Method) -> Prefilled:
     """``file<R>``: save ``pre``'s cache transform-coded at ratio R (:mod:`kv_cache.codec`, the
@@ -202,6 +208,7 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None,
             nll = F.cross_entropy(all_logits, cont[0], reduction="mean").item()
             argmax = all_logits.argmax(-1).tolist()
             attention_error = pre.attention_error  # read after the prefill, before decoding grows the cache
+            evicted_attention = pre.evicted_attention
             _, tps = _greedy(model, pre.cache, all_logits[-1], prefix.shape[1] + cont.shape[1],
                              DECODE_TIMING_TOKENS, set())
         finally:
@@ -213,7 +220,8 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None,
     agreement = None if full_argmax is None else sum(a == b for a, b in zip(argmax, full_argmax)) / len(argmax)
     return {"index": sample.index, "nll": nll, "ppl": math.exp(nll), "agreement": agreement, "kl": kl,
             "argmax": argmax, "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_kv_bytes(model.config, prefix.shape[1]),
-            "decode_tokens_per_s": tps, "attention_error": attention_error, **_cost(pre)}, log_probs
+            "decode_tokens_per_s": tps, "attention_error": attention_error, "evicted_attention": evicted_attention,
+            **_cost(pre)}, log_probs
 
 
 def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, max_new_tokens: int) -> dict:
@@ -240,7 +248,7 @@ def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, 
             "score": score_retrieval(prediction, sample.expected), "depth": sample.depth,
             "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_kv_bytes(model.config, ctx_ids.shape[1]),
             "context_tokens": int(ctx_ids.shape[1]), "decode_tokens_per_s": tps,
-            "attention_error": pre.attention_error, **_cost(pre, plain_s)}
+            "attention_error": pre.attention_error, "evicted_attention": pre.evicted_attention, **_cost(pre, plain_s)}
 
 
 def _option(default: Any, help_text: str) -> Any:
@@ -499,6 +507,8 @@ def _summarize(entry: dict, full: dict | None) -> None:
     entry["decode_tokens_per_s"] = _mean([s.get("decode_tokens_per_s") for s in all_samples])
     errors = [s["attention_error"] for s in all_samples if s.get("attention_error") is not None]
     entry["attention_error"] = max(errors) if errors else None  # the fidelity check, worst layer and sample
+    shares = [s["evicted_attention"] for s in all_samples if s.get("evicted_attention") is not None]
+    entry["evicted_attention"] = max(shares) if shares else None  # the eviction check, worst sample
     costs = [s["prefill_cost"] for s in all_samples if s.get("prefill_cost") is not None]
     if costs:  # samples that measured it (retrieval; KVzip's own pass in every task)
         entry["prefill_cost"] = _mean(costs)

@@ -57,7 +57,8 @@ def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key:
         (clients a batch just answered ask again a moment later; 0: start at once).
     strict : bool, default False
         Refuse (400 ``invalid_method``, nothing stored) a context whose compressed cache fails the
-        fidelity check (math dictionary §26) instead of storing it with a warning in the log.
+        fidelity check or the eviction check (math dictionary §26, §26.1) instead of storing it
+        with a warning in the log.
     """
     from .app import create_app
 

@@ -110,7 +110,7 @@ class Service:
     files: ServedFiles = field(default_factory=ServedFiles)  # the operator's registered files
     limits: Limits = field(default_factory=Limits)
     tokenizer_lock: Any = field(default_factory=threading.Lock, repr=False)
-    strict: bool = False  # refuse a context whose cache fails the fidelity check (§26) instead of warning
+    strict: bool = False  # refuse a context whose cache fails the fidelity or eviction check (§26) instead of warning
 
     def __post_init__(self) -> None:
         if self.max_document_tokens is None:
