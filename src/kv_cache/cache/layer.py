@@ -279,7 +279,9 @@ class CompressedLayer(CacheLayerMixin):
         """``keep`` ``[batch, kv_heads, T]`` bool: the slots kept; the share of the recorded
         attention on the others is this layer's eviction figure (§26.1)."""
         attention = self.state.pop(RECENT_ATTENTION, None)
-        if attention is not None:
+        # recorded over the first prefill's tokens: a context prefilled in several calls has more
+        # slots than the recorded queries saw, and is left unmeasured (None) rather than misread
+        if attention is not None and attention.shape == keep.shape:
             self.evicted_attention = evicted_share(attention.to(keep.device), keep)
 
     def record_fidelity(self, error: float) -> None:
