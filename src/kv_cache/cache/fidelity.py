@@ -65,16 +65,24 @@ RECENT_ATTENTION = "recent_attention"
 """The layer-state slot of :func:`query_attention` between the prefill and KVzip's eviction."""
 
 
-def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-                     softcap: float | None = None, key_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """``softmax(cap(s q K^T)) V`` in float32, every query over every valid key: ``q`` ``[B, H, M, d]``,
-    ``keys``/``values`` ``[B, H, T, d]``, ``key_valid`` ``[B, H, T]`` bool or None. Returns ``[B, H, M, d_v]``."""
+def attention_probabilities(q: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float | None = None,
+                            key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(cap(s q K^T))`` in float32, every query over every valid key: ``q`` ``[B, H, M, d]``,
+    ``keys`` ``[B, H, T, d]``, ``key_valid`` ``[B, H, T]`` bool or None. Returns ``[B, H, M, T]``
+    (rows of a query with no valid key are 0)."""
     logits = (q.float() @ keys.float().transpose(-1, -2)) * scaling
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     if key_valid is not None:
         logits = logits.masked_fill(~key_valid[:, :, None, :], float("-inf"))
-    return torch.softmax(logits, dim=-1).nan_to_num(0.0) @ values.float()
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0)
+
+
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                     softcap: float | None = None, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(cap(s q K^T)) V`` in float32 (:func:`attention_probabilities`): ``values``
+    ``[B, H, T, d_v]``. Returns ``[B, H, M, d_v]``."""
+    return attention_probabilities(q, keys, scaling, softcap, key_valid) @ values.float()
 
 
 def attention_output_error(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -121,12 +129,7 @@ def query_attention(q: torch.Tensor, keys: torch.Tensor, scaling: float, softcap
     if q.dim() != 4 or keys.dim() != 4 or q.shape[:2] != keys.shape[:2]:
         raise ValueError(f"q and keys must be 4-D [B, Hkv, *, d] with the same B, Hkv; got {tuple(q.shape)} and "
                          f"{tuple(keys.shape)}")
-    logits = (q.float() @ keys.float().transpose(-1, -2)) * scaling
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    if key_valid is not None:
-        logits = logits.masked_fill(~key_valid[:, :, None, :], float("-inf"))
-    return torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(2)
+    return attention_probabilities(q, keys, scaling, softcap, key_valid).mean(2)
 
 
 def evicted_share(attention: torch.Tensor, keep: torch.Tensor) -> float:
