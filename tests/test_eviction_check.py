@@ -19,7 +19,7 @@ import kv_cache
 from kv_cache import CompressedCache, FidelityError, FidelityWarning, KVzip, QuantConfig
 from kv_cache.cache.serialize import load_cache, save_cache
 from kv_cache.cache.fidelity import (EVICTION_THRESHOLD, FIDELITY_QUERIES, eviction_limit, eviction_message,
-                                     evicted_share, query_attention)
+                                     eviction_past, evicted_share, query_attention)
 from test_kvzip_hybrid import CONFIGS, _capture, _context, _kept_slots, _model, _Tok
 
 
@@ -67,6 +67,9 @@ def test_check_functions_validate():
     text = eviction_message({3: 0.5, 1: 0.3}, 0.125, strict=True)
     assert "40% of the attention" in text and "layer 3: 0.50, layer 1: 0.30" in text and "evicted_bits=2" in text
     assert "strict=False" in text
+    assert eviction_past({1: 0.3, 3: 0.1}, 0.15) and not eviction_past({1: 0.3, 3: 0.1}, 0.2)
+    assert eviction_past({1: float("nan"), 3: 0.0}, 0.2)  # a figure that is not a number counts as past
+    assert not eviction_past({}, 0.2)
 
 
 @pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.5, float("nan"), True, "0.2", None])
@@ -160,3 +163,47 @@ def test_the_figure_travels_in_context_files(tmp_path):
     save_cache(cache, path, model_config=model.config)
     loaded, _ = load_cache(path, model_config=model.config)
     assert loaded.memory_report().evicted_attention == pytest.approx(cache.memory_report().evicted_attention)
+
+
+# ---------------------------------------------------------------------------------------------- stories260K
+DOC = "Once upon a time there was a cat. She liked to play in the sun with her friend the dog. " * 6
+
+
+def test_on_a_real_model_strict_refuses_what_drops_too_much(stories, tmp_path):
+    """stories260K (a real Llama, every layer global: limit 0.25), 158 tokens: KVzip keeping half
+    drops about 0.01 of the last queries' attention, keeping 5% about 0.57. ``strict=True``
+    refuses the latter in the library, in ``CompressedContext.build`` and in ``kvcache serve
+    --strict`` (400, nothing stored), and lets the former through."""
+    import httpx
+    from serve_support import AUTH, create, error, serving
+
+    from kv_cache.context import CompressedContext
+
+    model, tok = stories
+    ids = tok(DOC, return_tensors="pt").input_ids
+    fine = CompressedCache(model.config, eviction=KVzip(budget=0.5), strict=True)
+    assert _prefill_ids(model, tok, fine, ids) == []
+    assert fine.memory_report().mean_evicted_attention < 0.05
+    for strict in (True, False):
+        cache = CompressedCache(model.config, eviction=KVzip(budget=0.05), strict=strict)
+        if strict:
+            with pytest.raises(FidelityError, match=r"the eviction drops \d+% .* limit 0.25 .*strict=False"):
+                _prefill_ids(model, tok, cache, ids)
+        else:
+            assert len(_prefill_ids(model, tok, cache, ids)) == 1
+            assert cache.memory_report().mean_evicted_attention > 0.4
+    with pytest.raises(FidelityError, match="the eviction drops"):
+        CompressedContext.build(model, tok, DOC, eviction=KVzip(budget=0.05), strict=True)
+    with serving(model, tok, tmp_path / "s", strict=True) as server, \
+            httpx.Client(base_url=server.base_url, headers=AUTH, timeout=120) as http:
+        err = error(http.post("/v1/contexts", json={"document": DOC, "method": "kvzip@0.05"}), 400, "invalid_method")
+        assert "the eviction drops" in err["message"] and "evicted_bits=2" in err["message"]
+        assert http.get("/v1/contexts").json()["data"] == []
+        assert create(http, document=DOC, method="kvzip@0.5")["id"]
+
+
+def _prefill_ids(model, tok, cache, ids):
+    with torch.no_grad(), kv_cache.compress(model, cache), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", FidelityWarning)
+        kv_cache.prefill(model, cache, ids, tokenizer=tok)
+    return [w for w in seen if issubclass(w.category, FidelityWarning)]

@@ -16,7 +16,7 @@ from .budgets import fixed_parts
 import warnings
 
 from .fidelity import (EVICTION_THRESHOLD, FIDELITY_THRESHOLD, RECENT_ATTENTION, broken_layers, eviction_limit,
-                       eviction_message, fidelity_message)
+                       eviction_message, eviction_past, fidelity_message)
 from .layer import CompressedLayer
 from .report import MemoryReport, fp16_kv_bytes, kv_geometry, layer_nbytes
 
@@ -297,7 +297,7 @@ class CompressedCache(Cache):
                 layer.evicted_attention = 0.0
         shares = self.evicted_attention()
         limit = self.eviction_limit
-        if not shares or not sum(shares.values()) / len(shares) > limit:
+        if not eviction_past(shares, limit):
             return
         message = eviction_message(shares, limit, self.strict)
         if self.strict:

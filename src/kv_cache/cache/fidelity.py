@@ -142,6 +142,15 @@ def evicted_share(attention: torch.Tensor, keep: torch.Tensor) -> float:
     return min(1.0, float((attention.float() * ~keep).sum(-1).mean(-1).max()))
 
 
+def eviction_past(shares: dict[int, float], limit: float) -> bool:
+    """Whether the mean of the evicting layers' figures is past ``limit`` (NaN counts as past;
+    no figure, as not)."""
+    if not shares:
+        return False
+    mean = sum(shares.values()) / len(shares)
+    return not mean <= limit
+
+
 def eviction_message(shares: dict[int, float], threshold: float, strict: bool = False) -> str:
     """The warning / error text of the eviction check: the mean share, the worst layers, what to do."""
     mean = sum(shares.values()) / len(shares)
