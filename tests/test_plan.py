@@ -178,6 +178,44 @@ def test_preset_on_a_hybrid_model_counts_the_windows():
     assert plan.predicted["ratio"] >= 8
 
 
+def test_preset_on_a_hybrid_model_takes_fewer_bits_before_any_eviction():
+    """Math dictionary §23.3: with sliding-window layers the preset walks the ladder (4, K4V3, 3,
+    K3V2 bits) and takes the widest layout that reaches the ratio keeping every token; only past
+    the ladder does it evict, by the all-global rule. The bytes are what the cache holds."""
+    from test_architectures import _make
+
+    from kv_cache.plan.planner import CANDIDATE_LAYOUTS, HYBRID_LADDER
+
+    model = _make("gemma3_text")
+    T = 480
+    free = {n: predict_bytes(model.config, CachePlan.uniform(model.config, CANDIDATE_LAYOUTS[n], None), T)
+            for n in HYBRID_LADDER}
+    fp16 = kv_cache.cache.report.fp16_kv_bytes(model.config, T)
+    assert [fp16 / free[n] for n in HYBRID_LADDER] == sorted(fp16 / free[n] for n in HYBRID_LADDER)
+    q3 = fp16 / free["q3d"]
+    target = (fp16 / free["k4v3d"] + q3) / 2  # past K4V3, within 3 bits
+    plan = preset_plan(model.config, f"{target:.3f}x", context_tokens=T)
+    assert plan.policy is None and plan.quant_config() == CANDIDATE_LAYOUTS["q3d"]
+    assert plan.predicted["bytes"] == free["q3d"]
+    past = fp16 / free["k3v2d"] + 0.5  # past the ladder: 4-bit codes + KVzip, as on all-global models
+    plan = preset_plan(model.config, f"{past:.3f}x", context_tokens=T)
+    assert isinstance(plan.policy, KVzip) and plan.quant_config() == CANDIDATE_LAYOUTS["q4d"]
+    assert plan.predicted["ratio"] >= past
+    ids = torch.randint(3, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    cache = CompressedCache(model.config, plan=preset_plan(model.config, f"{target:.3f}x", context_tokens=T))
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    assert cache.memory_report().total_bytes == free["q3d"]  # the dry run slides its windows as a prefill does
+
+
+def test_a_preset_on_an_all_global_model_still_evicts_before_it_drops_bits(stories):
+    """Without sliding layers KVzip is nearly free (SmolLM2 ``kvzip@0.5`` +0.09%): ``4x`` stays
+    4-bit codes + KVzip even though 3-bit codes alone would reach it."""
+    model, _ = stories
+    plan = preset_plan(model.config, "4x", context_tokens=200)
+    assert isinstance(plan.policy, KVzip) and plan.quant_config().bits == 4
+
+
 def test_plan_for_measures_candidates(stories):
     model, tok = stories
     from kv_cache.models import shared_data_dir

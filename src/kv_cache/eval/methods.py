@@ -415,7 +415,9 @@ METHOD_GRAMMAR: tuple[MethodForm, ...] = (
                "full precision and <quantization> is the layout the file is loaded into", ("kvzip@0.25+file20",
                                                                                              "q4d+kvzip@0.5+file10")),
     MethodForm("ours", "<ratio>x", "a preset: the documented default plan for that ratio vs fp16 (4-bit codes, "
-               "plus KVzip keeping the largest fraction of tokens that reaches it; kv_cache.plan.preset_plan)",
+               "plus KVzip keeping the largest fraction of tokens that reaches it; on a model with sliding-window "
+               "layers, first the widest of 4, K4V3, 3, K3V2 bits that reaches it with no eviction; "
+               "kv_cache.plan.preset_plan)",
                ("4x", "8x", "16x"), re.compile(r"^\d+(?:\.\d+)?x$"), _preset),
     MethodForm("ours", "plan[<path>]", "a plan file written by `kvcache plan` (per-layer widths, budget, tiers)",
                ("plan[plan.json]",), re.compile(r"^plan\[[^\]]+\]$"), _plan_file),

@@ -82,17 +82,15 @@ class Prefilled:
     prefill_s: float | None = None  # seconds of the whole prefill
     codec_s: tuple[float, float] | None = None  # file<R>: seconds to encode (save) and decode (load)
 
-    @property
-    def attention_error(self) -> float | None:
-        """The fidelity check's largest per-layer error (§26); None for caches that do not measure it."""
+    def checks(self) -> dict[str, float | None]:
+        """``attention_error``: the fidelity check's largest per-layer error (§26);
+        ``evicted_attention``: the eviction check's mean dropped share of attention (§26.1); both
+        from one ``memory_report()``, None for caches that do not measure them. Read after the
+        prefill, before decoding grows the cache."""
         report = getattr(self.cache, "memory_report", None)
-        return None if report is None else getattr(report(), "max_attention_error", None)
-
-    @property
-    def evicted_attention(self) -> float | None:
-        """The eviction check's mean dropped share of attention (§26.1); None where not measured."""
-        report = getattr(self.cache, "memory_report", None)
-        return None if report is None else getattr(report(), "mean_evicted_attention", None)
+        r = None if report is None else report()
+        return {"attention_error": getattr(r, "max_attention_error", None),
+                "evicted_attention": getattr(r, "mean_evicted_attention", None)}
 
 
 def _through_file(model, pre: Prefilled, method: Method) -> Prefilled:
@@ -207,8 +205,7 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None,
             all_logits = torch.cat([pre.logits[:, -1:], logits], dim=1)[0]  # predicts every continuation token
             nll = F.cross_entropy(all_logits, cont[0], reduction="mean").item()
             argmax = all_logits.argmax(-1).tolist()
-            attention_error = pre.attention_error  # read after the prefill, before decoding grows the cache
-            evicted_attention = pre.evicted_attention
+            checks = pre.checks()
             _, tps = _greedy(model, pre.cache, all_logits[-1], prefix.shape[1] + cont.shape[1],
                              DECODE_TIMING_TOKENS, set())
         finally:
@@ -220,8 +217,7 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None,
     agreement = None if full_argmax is None else sum(a == b for a, b in zip(argmax, full_argmax)) / len(argmax)
     return {"index": sample.index, "nll": nll, "ppl": math.exp(nll), "agreement": agreement, "kl": kl,
             "argmax": argmax, "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_kv_bytes(model.config, prefix.shape[1]),
-            "decode_tokens_per_s": tps, "attention_error": attention_error, "evicted_attention": evicted_attention,
-            **_cost(pre)}, log_probs
+            "decode_tokens_per_s": tps, **checks, **_cost(pre)}, log_probs
 
 
 def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, max_new_tokens: int) -> dict:
@@ -248,7 +244,7 @@ def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, 
             "score": score_retrieval(prediction, sample.expected), "depth": sample.depth,
             "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_kv_bytes(model.config, ctx_ids.shape[1]),
             "context_tokens": int(ctx_ids.shape[1]), "decode_tokens_per_s": tps,
-            "attention_error": pre.attention_error, "evicted_attention": pre.evicted_attention, **_cost(pre, plain_s)}
+            **pre.checks(), **_cost(pre, plain_s)}
 
 
 def _option(default: Any, help_text: str) -> Any:

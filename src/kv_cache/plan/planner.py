@@ -1,9 +1,9 @@
 """The planner: a :class:`CachePlan` from a byte target, its bytes predicted before running.
 
 * :func:`predict_bytes` runs the plan's storage on random states of the model's K/V shape (no
-  model call): every layer holds ``T`` tokens (a sliding layer ``min(T, W - 1)``), then keeps the
-  budget's count per head (uneven by one token across heads under a shared budget, so the
-  ragged layout and its per-row overhead are what is measured) with the evicted tier demoted.
+  model call): every layer is given ``T`` tokens (a sliding layer slides to ``min(T, W - 1)``, its
+  residual the one a prefill leaves), then keeps the budget's count per head (uneven by one
+  token across heads under a shared budget, so the ragged layout and its per-row overhead are what is measured) with the evicted tier demoted.
   The bytes are ``memory_report``'s, so the prediction carries the layout's exact metadata,
   sinks and residual (math dictionary §23). With per-channel key groups (the 2-4-bit default,
   §25.3) a group's scale and zero point stay while any of its tokens is kept: the dry run keeps
@@ -17,6 +17,10 @@
   ``KVzip`` keeping the largest fraction of tokens that does. The plans' KVzip scores a token by
   the larger of its reconstruction score and the attention the prompt's last
   :data:`CONTINUATION_QUERIES` queries give it (math dictionary §19.7).
+* On a model with sliding-window layers (hybrid, or windowed throughout), :func:`preset_plan`
+  first walks :data:`HYBRID_LADDER` and takes the widest layout that reaches the ratio dropping
+  nothing: eviction there reaches only the few full-attention layers, the model's only memory past
+  the window, and costs far more than a bit less per code (math dictionary §23.3).
 * :func:`plan_for` measures: every candidate layout (4, 3 and 2 bits, K4V3 and K3V2) at the
   largest KVzip budget that meets the target is scored by the mean next-token KL divergence from
   the full cache on calibration text (compressed prefix, teacher-forced continuation), and the
@@ -65,6 +69,12 @@ CANDIDATE_LAYOUTS: dict[str, QuantConfig] = {
 }
 """The layouts :func:`plan_for` measures (``QuantConfig(bits=b)``'s defaults at each width)."""
 
+HYBRID_LADDER = ("q4d", "k4v3d", "q3d", "k3v2d")
+"""The layouts a preset tries, widest first, on a model with sliding-window layers before it evicts
+anything: on Gemma 3 270M (Moby Dick, 1,792 tokens) KVzip dropping half the full-attention layers'
+tokens costs +18.8% while the same half kept at 2 bits costs +1.8% (math dictionary §22.8, §23.3).
+``q2d`` is left out: 2-bit codes everywhere cost +2.9% to +19.5% on the all-global models."""
+
 
 def parse_target(target: Any) -> float:
     """``"8x"`` / ``8`` / ``8.0`` -> ``8.0``; raise for anything else or a ratio <= 1."""
@@ -111,7 +121,7 @@ class _DryRun:
         for i, window in enumerate(layer_windows(config)):
             q = quant if window is None or quant is None else quant.sliding_config()
             layer = CompressedLayer(i, q, None, window)
-            n = T if window is None else min(T, window - 1)
+            n = T  # a sliding layer is given every token and slides, as in a prefill (its residual follows T)
             k = torch.randn(1, g.kv_heads, n, g.head_dim, generator=gen).to(dtype)
             v = torch.randn(1, g.kv_heads, n, g.head_dim, generator=gen).to(dtype)
             layer.update(k, v)
@@ -192,10 +202,20 @@ def _largest_budget(config: Any, layout: QuantConfig, ratio: float, context_toke
 def preset_plan(config: Any, target: Any = "8x", *, context_tokens: int | None = None,
                 dtype: torch.dtype = torch.float32) -> CachePlan:
     """The documented default plan for ``target`` (see the module docstring), sized for
-    ``context_tokens`` (default :data:`DEFAULT_CONTEXT`, capped at the model's positions)."""
+    ``context_tokens`` (default :data:`DEFAULT_CONTEXT`, capped at the model's positions).
+
+    On a model whose every layer attends globally: 4-bit codes, plus KVzip keeping the largest
+    fraction of tokens that reaches the ratio (2-bit codes if even 1% misses). On a model with
+    sliding-window layers: the widest layout of :data:`HYBRID_LADDER` that reaches the ratio with
+    no eviction, and only if none does, the same rule as above."""
     ratio = parse_target(target)
     T = context_tokens or _default_context(config)
     name = target if isinstance(target, str) else f"{ratio:g}x"
+    if any(w is not None for w in layer_windows(config)):
+        for n in HYBRID_LADDER:  # fewer bits before any eviction (module docstring)
+            plan = _with_prediction(config, CachePlan.uniform(config, CANDIDATE_LAYOUTS[n], None, name=name), T, dtype)
+            if plan.predicted["ratio"] >= ratio:
+                return plan
     plan = _largest_budget(config, CANDIDATE_LAYOUTS["q4d"], ratio, T, dtype, name)
     if plan is None:
         plan = _largest_budget(config, CANDIDATE_LAYOUTS["q2d"], ratio, T, dtype, name)
