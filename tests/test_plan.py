@@ -181,9 +181,11 @@ def test_preset_on_a_hybrid_model_counts_the_windows():
 def test_preset_on_a_hybrid_model_takes_fewer_bits_before_any_eviction():
     """Math dictionary §23.3: with sliding-window layers the preset walks the ladder (4, K4V3, 3,
     K3V2 bits) and takes the widest layout that reaches the ratio keeping every token; only past
-    the ladder does it evict, by the all-global rule. The bytes are what the cache holds."""
+    the ladder does it evict, from K3V2 codes (the most tokens kept). The bytes are what the
+    cache holds."""
     from test_architectures import _make
 
+    from kv_cache.plan import planner
     from kv_cache.plan.planner import CANDIDATE_LAYOUTS, HYBRID_LADDER
 
     model = _make("gemma3_text")
@@ -197,10 +199,12 @@ def test_preset_on_a_hybrid_model_takes_fewer_bits_before_any_eviction():
     plan = preset_plan(model.config, f"{target:.3f}x", context_tokens=T)
     assert plan.policy is None and plan.quant_config() == CANDIDATE_LAYOUTS["q3d"]
     assert plan.predicted["bytes"] == free["q3d"]
-    past = fp16 / free["k3v2d"] + 0.5  # past the ladder: 4-bit codes + KVzip, as on all-global models
+    past = fp16 / free["k3v2d"] + 0.5  # past the ladder: its narrowest layout + KVzip, which drops the fewest tokens
     plan = preset_plan(model.config, f"{past:.3f}x", context_tokens=T)
-    assert isinstance(plan.policy, KVzip) and plan.quant_config() == CANDIDATE_LAYOUTS["q4d"]
+    assert isinstance(plan.policy, KVzip) and plan.quant_config() == CANDIDATE_LAYOUTS["k3v2d"]
     assert plan.predicted["ratio"] >= past
+    four = planner._largest_budget(model.config, CANDIDATE_LAYOUTS["q4d"], past, T, torch.float32, "4-bit")
+    assert four.policy.budget < plan.policy.budget  # 4-bit codes would drop more
     ids = torch.randint(3, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
     cache = CompressedCache(model.config, plan=preset_plan(model.config, f"{target:.3f}x", context_tokens=T))
     with torch.no_grad():

@@ -416,7 +416,7 @@ METHOD_GRAMMAR: tuple[MethodForm, ...] = (
                                                                                              "q4d+kvzip@0.5+file10")),
     MethodForm("ours", "<ratio>x", "a preset: the documented default plan for that ratio vs fp16 (4-bit codes, "
                "plus KVzip keeping the largest fraction of tokens that reaches it; on a model with sliding-window "
-               "layers, first the widest of 4, K4V3, 3, K3V2 bits that reaches it with no eviction; "
+               "layers, first the widest of 4, K4V3, 3, K3V2 bits that reaches it with no eviction, then K3V2 + KVzip; "
                "kv_cache.plan.preset_plan)",
                ("4x", "8x", "16x"), re.compile(r"^\d+(?:\.\d+)?x$"), _preset),
     MethodForm("ours", "plan[<path>]", "a plan file written by `kvcache plan` (per-layer widths, budget, tiers)",

@@ -19,7 +19,8 @@
   :data:`CONTINUATION_QUERIES` queries give it (math dictionary §19.7).
 * On a model with sliding-window layers (hybrid, or windowed throughout), :func:`preset_plan`
   first walks :data:`HYBRID_LADDER` and takes the widest layout that reaches the ratio dropping
-  nothing: eviction there reaches only the few full-attention layers, the model's only memory past
+  nothing; past the ladder it evicts from the ladder's narrowest layout, which drops the fewest
+  tokens. Eviction there reaches only the few full-attention layers, the model's only memory past
   the window, and costs far more than a bit less per code (math dictionary §23.3).
 * :func:`plan_for` measures: every candidate layout (4, 3 and 2 bits, K4V3 and K3V2) at the
   largest KVzip budget that meets the target is scored by the mean next-token KL divergence from
@@ -207,16 +208,19 @@ def preset_plan(config: Any, target: Any = "8x", *, context_tokens: int | None =
     On a model whose every layer attends globally: 4-bit codes, plus KVzip keeping the largest
     fraction of tokens that reaches the ratio (2-bit codes if even 1% misses). On a model with
     sliding-window layers: the widest layout of :data:`HYBRID_LADDER` that reaches the ratio with
-    no eviction, and only if none does, the same rule as above."""
+    no eviction; past the ladder, its narrowest layout (K3V2) plus KVzip keeping the largest
+    fraction that reaches it (it drops the fewest tokens), then 2-bit codes as above."""
     ratio = parse_target(target)
     T = context_tokens or _default_context(config)
     name = target if isinstance(target, str) else f"{ratio:g}x"
+    evicting = CANDIDATE_LAYOUTS["q4d"]
     if any(w is not None for w in layer_windows(config)):
         for n in HYBRID_LADDER:  # fewer bits before any eviction (module docstring)
             plan = _with_prediction(config, CachePlan.uniform(config, CANDIDATE_LAYOUTS[n], None, name=name), T, dtype)
             if plan.predicted["ratio"] >= ratio:
                 return plan
-    plan = _largest_budget(config, CANDIDATE_LAYOUTS["q4d"], ratio, T, dtype, name)
+        evicting = CANDIDATE_LAYOUTS[HYBRID_LADDER[-1]]  # past the ladder, the layout that drops the fewest tokens
+    plan = _largest_budget(config, evicting, ratio, T, dtype, name)
     if plan is None:
         plan = _largest_budget(config, CANDIDATE_LAYOUTS["q2d"], ratio, T, dtype, name)
     if plan is None:
