@@ -66,7 +66,8 @@ def test_check_functions_validate():
     assert eviction_limit(0.25, 24, 24) == 0.25
     text = eviction_message({3: 0.5, 1: 0.3}, 0.125, strict=True)
     assert "40% of the attention" in text and "layer 3: 0.50, layer 1: 0.30" in text and "evicted_bits=2" in text
-    assert "strict=False" in text
+    assert "strict=False" in text and "hybrid" not in text
+    assert "fewer bits and no eviction" in eviction_message({3: 0.5}, 0.04, hybrid=True)
     assert eviction_past({1: 0.3, 3: 0.1}, 0.15) and not eviction_past({1: 0.3, 3: 0.1}, 0.2)
     assert eviction_past({1: float("nan"), 3: 0.0}, 0.2)  # a figure that is not a number counts as past
     assert not eviction_past({}, 0.2)
@@ -130,6 +131,7 @@ def test_hybrid_limit_warns_raises_and_tiers_are_exempt():
     assert report.eviction_threshold == pytest.approx(EVICTION_THRESHOLD / 2)
     assert report.mean_evicted_attention > report.eviction_threshold
     assert len(said) == 1 and "layer 1:" in str(said[0].message) and "layer 3:" in str(said[0].message)
+    assert "on this hybrid model" in str(said[0].message) and "QuantConfig(bits=3)" in str(said[0].message)
     assert "eviction check" in str(report) and report.as_dict()["mean_evicted_attention"] == report.mean_evicted_attention
     assert "recent_attention" not in cache.layers[1].state  # transient: dropped once KVzip evicted
 

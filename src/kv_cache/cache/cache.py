@@ -299,7 +299,7 @@ class CompressedCache(Cache):
         limit = self.eviction_limit
         if not eviction_past(shares, limit):
             return
-        message = eviction_message(shares, limit, self.strict)
+        message = eviction_message(shares, limit, self.strict, hybrid=any(w is not None for w in self.windows))
         if self.strict:
             raise FidelityError(message)
         warnings.warn(message, FidelityWarning, stacklevel=2)

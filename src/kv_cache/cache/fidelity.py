@@ -151,14 +151,18 @@ def eviction_past(shares: dict[int, float], limit: float) -> bool:
     return not mean <= limit
 
 
-def eviction_message(shares: dict[int, float], threshold: float, strict: bool = False) -> str:
-    """The warning / error text of the eviction check: the mean share, the worst layers, what to do."""
+def eviction_message(shares: dict[int, float], threshold: float, strict: bool = False, hybrid: bool = False) -> str:
+    """The warning / error text of the eviction check: the mean share, the worst layers, what to do
+    (``hybrid``: the model has sliding-window layers, where fewer bits and no eviction is the other way)."""
     mean = sum(shares.values()) / len(shares)
     worst = ", ".join(f"layer {i}: {x:.2f}" for i, x in sorted(shares.items(), key=lambda kv: -kv[1])[:4])
     return (f"the eviction drops {100 * mean:.0f}% of the attention the prompt's last queries pay, on average over the "
             f"{len(shares)} evicting layer(s), past the limit {threshold:.3g} ({worst}): the continuation will miss "
             f"tokens it reads. To fix it, keep more tokens (a larger budget), or keep the evicted tokens at low "
             f"precision instead of dropping them (QuantConfig(..., evicted_bits=2); `o2` in method specs)"
+            + ("; on this hybrid model the evicting layers are its only readers past the window: fewer bits and no "
+               "eviction usually cost less (QuantConfig(bits=3); the presets do this, math dictionary §23.3)"
+               if hybrid else "")
             + ("; or pass strict=False to go on with a warning" if strict else ""))
 
 
