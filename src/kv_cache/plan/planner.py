@@ -3,7 +3,8 @@
 * :func:`predict_bytes` runs the plan's storage on random states of the model's K/V shape (no
   model call): every layer is given ``T`` tokens (a sliding layer slides to ``min(T, W - 1)``, its
   residual the one a prefill leaves), then keeps the budget's count per head (uneven by one
-  token across heads under a shared budget, so the ragged layout and its per-row overhead are what is measured) with the evicted tier demoted.
+  token across heads under a shared budget, so the ragged layout and its per-row overhead are
+  what is measured) with the evicted tier demoted.
   The bytes are ``memory_report``'s, so the prediction carries the layout's exact metadata,
   sinks and residual (math dictionary §23). With per-channel key groups (the 2-4-bit default,
   §25.3) a group's scale and zero point stay while any of its tokens is kept: the dry run keeps
@@ -73,7 +74,8 @@ CANDIDATE_LAYOUTS: dict[str, QuantConfig] = {
 HYBRID_LADDER = ("q4d", "k4v3d", "q3d", "k3v2d")
 """The layouts a preset tries, widest first, on a model with sliding-window layers before it evicts
 anything: on Gemma 3 270M (Moby Dick, 1,792 tokens) KVzip dropping half the full-attention layers'
-tokens costs +18.8% while the same half kept at 2 bits costs +1.8% (math dictionary §22.8, §23.3).
+tokens costs +18.8% while the same half kept at 2 bits costs +1.8%, and at 3,840 tokens ``16x``
+as 3-bit codes costs +3.5% where 4-bit codes + KVzip cost +16.2% (math dictionary §22.8, §23.3).
 ``q2d`` is left out: 2-bit codes everywhere cost +2.9% to +19.5% on the all-global models."""
 
 
