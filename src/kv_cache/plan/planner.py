@@ -75,7 +75,7 @@ HYBRID_LADDER = ("q4d", "k4v3d", "q3d", "k3v2d")
 """The layouts a preset tries, widest first, on a model with sliding-window layers before it evicts
 anything: on Gemma 3 270M (Moby Dick, 1,792 tokens) KVzip dropping half the full-attention layers'
 tokens costs +18.8% while the same half kept at 2 bits costs +1.8%, and at 3,840 tokens ``16x``
-as 3-bit codes costs +3.5% where 4-bit codes + KVzip cost +16.2% (math dictionary §22.8, §23.3).
+as 3-bit codes costs +1.3% where 4-bit codes + KVzip cost +10.8% (math dictionary §22.8, §23.3).
 ``q2d`` is left out: 2-bit codes everywhere cost +2.9% to +19.5% on the all-global models."""
 
 
