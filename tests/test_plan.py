@@ -234,6 +234,9 @@ def test_plan_for_measures_candidates(stories):
     cands = plan.predicted["candidates"]
     assert [c["layout"] for c in cands] == ["q4d", "q2d"]
     assert all(c["kl"] >= 0 and c["ratio"] >= 5 for c in cands)
+    # both checks' figures travel with each candidate (§26, §26.1): measured at every window's prefill
+    assert all(c["attention_error"] >= 0 and isinstance(c["warned"], bool) for c in cands)
+    assert all((c["evicted_attention"] is None) == (c["budget"] is None) for c in cands)
     assert plan.fingerprint == min(cands, key=lambda c: c["kl"])["fingerprint"]
     _check_prediction(model, tok, plan, 320)
     with pytest.raises(ValueError, match="exactly one of target=, bytes_per_token= or max_bytes="):

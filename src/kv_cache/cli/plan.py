@@ -60,7 +60,10 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_for(model, tok, target=target, bytes_per_token=args.bytes_per_token, max_bytes=args.max_bytes,
                         calibration_text=text, context_tokens=args.context, windows=args.windows)
         for c in plan.predicted.get("candidates", []):
-            print(f"  {c['layout']:6s} budget {c['budget']}  {c['ratio']:.2f}x  KL {c['kl']:.4f}")
+            err, ev = c.get("attention_error"), c.get("evicted_attention")
+            checks = "".join([f"  attn err {err:.3f}" if err is not None else "", f"  evicted attn {ev:.3f}" if ev is not None
+                              else "", "  (the checks warn)" if c.get("warned") else ""])
+            print(f"  {c['layout']:6s} budget {c['budget']}  {c['ratio']:.2f}x  KL {c['kl']:.4f}{checks}")
     plan.save(args.out)
     print(plan.describe())
     print(f"wrote {args.out}")

@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from ..cache import CompressedCache, compress
+from ..cache.fidelity import broken_layers, eviction_past
 from ..context import forward_at, prefill
 from .plan import CachePlan
 
@@ -41,14 +42,32 @@ def _continuation_log_probs(model, cache, window: torch.Tensor, context: int, to
     return torch.log_softmax(torch.cat([logits[:, -1:], rest], 1)[0].float(), -1)
 
 
-def continuation_kl(model, tokenizer, plan: CachePlan, windows: list[torch.Tensor], context: int | None = None
-                    ) -> float:
-    """Mean over windows and continuation positions of ``KL(P_full || P_plan)``."""
-    kls = []
+def continuation_cost(model, tokenizer, plan: CachePlan, windows: list[torch.Tensor], context: int | None = None
+                      ) -> dict[str, Any]:
+    """What ``plan`` costs on calibration windows.
+
+    Returns
+    -------
+    ``{"kl", "attention_error", "evicted_attention", "warned"}``: ``kl`` the mean over windows and
+    continuation positions of ``KL(P_full || P_plan)``; ``attention_error`` the fidelity check's
+    largest per-layer error (§26) and ``evicted_attention`` the eviction check's share (§26.1), the
+    largest over windows (None: not measured); ``warned`` True when either was past its limit on
+    some window (the cache warned there, and would with ``strict=True`` have raised).
+    """
+    kls, errors, shares, warned = [], [], [], False
     with torch.no_grad():
         for w in windows:
             T = context if context is not None else int(plan.predicted.get("context_tokens", w.shape[1] // 2))
             ref = _continuation_log_probs(model, DynamicCache(), w, T, tokenizer, ours=False)
-            got = _continuation_log_probs(model, CompressedCache(model.config, plan=plan), w, T, tokenizer, ours=True)
+            cache = CompressedCache(model.config, plan=plan)
+            got = _continuation_log_probs(model, cache, w, T, tokenizer, ours=True)
             kls.append(float((ref.exp() * (ref - got)).sum(-1).mean()))
-    return sum(kls) / len(kls)
+            report = cache.memory_report()  # both checks' figures are fixed at the prefill
+            if report.max_attention_error is not None:
+                errors.append(report.max_attention_error)
+                warned |= bool(broken_layers(report.attention_errors, report.fidelity_threshold))
+            if report.mean_evicted_attention is not None:
+                shares.append(report.mean_evicted_attention)
+                warned |= eviction_past(report.evicted_attention, report.eviction_threshold)
+    return {"kl": sum(kls) / len(kls), "attention_error": max(errors) if errors else None,
+            "evicted_attention": max(shares) if shares else None, "warned": warned}

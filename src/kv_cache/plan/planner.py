@@ -256,9 +256,10 @@ def plan_for(model: torch.nn.Module, tokenizer: Any, *, target: Any = None, byte
     Returns
     -------
     :class:`CachePlan` with ``predicted`` holding the bytes, the ratio and every candidate's
-    measured KL.
+    measured KL, with the fidelity and eviction checks' figures on the calibration windows and
+    whether they warned (:func:`.measure.continuation_cost`; the choice is by KL alone).
     """
-    from .measure import continuation_kl, calibration_windows
+    from .measure import calibration_windows, continuation_cost
 
     given = [x is not None for x in (target, bytes_per_token, max_bytes)]
     if sum(given) != 1:
@@ -278,18 +279,18 @@ def plan_for(model: torch.nn.Module, tokenizer: Any, *, target: Any = None, byte
         raise ValueError(f"layouts must be among {list(CANDIDATE_LAYOUTS)}; got {unknown}")
     dtype = next(model.parameters()).dtype
     name = target if isinstance(target, str) else f"{ratio:.3g}x"
-    candidates = [p for n in layouts if (p := _largest_budget(model.config, CANDIDATE_LAYOUTS[n], ratio, T, dtype,
-                                                              name)) is not None]
+    sized = [(n, _largest_budget(model.config, CANDIDATE_LAYOUTS[n], ratio, T, dtype, name)) for n in layouts]
+    candidates = [(n, p) for n, p in sized if p is not None]  # a layout that cannot reach the ratio is not measured
     if not candidates:
         raise ValueError(f"no candidate layout reaches {ratio:.3g}x at {T} tokens; lower the target")
     wins = calibration_windows(tokenizer, calibration_text, T, continuation, windows)
     measured = []
-    for n, plan in zip(layouts, candidates):
-        kl = continuation_kl(model, tokenizer, plan, wins)
-        measured.append({"layout": n, "fingerprint": plan.fingerprint, "kl": kl,
+    for n, plan in candidates:
+        measured.append({"layout": n, "fingerprint": plan.fingerprint,
+                         **continuation_cost(model, tokenizer, plan, wins),
                          "budget": None if plan.policy is None else plan.policy.budget,
                          "ratio": plan.predicted["ratio"]})
     best = min(range(len(candidates)), key=lambda j: measured[j]["kl"])
-    plan = candidates[best]
+    plan = candidates[best][1]
     return dataclasses.replace(plan, predicted={**plan.predicted, "candidates": measured, "target_ratio": ratio,
                                                 "calibration_windows": len(wins)})
