@@ -172,6 +172,13 @@ def test_policy_validation():
         with pytest.raises(ValueError, match=match):
             KVzap(**kw)
     assert KVzap().prefill_only is False and KVzap(decoding=False).prefill_only is True
+    # target_ratio (§19.6) sizes the one eviction after the prefill: model scope, decoding=False
+    for kw, match in [({"target_ratio": 1.0}, "finite ratio > 1"), ({"target_ratio": float("inf")}, "finite ratio"),
+                      ({"target_ratio": 8, "scope": "head"}, "needs scope='model'"),
+                      ({"target_ratio": 8, "decoding": True}, "decoding=False")]:
+        with pytest.raises(ValueError, match=match):
+            KVzap(**{"decoding": False, **kw})
+    assert "target_ratio" not in repr(KVzap()) and "target_ratio=8" in repr(KVzap(decoding=False, target_ratio=8))
 
 
 def test_specs():
@@ -323,6 +330,51 @@ def test_errors(stories, scorer_path):
         _generate(other, cache, ids)
     with pytest.raises(FileNotFoundError):
         _generate(model, CompressedCache(model.config, eviction=KVzap(scorer="/nonexistent.safetensors")), ids)
+
+
+@pytest.mark.parametrize("target", [4.0, 6.0])  # q4d alone holds 3.2x here
+def test_target_ratio_keeps_the_most_tokens_that_reach_it(stories, scorer_path, target):
+    """As KVzip's (§19.6): once the predicted scores are known the model-wide budget grows to the
+    most tokens whose measured bytes still reach the ratio."""
+    model, tok = stories
+    ids = tok(STORY * 2, return_tensors="pt").input_ids[:, :240]
+    reports = {}
+    for ratio in (None, target):
+        cache = CompressedCache(model.config, quant=QuantConfig(bits=4),
+                                eviction=KVzap(budget=0.1, decoding=False, target_ratio=ratio, scorer=scorer_path))
+        with torch.no_grad():
+            kv_cache.prefill(model, cache, ids, last_only=True)
+        reports[ratio] = cache.memory_report()
+    plain, sized = reports[None], reports[target]
+    assert plain.ratio > target and target <= sized.ratio <= target * 1.06
+    assert sized.tokens_kept > plain.tokens_kept
+
+
+def test_plan_for_measures_kvzap_next_to_kvzip(stories, scorer_path):
+    """Asked to, the measured planner sizes both evictions with every layout and picks
+    by the metric asked for; each candidate carries its KL and its perplexity over the full cache."""
+    from kv_cache.plan import plan_for
+
+    model, tok = stories
+    text = Path(__file__).read_text()  # calibration text, never an evaluation text
+    kw = dict(target="5x", calibration_text=text, context_tokens=200, continuation=16, windows=1, layouts=("q4d",))
+    plan = plan_for(model, tok, scorers=("kvzip", "kvzap"), kvzap_scorer=scorer_path, metric="delta_ppl", **kw)
+    cands = plan.predicted["candidates"]
+    assert [c["layout"] for c in cands] == ["q4d", "q4d+kvzap"] and plan.predicted["metric"] == "delta_ppl"
+    assert all(c["ratio"] >= 5 and c["kl"] >= 0 and c["delta_ppl"] > -1 for c in cands)
+    assert plan.fingerprint == min(cands, key=lambda c: c["delta_ppl"])["fingerprint"]
+    chosen = "q4d+kvzap" in [c["layout"] for c in cands if c["fingerprint"] == plan.fingerprint]
+    assert isinstance(plan.policy, KVzap) == chosen
+    only = plan_for(model, tok, scorers=("kvzap",), kvzap_scorer=scorer_path, **kw).predicted["candidates"]
+    assert [c["layout"] for c in only] == ["q4d+kvzap"] and only[0]["fingerprint"] == cands[1]["fingerprint"]
+    assert [c["layout"] for c in plan_for(model, tok, kvzap_scorer=scorer_path, **kw).predicted["candidates"]] == [
+        "q4d"]  # KVzip alone unless asked
+    with pytest.raises(ScorerFileError, match="calibrate-scorer"):
+        plan_for(model, tok, scorers=("kvzap",), **kw)
+    with pytest.raises(ValueError, match="scorers must be a non-empty sequence"):
+        plan_for(model, tok, scorers=("h2o",), **kw)
+    with pytest.raises(ValueError, match="metric must be one of"):
+        plan_for(model, tok, metric="ppl", **kw)
 
 
 def test_reference_attention_path_matches_native(stories, scorer_path):

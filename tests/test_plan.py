@@ -233,7 +233,8 @@ def test_plan_for_measures_candidates(stories):
                     layouts=("q4d", "q2d"))
     cands = plan.predicted["candidates"]
     assert [c["layout"] for c in cands] == ["q4d", "q2d"]
-    assert all(c["kl"] >= 0 and c["ratio"] >= 5 for c in cands)
+    assert all(c["kl"] >= 0 and c["ratio"] >= 5 and c["delta_ppl"] > -1 for c in cands)
+    assert plan.predicted["metric"] == "kl"
     # both checks' figures travel with each candidate (§26, §26.1): measured at every window's prefill
     assert all(c["attention_error"] >= 0 and isinstance(c["warned"], bool) for c in cands)
     assert all((c["evicted_attention"] is None) == (c["budget"] is None) for c in cands)
@@ -247,6 +248,37 @@ def test_plan_for_measures_candidates(stories):
         plan_for(model, tok, target="4x", calibration_text=" ")
 
 
+def test_continuation_cost_perplexity_matches_a_direct_computation(stories):
+    """``delta_ppl`` is the compressed continuation's perplexity over the full model's, computed
+    here without the planner: one uncached forward over the window, and a compressed prefill
+    followed by the teacher-forced continuation."""
+    from kv_cache.context import forward_at
+    from kv_cache.models import shared_data_dir
+    from kv_cache.plan.measure import calibration_windows, continuation_cost, reference_log_probs
+
+    model, tok = stories
+    text = (shared_data_dir() / "tinyshakespeare" / "input.txt").read_text()[:20000]
+    T, n = 200, 24
+    wins = calibration_windows(tok, text, T, n, 2)
+    plan = CachePlan.uniform(model.config, QuantConfig(bits=2), KVzip(budget=0.5))
+    cost = continuation_cost(model, tok, plan, wins, T)
+    assert cost == continuation_cost(model, tok, plan, wins, T, reference_log_probs(model, tok, wins, T))
+    nll = {"full": [], "ours": []}
+    with torch.no_grad():
+        for w in wins:
+            target = w[0, T:]
+            full = torch.log_softmax(model(w[:, :-1]).logits[0, T - 1:].float(), -1)
+            cache = CompressedCache(model.config, plan=plan)
+            last, _ = kv_cache.prefill(model, cache, w[:, :T], tokenizer=tok, last_only=True)
+            with kv_cache.compress(model, cache):
+                rest = forward_at(model, cache, w[:, T:-1], T)
+            ours = torch.log_softmax(torch.cat([last[:, -1:], rest], 1)[0].float(), -1)
+            for key, lp in (("full", full), ("ours", ours)):
+                nll[key].append(-lp.gather(-1, target[:, None]).mean())
+    expected = float(torch.exp(torch.stack(nll["ours"]).mean() - torch.stack(nll["full"]).mean())) - 1
+    assert cost["delta_ppl"] == pytest.approx(expected, rel=1e-3, abs=1e-5)
+
+
 def test_cli_plan_writes_a_plan(tmp_path, stories):
     from kv_cache.cli import main
 
@@ -255,6 +287,16 @@ def test_cli_plan_writes_a_plan(tmp_path, stories):
     plan = CachePlan.load(out)
     assert plan.name == "8x" and plan.predicted["ratio"] >= 8
     assert main(["plan", "--model", "stories260K", "--ratio", "8", "--context", "0", "-o", str(out)]) == 2
+    # measured, chosen by the calibration perplexity
+    assert main(["plan", "--model", "stories260K", "--ratio", "5", "--context", "200", "--windows", "1",
+                 "--metric", "delta_ppl", "-o", str(out)]) == 0
+    measured = CachePlan.load(out).predicted
+    assert measured["metric"] == "delta_ppl" and all("delta_ppl" in c for c in measured["candidates"])
+    # KVzap asked for on a model no scorer was shipped or given for: a clear error, no file
+    out.unlink()
+    assert main(["plan", "--model", "stories260K", "--ratio", "5", "--context", "200", "--windows", "1",
+                 "--scorers", "kvzip,kvzap", "-o", str(out)]) == 2
+    assert not out.exists()
 
 
 @pytest.mark.slow

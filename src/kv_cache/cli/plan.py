@@ -2,8 +2,10 @@
 
 Every candidate layout (4, 3 and 2 bits, K4V3, K3V2: ``QuantConfig(bits=b)``'s defaults) is
 sized to the target (with KVzip keeping the largest fraction of tokens that meets it, its bytes
-predicted before any model run), then scored by the mean next-token KL divergence from the full
-cache on the calibration text; the least costly is written as a plan file for
+predicted before any model run; ``--scorers kvzip,kvzap`` sizes KVzap's eviction too), then
+scored on the calibration text by the mean next-token KL divergence from the full cache
+(``--metric kl``) or by the perplexity over the full cache's (``--metric delta_ppl``); the least
+costly is written as a plan file for
 ``CompressedCache(config, plan=CachePlan.load(path))``, ``kvcache compress --plan`` and the
 method spec ``plan[<path>]``. ``--preset`` writes the documented default instead (no model run
 beyond the config).
@@ -32,6 +34,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=None, help="context length planned for [4096, at most half the "
                                                             "model's positions]")
     p.add_argument("--windows", type=int, default=2, help="calibration windows [2]")
+    p.add_argument("--metric", default="kl", choices=["kl", "delta_ppl"],
+                   help="what the choice minimizes on the calibration windows: next-token KL from the full cache, "
+                        "or the perplexity over the full cache's [kl]")
+    p.add_argument("--scorers", default=None,
+                   help="evictions tried with each layout, comma-separated among kvzip,kvzap [kvzip]")
+    p.add_argument("--kvzap-scorer", default=None, help="a KVzap scorer file (kvcache calibrate-scorer) [the one "
+                                                         "shipped for the model]")
     p.add_argument("--preset", action="store_true", help="the documented default for --ratio, no measurement")
     p.add_argument("-o", "--out", required=True, help="the plan file (JSON) to write")
     p.set_defaults(_run=run)
@@ -58,12 +67,15 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.text) if args.text else shared_data_dir() / DEFAULT_TEXT
         text = path.read_text(encoding="utf-8").replace("\r\n", "\n")
         plan = plan_for(model, tok, target=target, bytes_per_token=args.bytes_per_token, max_bytes=args.max_bytes,
-                        calibration_text=text, context_tokens=args.context, windows=args.windows)
+                        calibration_text=text, context_tokens=args.context, windows=args.windows,
+                        scorers=None if args.scorers is None else [x.strip() for x in args.scorers.split(",")],
+                        kvzap_scorer=args.kvzap_scorer, metric=args.metric)
         for c in plan.predicted.get("candidates", []):
             err, ev = c.get("attention_error"), c.get("evicted_attention")
             checks = "".join([f"  attn err {err:.3f}" if err is not None else "", f"  evicted attn {ev:.3f}" if ev is not None
                               else "", "  (the checks warn)" if c.get("warned") else ""])
-            print(f"  {c['layout']:6s} budget {c['budget']}  {c['ratio']:.2f}x  KL {c['kl']:.4f}{checks}")
+            print(f"  {c['layout']:12s} budget {c['budget']}  {c['ratio']:.2f}x  KL {c['kl']:.4f}  "
+                  f"ppl {100 * c['delta_ppl']:+.2f}%{checks}")
     plan.save(args.out)
     print(plan.describe())
     print(f"wrote {args.out}")

@@ -1,8 +1,10 @@
 """What a plan costs on calibration text: the mean next-token KL divergence from the full cache
-over a teacher-forced continuation after a compressed prefix (math dictionary §13, §23)."""
+and the perplexity over the full cache's, over a teacher-forced continuation after a compressed
+prefix (math dictionary §13, §23)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -42,26 +44,40 @@ def _continuation_log_probs(model, cache, window: torch.Tensor, context: int, to
     return torch.log_softmax(torch.cat([logits[:, -1:], rest], 1)[0].float(), -1)
 
 
-def continuation_cost(model, tokenizer, plan: CachePlan, windows: list[torch.Tensor], context: int | None = None
-                      ) -> dict[str, Any]:
+def reference_log_probs(model, tokenizer, windows: list[torch.Tensor], context: int) -> list[torch.Tensor]:
+    """The full cache's continuation log-probabilities per window (``[continuation, vocab]``
+    float32): computed once and handed to :func:`continuation_cost` for every candidate."""
+    with torch.no_grad():
+        return [_continuation_log_probs(model, DynamicCache(), w, context, tokenizer, ours=False) for w in windows]
+
+
+def continuation_cost(model, tokenizer, plan: CachePlan, windows: list[torch.Tensor], context: int | None = None,
+                      reference: list[torch.Tensor] | None = None) -> dict[str, Any]:
     """What ``plan`` costs on calibration windows.
+
+    ``reference``: :func:`reference_log_probs` of the same windows and context (None: computed here).
 
     Returns
     -------
-    ``{"kl", "attention_error", "evicted_attention", "warned"}``: ``kl`` the mean over windows and
-    continuation positions of ``KL(P_full || P_plan)``; ``attention_error`` the fidelity check's
-    largest per-layer error (§26) and ``evicted_attention`` the eviction check's share (§26.1), the
-    largest over windows (None: not measured); ``warned`` True when either was past its limit on
-    some window (the cache warned there, and would with ``strict=True`` have raised).
+    ``{"kl", "delta_ppl", "attention_error", "evicted_attention", "warned"}``: ``kl`` the mean over
+    windows and continuation positions of ``KL(P_full || P_plan)``; ``delta_ppl`` the continuation's
+    perplexity over the full cache's, minus 1 (``exp`` of the mean NLL difference over every scored
+    token of every window); ``attention_error`` the fidelity check's largest per-layer error (§26)
+    and ``evicted_attention`` the eviction check's share (§26.1), the largest over windows (None:
+    not measured); ``warned`` True when either was past its limit on some window (the cache warned
+    there, and would with ``strict=True`` have raised).
     """
-    kls, errors, shares, warned = [], [], [], False
+    kls, dnll, errors, shares, warned = [], [], [], [], False
     with torch.no_grad():
-        for w in windows:
+        for j, w in enumerate(windows):
             T = context if context is not None else int(plan.predicted.get("context_tokens", w.shape[1] // 2))
-            ref = _continuation_log_probs(model, DynamicCache(), w, T, tokenizer, ours=False)
+            ref = (reference[j] if reference is not None
+                   else _continuation_log_probs(model, DynamicCache(), w, T, tokenizer, ours=False))
             cache = CompressedCache(model.config, plan=plan)
             got = _continuation_log_probs(model, cache, w, T, tokenizer, ours=True)
             kls.append(float((ref.exp() * (ref - got)).sum(-1).mean()))
+            target = w[0, T:, None].to(got.device)
+            dnll.append(float((ref.gather(-1, target) - got.gather(-1, target)).mean()))
             report = cache.memory_report()  # both checks' figures are fixed at the prefill
             if report.max_attention_error is not None:
                 errors.append(report.max_attention_error)
@@ -69,5 +85,6 @@ def continuation_cost(model, tokenizer, plan: CachePlan, windows: list[torch.Ten
             if report.mean_evicted_attention is not None:
                 shares.append(report.mean_evicted_attention)
                 warned |= eviction_past(report.evicted_attention, report.eviction_threshold)
-    return {"kl": sum(kls) / len(kls), "attention_error": max(errors) if errors else None,
+    return {"kl": sum(kls) / len(kls), "delta_ppl": math.exp(sum(dnll) / len(dnll)) - 1,
+            "attention_error": max(errors) if errors else None,
             "evicted_attention": max(shares) if shares else None, "warned": warned}

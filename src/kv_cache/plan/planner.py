@@ -24,9 +24,9 @@
   tokens. Eviction there reaches only the few full-attention layers, the model's only memory past
   the window, and costs far more than a bit less per code (math dictionary §23.3).
 * :func:`plan_for` measures: every candidate layout (4, 3 and 2 bits, K4V3 and K3V2) at the
-  largest KVzip budget that meets the target is scored by the mean next-token KL divergence from
-  the full cache on calibration text (compressed prefix, teacher-forced continuation), and the
-  least costly one is the plan.
+  largest eviction budget that meets the target, with KVzip (and, if asked, with KVzap too), is scored on calibration text (compressed
+  prefix, teacher-forced continuation) by the mean next-token KL divergence from the full cache
+  and by the perplexity over the full cache's; the least costly by the chosen metric is the plan.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from ..cache.config import QuantConfig
 from ..cache.budgets import resolved_budget
 from ..cache.layer import CompressedLayer
 from ..cache.report import fp16_kv_bytes, kv_geometry
-from ..policies import KVzip
+from ..policies import KVzap, KVzip
 from .plan import CachePlan
 
 PRESETS = ("4x", "8x", "16x")
@@ -70,6 +70,13 @@ CANDIDATE_LAYOUTS: dict[str, QuantConfig] = {
     "q2d": QuantConfig(bits=2),
 }
 """The layouts :func:`plan_for` measures (``QuantConfig(bits=b)``'s defaults at each width)."""
+
+PLAN_SCORERS = ("kvzip", "kvzap")
+"""The evictions :func:`plan_for` can size and measure with every layout (KVzip with the
+continuation score, §19.7; KVzap, §24, acting once after the prefill)."""
+
+PLAN_METRICS = ("kl", "delta_ppl")
+"""What :func:`plan_for`'s choice minimizes on the calibration windows (:func:`.measure.continuation_cost`)."""
 
 HYBRID_LADDER = ("q4d", "k4v3d", "q3d", "k3v2d")
 """The layouts a preset tries, widest first, on a model with sliding-window layers before it evicts
@@ -175,15 +182,22 @@ def _with_prediction(config: Any, plan: CachePlan, context_tokens: int, dtype: t
     return dataclasses.replace(plan, predicted=predicted)
 
 
+def _evicting(scorer: str, budget: float, ratio: float, scorer_path: str | None = None):
+    """The plans' eviction at ``budget``, grown to ``ratio`` once its scores are known (§19.6):
+    ``"kvzip"`` (with the continuation score, §19.7) or ``"kvzap"`` (acting once, after the prefill)."""
+    if scorer == "kvzap":
+        return KVzap(budget=budget, target_ratio=ratio, decoding=False, scorer=scorer_path)
+    return KVzip(budget=budget, target_ratio=ratio, continuation_queries=CONTINUATION_QUERIES)
+
+
 def _largest_budget(config: Any, layout: QuantConfig, ratio: float, context_tokens: int, dtype: torch.dtype,
-                    name: str) -> CachePlan | None:
-    """The plan of ``layout`` (+ KVzip keeping the largest fraction) whose predicted ratio
-    reaches ``ratio``, or None if even the smallest fraction does not."""
+                    name: str, scorer: str = "kvzip", scorer_path: str | None = None) -> CachePlan | None:
+    """The plan of ``layout`` (+ ``scorer``'s eviction keeping the largest fraction) whose
+    predicted ratio reaches ``ratio``, or None if even the smallest fraction does not."""
     fp16 = fp16_kv_bytes(config, context_tokens)
 
-    def plan_at(rho: float | None) -> CachePlan:  # KVzip then keeps more if its real bytes allow (§19.6)
-        return CachePlan.uniform(config, layout, None if rho is None else KVzip(budget=rho, target_ratio=ratio,
-                                                                                  continuation_queries=CONTINUATION_QUERIES),
+    def plan_at(rho: float | None) -> CachePlan:  # the eviction then keeps more if its real bytes allow (§19.6)
+        return CachePlan.uniform(config, layout, None if rho is None else _evicting(scorer, rho, ratio, scorer_path),
                                  name=name)
 
     run = _DryRun(config, plan_at(None), context_tokens, dtype)  # quantized once; budgets evict copies
@@ -240,7 +254,8 @@ def _default_context(config: Any) -> int:
 def plan_for(model: torch.nn.Module, tokenizer: Any, *, target: Any = None, bytes_per_token: float | None = None,
              max_bytes: int | None = None, calibration_text: str, context_tokens: int | None = None,
              continuation: int = 64, windows: int = 2,
-             layouts: Sequence[str] = tuple(CANDIDATE_LAYOUTS)) -> CachePlan:
+             layouts: Sequence[str] = tuple(CANDIDATE_LAYOUTS), scorers: Sequence[str] | None = None,
+             kvzap_scorer: str | None = None, metric: str = "kl") -> CachePlan:
     """Measure the candidates that meet one byte target and return the least costly plan.
 
     Parameters
@@ -252,14 +267,24 @@ def plan_for(model: torch.nn.Module, tokenizer: Any, *, target: Any = None, byte
     context_tokens : the context length planned for (default :data:`DEFAULT_CONTEXT`, capped at
         half the model's positions); the calibration windows are this long plus ``continuation``
     windows : how many calibration windows the KL is averaged over
+    layouts : the candidate layouts (:data:`CANDIDATE_LAYOUTS` names)
+    scorers : the evictions tried with every layout that must evict, among :data:`PLAN_SCORERS`
+        (default: KVzip alone; ``("kvzip", "kvzap")`` doubles the candidates: KVzap's learned
+        scores need no second prefill and rank tokens differently, math dictionary §23.4)
+    kvzap_scorer : a KVzap scorer file (``kvcache calibrate-scorer``); None: the one shipped for
+        the model
+    metric : what the choice minimizes, one of :data:`PLAN_METRICS`: ``"kl"``, the mean next-token
+        KL divergence from the full cache, or ``"delta_ppl"``, the continuation's perplexity over
+        the full cache's
 
     Returns
     -------
     :class:`CachePlan` with ``predicted`` holding the bytes, the ratio and every candidate's
-    measured KL, with the fidelity and eviction checks' figures on the calibration windows and
-    whether they warned (:func:`.measure.continuation_cost`; the choice is by KL alone).
+    measured KL and perplexity, with the fidelity and eviction checks' figures on the calibration
+    windows and whether they warned (:func:`.measure.continuation_cost`; the choice is by ``metric``
+    alone).
     """
-    from .measure import calibration_windows, continuation_cost
+    from .measure import calibration_windows, continuation_cost, reference_log_probs
 
     given = [x is not None for x in (target, bytes_per_token, max_bytes)]
     if sum(given) != 1:
@@ -279,18 +304,40 @@ def plan_for(model: torch.nn.Module, tokenizer: Any, *, target: Any = None, byte
         raise ValueError(f"layouts must be among {list(CANDIDATE_LAYOUTS)}; got {unknown}")
     dtype = next(model.parameters()).dtype
     name = target if isinstance(target, str) else f"{ratio:.3g}x"
-    sized = [(n, _largest_budget(model.config, CANDIDATE_LAYOUTS[n], ratio, T, dtype, name)) for n in layouts]
-    candidates = [(n, p) for n, p in sized if p is not None]  # a layout that cannot reach the ratio is not measured
+    if metric not in PLAN_METRICS:
+        raise ValueError(f"metric must be one of {list(PLAN_METRICS)}; got {metric!r}")
+    scorers = _plan_scorers(model, scorers, kvzap_scorer)
+    candidates, seen = [], set()
+    for scorer in scorers:
+        for n in layouts:
+            plan = _largest_budget(model.config, CANDIDATE_LAYOUTS[n], ratio, T, dtype, name, scorer, kvzap_scorer)
+            if plan is None or plan.fingerprint in seen:  # cannot reach the ratio, or reaches it evicting nothing
+                continue
+            seen.add(plan.fingerprint)
+            candidates.append((n if scorer == "kvzip" or plan.policy is None else f"{n}+{scorer}", plan))
     if not candidates:
         raise ValueError(f"no candidate layout reaches {ratio:.3g}x at {T} tokens; lower the target")
     wins = calibration_windows(tokenizer, calibration_text, T, continuation, windows)
+    reference = reference_log_probs(model, tokenizer, wins, T)
     measured = []
     for n, plan in candidates:
         measured.append({"layout": n, "fingerprint": plan.fingerprint,
-                         **continuation_cost(model, tokenizer, plan, wins),
+                         **continuation_cost(model, tokenizer, plan, wins, T, reference),
                          "budget": None if plan.policy is None else plan.policy.budget,
                          "ratio": plan.predicted["ratio"]})
-    best = min(range(len(candidates)), key=lambda j: measured[j]["kl"])
+    best = min(range(len(candidates)), key=lambda j: measured[j][metric])
     plan = candidates[best][1]
     return dataclasses.replace(plan, predicted={**plan.predicted, "candidates": measured, "target_ratio": ratio,
-                                                "calibration_windows": len(wins)})
+                                                "calibration_windows": len(wins), "metric": metric})
+
+
+def _plan_scorers(model: torch.nn.Module, scorers: Sequence[str] | None, kvzap_scorer: str | None) -> tuple[str, ...]:
+    """``plan_for``'s evictions: the ones asked for (checked; KVzap without a scorer for the model
+    raises, naming how to fit one), KVzip alone by default."""
+    scorers = ("kvzip",) if scorers is None else tuple(scorers)
+    bad = [x for x in scorers if x not in PLAN_SCORERS]
+    if not scorers or bad:
+        raise ValueError(f"scorers must be a non-empty sequence of {list(PLAN_SCORERS)}; got {list(scorers)}")
+    if "kvzap" in scorers:
+        KVzap(scorer=kvzap_scorer).bind(model)  # raises now, naming the fix, if no scorer fits the model
+    return scorers

@@ -80,6 +80,19 @@ LATER_FIELDS = {"continuation_queries": 0}
 an existing file loads with the same fingerprint."""
 
 
+def check_target_ratio(policy: "EvictionPolicy") -> None:
+    """Raise unless ``policy.target_ratio`` is None or a finite ratio > 1 with ``scope="model"``
+    (the model-wide top-k is what it sizes, math dictionary §19.6)."""
+    r, name = policy.target_ratio, type(policy).__name__
+    if r is None:
+        return
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 1.0 < r < float("inf"):
+        raise ValueError(f"{name}.target_ratio must be None or a finite ratio > 1 (vs fp16); got {r!r}")
+    if policy.scope != "model":
+        raise ValueError(f"{name}.target_ratio sizes the model-wide budget: it needs scope='model'; got "
+                         f"scope={policy.scope!r}")
+
+
 def at_hidden_default(name: str, value, hidden: dict) -> bool:
     """Whether field ``name`` is one of ``hidden`` (:data:`SHARED_FIELDS`, :data:`LATER_FIELDS`)
     and holds its default there: such a field is left out of the repr and, for

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..compression.scorer_file import Scorer, ScorerFileError, load_scorer, model_identity, read_header
-from .base import EvictionPolicy, ScoreInputs
+from .base import EvictionPolicy, ScoreInputs, check_target_ratio
 
 SCORERS_DIR = Path(__file__).resolve().parent.parent / "scorers"
 """Scorers shipped with the package (``kv_cache/scorers/*.safetensors``), found by model identity."""
@@ -68,7 +68,13 @@ class KVzap(EvictionPolicy):
         While decoding, evict every ``evict_every`` tokens (memory: at most ``evict_every - 1``
         tokens per head over the budget).
     decoding : bool, default True
-        Keep evicting while decoding; False acts once after the prefill (precision tiers).
+        Keep evicting while decoding; False acts once after the prefill (precision tiers, and
+        ``target_ratio``).
+    target_ratio : float, optional
+        With ``scope="model"`` and ``decoding=False``: once the scores are known, keep the most
+        tokens (never fewer than ``budget``) whose cache still holds at most
+        ``fp16 bytes / target_ratio``, measured on the layout itself (math dictionary §19.6, as
+        :class:`KVzip`'s). The measured plans set it (:func:`kv_cache.plan.plan_for`).
     """
 
     budget: int | float = 0.25
@@ -80,6 +86,7 @@ class KVzap(EvictionPolicy):
     scorer: str | None = None
     evict_every: int = 16
     decoding: bool = True
+    target_ratio: float | None = None
     _bound: Scorer | None = field(default=None, init=False, repr=False, compare=False)
 
     needs_attention: ClassVar[bool] = False
@@ -97,6 +104,10 @@ class KVzap(EvictionPolicy):
             raise ValueError(f"KVzap.threshold must be a finite number (a log score, e.g. -6.0) or None; got {t!r}")
         if not isinstance(self.decoding, bool):
             raise ValueError(f"KVzap.decoding must be a bool; got {self.decoding!r}")
+        check_target_ratio(self)
+        if self.target_ratio is not None and self.decoding:
+            raise ValueError("KVzap.target_ratio sizes the eviction after the prefill, which decoding=True would "
+                             "shrink back to the budget at the next eviction: pass decoding=False with it")
         if self.scorer is not None and not isinstance(self.scorer, (str, Path)):
             raise ValueError(f"KVzap.scorer must be a path (str) or None; got {type(self.scorer).__name__}")
 

@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 
 from ..compression.selection import reduce_gqa
-from .base import EvictionPolicy, ScoreInputs
+from .base import EvictionPolicy, ScoreInputs, check_target_ratio
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 CONTINUE_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -79,13 +79,7 @@ class KVzip(EvictionPolicy):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"KVzip.{name} must be an int >= {low}; got {v!r}")
-        r = self.target_ratio
-        if r is not None:
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or not 1.0 < r < float("inf"):
-                raise ValueError(f"KVzip.target_ratio must be None or a finite ratio > 1 (vs fp16); got {r!r}")
-            if self.scope != "model":
-                raise ValueError(f"KVzip.target_ratio sizes the model-wide budget: it needs scope='model'; got "
-                                 f"scope={self.scope!r}")
+        check_target_ratio(self)
 
     def query_window(self, q_len: int, budget_tokens: int) -> int:
         """The prompt's last ``continuation_queries`` queries (their attention is the continuation score)."""
