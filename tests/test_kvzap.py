@@ -362,7 +362,7 @@ def test_plan_for_measures_kvzap_next_to_kvzip(stories, scorer_path):
     cands = plan.predicted["candidates"]
     assert [c["layout"] for c in cands] == ["q4d", "q4d+kvzap"] and plan.predicted["metric"] == "delta_ppl"
     assert all(c["ratio"] >= 5 and c["kl"] >= 0 and c["delta_ppl"] > -1 for c in cands)
-    assert plan.fingerprint == min(cands, key=lambda c: c["delta_ppl"])["fingerprint"]
+    assert plan.fingerprint == min(cands, key=lambda c: (c["warned"], c["delta_ppl"]))["fingerprint"]
     chosen = "q4d+kvzap" in [c["layout"] for c in cands if c["fingerprint"] == plan.fingerprint]
     assert isinstance(plan.policy, KVzap) == chosen
     only = plan_for(model, tok, scorers=("kvzap",), kvzap_scorer=scorer_path, **kw).predicted["candidates"]

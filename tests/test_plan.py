@@ -238,7 +238,7 @@ def test_plan_for_measures_candidates(stories):
     # both checks' figures travel with each candidate (§26, §26.1): measured at every window's prefill
     assert all(c["attention_error"] >= 0 and isinstance(c["warned"], bool) for c in cands)
     assert all((c["evicted_attention"] is None) == (c["budget"] is None) for c in cands)
-    assert plan.fingerprint == min(cands, key=lambda c: c["kl"])["fingerprint"]
+    assert plan.fingerprint == min(cands, key=lambda c: (c["warned"], c["kl"]))["fingerprint"]
     _check_prediction(model, tok, plan, 320)
     with pytest.raises(ValueError, match="exactly one of target=, bytes_per_token= or max_bytes="):
         plan_for(model, tok, target="8x", max_bytes=10, calibration_text=text)
@@ -246,6 +246,27 @@ def test_plan_for_measures_candidates(stories):
         plan_for(model, tok, target="8x", calibration_text=text, layouts=("q5",))
     with pytest.raises(ValueError, match="calibration_text must be a non-empty str"):
         plan_for(model, tok, target="4x", calibration_text=" ")
+
+
+@pytest.mark.parametrize("metric", ["kl", "delta_ppl"])
+def test_plan_for_prefers_candidates_the_checks_do_not_warn_on(stories, monkeypatch, metric):
+    """The least costly candidate the fidelity and eviction checks stayed quiet on is the plan,
+    even when one they warned on costs less; when every candidate warned, the least costly."""
+    import kv_cache.plan.measure as measure
+
+    model, tok = stories
+    text = "It was the best of times, it was the worst of times. " * 200
+    kw = dict(target="5x", calibration_text=text, context_tokens=200, continuation=16, windows=1,
+              layouts=("q4d", "q3d", "q2d"), metric=metric)
+    for warned, chosen in (({"q2d"}, "q3d"), ({"q4d", "q3d", "q2d"}, "q2d")):
+        def fake(model, tokenizer, plan, windows, context=None, reference=None, warned=warned):
+            bits = plan.quant_config().bits  # cost falls with the width: q2d is the cheapest here
+            return {"kl": bits / 10, "delta_ppl": bits / 100, "attention_error": 0.1, "evicted_attention": None,
+                    "warned": f"q{bits}d" in warned}
+        monkeypatch.setattr(measure, "continuation_cost", fake)
+        plan = plan_for(model, tok, **kw)
+        cands = {c["layout"]: c for c in plan.predicted["candidates"]}
+        assert plan.fingerprint == cands[chosen]["fingerprint"], (warned, plan.describe())
 
 
 def test_continuation_cost_perplexity_matches_a_direct_computation(stories):

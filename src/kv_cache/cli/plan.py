@@ -5,7 +5,7 @@ sized to the target (with KVzip keeping the largest fraction of tokens that meet
 predicted before any model run; ``--scorers kvzip,kvzap`` sizes KVzap's eviction too), then
 scored on the calibration text by the mean next-token KL divergence from the full cache
 (``--metric kl``) or by the perplexity over the full cache's (``--metric delta_ppl``); the least
-costly is written as a plan file for
+costly one on which the fidelity and eviction checks stayed quiet is written as a plan file for
 ``CompressedCache(config, plan=CachePlan.load(path))``, ``kvcache compress --plan`` and the
 method spec ``plan[<path>]``. ``--preset`` writes the documented default instead (no model run
 beyond the config).

@@ -281,8 +281,9 @@ def plan_for(model: torch.nn.Module, tokenizer: Any, *, target: Any = None, byte
     -------
     :class:`CachePlan` with ``predicted`` holding the bytes, the ratio and every candidate's
     measured KL and perplexity, with the fidelity and eviction checks' figures on the calibration
-    windows and whether they warned (:func:`.measure.continuation_cost`; the choice is by ``metric``
-    alone).
+    windows and whether they warned (:func:`.measure.continuation_cost`). The choice is the least
+    ``metric`` among the candidates on which neither check warned on any window (among all of
+    them when every one warned; the chosen plan's cache then warns as it is used).
     """
     from .measure import calibration_windows, continuation_cost, reference_log_probs
 
@@ -325,7 +326,8 @@ def plan_for(model: torch.nn.Module, tokenizer: Any, *, target: Any = None, byte
                          **continuation_cost(model, tokenizer, plan, wins, T, reference),
                          "budget": None if plan.policy is None else plan.policy.budget,
                          "ratio": plan.predicted["ratio"]})
-    best = min(range(len(candidates)), key=lambda j: measured[j][metric])
+    # a candidate the checks warned on (§26, §26.1) is chosen only when every candidate warned
+    best = min(range(len(candidates)), key=lambda j: (measured[j]["warned"], measured[j][metric]))
     plan = candidates[best][1]
     return dataclasses.replace(plan, predicted={**plan.predicted, "candidates": measured, "target_ratio": ratio,
                                                 "calibration_windows": len(wins), "metric": metric})
