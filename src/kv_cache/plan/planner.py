@@ -24,9 +24,10 @@
   tokens. Eviction there reaches only the few full-attention layers, the model's only memory past
   the window, and costs far more than a bit less per code (math dictionary §23.3).
 * :func:`plan_for` measures: every candidate layout (4, 3 and 2 bits, K4V3 and K3V2) at the
-  largest eviction budget that meets the target, with KVzip (and, if asked, with KVzap too), is scored on calibration text (compressed
-  prefix, teacher-forced continuation) by the mean next-token KL divergence from the full cache
-  and by the perplexity over the full cache's; the least costly by the chosen metric is the plan.
+  largest eviction budget that meets the target, with KVzip (and, if asked, with KVzap too), is
+  scored on calibration text (compressed prefix, teacher-forced continuation) by the mean
+  next-token KL divergence from the full cache and by the perplexity over the full cache's; the
+  least costly by the chosen metric among those the checks stay quiet on is the plan.
 """
 
 from __future__ import annotations
