@@ -36,6 +36,9 @@ from ..policies.base import SCOPES
 from .plan_methods import plan_file as _plan_file, preset as _preset
 
 REFERENCE_SPEC = "full"  # the uncompressed cache every other method is measured against
+MAX_SPEC_CHARS = 4096
+"""The longest method spec :func:`parse_method` reads (a path in brackets included); every pattern
+of the grammar is also free of nested or adjacent overlapping quantifiers, so its time is linear."""
 
 
 class QuantOption(NamedTuple):
@@ -433,7 +436,7 @@ METHOD_GRAMMAR: tuple[MethodForm, ...] = (
                "a kvpress press at prefill, keeping that fraction of the context (pip install kvpress); adakv- wraps "
                "it in kvpress' AdaKVPress (head-wise budget, simulated by masking)",
                ("kvpress-snapkv@0.5", "kvpress-streamingllm@0.75", "kvpress-kvzip@0.5", "kvpress-adakv-snapkv@0.5"),
-               re.compile(r"^kvpress-(?P<press>[a-z]+(?:-[a-z]+)?)@(?P<kept>\d*\.?\d+)$"), _kvpress),
+               re.compile(r"^kvpress-(?P<press>[a-z]+(?:-[a-z]+)?)@(?P<kept>\d+(?:\.\d+)?|\.\d+)$"), _kvpress),
 )
 EXAMPLES = tuple(e for form in METHOD_GRAMMAR for e in form.examples)
 _PEER_PREFIXES = tuple(dict.fromkeys(f"{form.family}-" for form in METHOD_GRAMMAR if form.pattern
@@ -490,6 +493,8 @@ def parse_method(spec: str, *, check_packages: bool = True) -> Method:
     """
     if not isinstance(spec, str) or not spec.strip():
         raise _unknown(str(spec), "empty")
+    if len(spec) > MAX_SPEC_CHARS:
+        raise ValueError(f"a method spec is at most {MAX_SPEC_CHARS:,} characters; got one of {len(spec):,}")
     s = spec.strip().lower()
     for form in METHOD_GRAMMAR:
         m = form.pattern.match(s) if form.pattern is not None else None
