@@ -42,7 +42,7 @@ def test_a_batch_answers_as_one_at_a_time(stories, tmp_path):
     with serving(model, tok, tmp_path, queue_size=16, max_batch=8) as server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
         alone = [_ask(client, i) for i in range(len(PROMPTS))]
-        assert server.engine.batch_sizes == []  # one at a time: no batch was formed
+        assert list(server.engine.batch_sizes) == []  # one at a time: no batch was formed
         started, release = threading.Event(), threading.Event()
         server.engine.submit(lambda job: (started.set(), release.wait(60)))  # the worker is busy: they queue
         assert started.wait(30)
@@ -54,7 +54,7 @@ def test_a_batch_answers_as_one_at_a_time(stories, tmp_path):
                 time.sleep(0.01)
             release.set()
             together = [f.result(timeout=120) for f in futures]
-        assert server.engine.batch_sizes == [len(PROMPTS)]
+        assert list(server.engine.batch_sizes) == [len(PROMPTS)]
         assert together == alone
         assert len({t for t, *_ in alone}) == len(PROMPTS) and all(t for t, *_ in alone)
         assert alone[2][1] == "stop" and alone[0][1] == "length"

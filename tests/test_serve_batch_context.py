@@ -88,14 +88,14 @@ def test_batched_context_chats_answer_as_one_at_a_time(stories, tmp_path):
         with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60) as http:
             cids = [create(http, document=d, method=m)["id"] for d, m in CONTEXTS]
         alone = _queued_answers(server, cids)
-        assert server.engine.batch_sizes == []  # --max-batch 1: no batch was formed
+        assert list(server.engine.batch_sizes) == []  # --max-batch 1: no batch was formed
     with serving(model, tok, store, queue_size=16, max_batch=len(CHATS) + 1) as server:
         with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60) as http:
             doomed = create(http, document=DOC2, method="q4d")["id"]
             # a context deleted while its chat waits: that chat alone is answered 404
             together = _queued_answers(server, cids, [(doomed, "Max", {"max_tokens": 5})],
                                        lambda: http.delete(f"/v1/contexts/{doomed}").raise_for_status())
-        assert server.engine.batch_sizes == [len(CHATS) + 1]  # every chat was taken in one batch
+        assert list(server.engine.batch_sizes) == [len(CHATS) + 1]  # every chat was taken in one batch
     *together, gone = together
     assert isinstance(gone, openai.NotFoundError) and gone.body["code"] == "context_not_found"
     assert together == alone

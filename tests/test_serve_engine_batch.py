@@ -43,7 +43,7 @@ def test_batch_wait_gathers_a_full_batch():
     finally:
         assert engine.stop()
     assert batches == [[0, 1, 2, 3]]  # the first job waited for the others, then the batch was full
-    assert engine.batch_sizes == [4]
+    assert list(engine.batch_sizes) == [4]
 
 
 def test_a_shutdown_ends_the_wait_and_answers_the_job():

@@ -20,6 +20,7 @@ pytest.importorskip("fastapi", reason="needs the serve extra: pip install 'kv_ca
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai", reason="the tests drive the server with the openai client")
 
+from kv_cache.integrations.serve.store import SALT_FILE  # noqa: E402
 from kv_cache.integrations.serve.auth import ApiKeys, collect_keys, is_loopback, key_id, read_keys_file  # noqa: E402
 from kv_cache.integrations.serve.errors import ApiError, redact  # noqa: E402
 from kv_cache.integrations.serve.files import ServedFiles  # noqa: E402
@@ -218,7 +219,8 @@ def test_body_past_the_limit_413_while_sending(srv):
         for _ in range(8):
             yield b" " * (16 << 10)
 
-    r = httpx.post(srv.base_url + "/v1/chat/completions", content=chunks(), headers=AUTH)
+    r = httpx.post(srv.base_url + "/v1/chat/completions", content=chunks(),
+                   headers={**AUTH, "content-type": "application/json"})
     error(r, 413, "payload_too_large")
 
 
@@ -239,14 +241,17 @@ def test_fifty_megabytes_413_and_deep_json_400_at_the_default_limits(stories, tm
 
         before = _rss()
         t0 = time.monotonic()
-        r = httpx.post(server.base_url + "/v1/contexts", content=chunks(), headers=AUTH, timeout=60)
+        r = httpx.post(server.base_url + "/v1/contexts", content=chunks(),
+                       headers={**AUTH, "content-type": "application/json"}, timeout=60)
         error(r, 413, "payload_too_large")
         assert time.monotonic() - t0 < 30
         assert _rss() - before < 48 << 20  # the 8 MiB read, the rest dropped chunk by chunk
-        r = httpx.post(server.base_url + "/v1/contexts", content=b"x" * (50 << 20), headers=AUTH, timeout=60)
+        r = httpx.post(server.base_url + "/v1/contexts", content=b"x" * (50 << 20),
+                       headers={**AUTH, "content-type": "application/json"}, timeout=60)
         error(r, 413, "payload_too_large")  # a declared Content-Length past it: the same answer, no reset
         deep = b"[" * 100_000 + b"]" * 100_000  # the issue's body: a RecursionError (500) before
-        r = httpx.post(server.base_url + "/v1/chat/completions", content=deep, headers=AUTH, timeout=60)
+        r = httpx.post(server.base_url + "/v1/chat/completions", content=deep,
+                       headers={**AUTH, "content-type": "application/json"}, timeout=60)
         error(r, 400, "json_too_deep")
 
 
@@ -320,7 +325,7 @@ def test_store_bytes_per_key_refused_and_nothing_left(stories, tmp_path):
                        timeout=60)
         err = error(r, 429, "storage_quota_exceeded")
         assert "1,000" in err["message"]
-        assert list(tmp_path.iterdir()) == []
+        assert [p.name for p in tmp_path.iterdir()] == [SALT_FILE]  # the store's salt, no context
 
 
 # ------------------------------------------------------------------------------ tenancy

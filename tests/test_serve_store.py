@@ -17,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai", reason="the tests drive the server with the openai client")
 
 from kv_cache import CompressedContext  # noqa: E402
-from kv_cache.integrations.serve.store import ANY_OWNER  # noqa: E402
+from kv_cache.integrations.serve.store import ANY_OWNER, SALT_FILE  # noqa: E402
 from kv_cache.integrations.serve.auth import key_id  # noqa: E402
 from kv_cache.integrations.serve.store import ContextStore  # noqa: E402
 from serve_support import AUTH, DOC, KEY, MODEL, QUESTION, REPO, ask, create, error, free_port, serving  # noqa: E402
@@ -134,11 +134,11 @@ def test_kill_during_compression_leaves_no_partial_entry(stories, tmp_path, paus
         child.stderr.close()
 
     store = ContextStore(store_dir, model, tok)  # what a restarted server sees
-    listed = store.list(key_id(KEY))
+    listed = store.list(key_id(KEY, store.owner_salt))
     assert [d["id"] for d in listed] == [first["id"]] and listed[0]["status"] == "ready"
     assert not [p.name for p in store_dir.iterdir() if p.name.startswith(".tmp-")]
-    assert sorted(p.name for p in store_dir.iterdir()) == [f"{first['id']}.kvc"]
-    assert store.get(first["id"], key_id(KEY)).ask(QUESTION, max_new_tokens=4)
+    assert sorted(p.name for p in store_dir.iterdir()) == [SALT_FILE, f"{first['id']}.kvc"]
+    assert store.get(first["id"], key_id(KEY, store.owner_salt)).ask(QUESTION, max_new_tokens=4)
 
 
 # ------------------------------------------------------------------------------ the store
@@ -216,7 +216,8 @@ def test_sigterm_during_a_write_finishes_it_and_exits(stories, tmp_path):
     store = ContextStore(store_dir, model, tok)
     assert sorted(d["id"] for d in store.list(ANY_OWNER)) == sorted([first["id"], second.json()["id"]])
     assert all(d["status"] == "ready" for d in store.list(ANY_OWNER))
-    assert not [p.name for p in store_dir.iterdir() if not p.name.endswith(".kvc") or p.name.startswith(".")]
+    assert not [p.name for p in store_dir.iterdir() if p.name != SALT_FILE and (not p.name.endswith(".kvc")
+                                                                              or p.name.startswith("."))]
 
 
 def test_sigterm_while_answering_stops_within_bounded_time(tmp_path):
@@ -316,4 +317,4 @@ def test_shutdown_during_a_long_compression_answers_at_once_and_writes_nothing(s
         assert not server.thread.is_alive() and time.monotonic() - t0 < 5  # before the 5 s build ends
     assert built.wait(30)
     time.sleep(0.5)
-    assert list(store_dir.iterdir()) == []  # the compression ended after the shutdown: nothing written
+    assert [p.name for p in store_dir.iterdir()] == [SALT_FILE]  # the compression ended after the shutdown: nothing written

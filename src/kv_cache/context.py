@@ -17,9 +17,9 @@
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -202,6 +202,7 @@ def prefill(
     tokenizer: Any = None,
     attention_mask: torch.Tensor | None = None,
     last_only: bool = False,
+    check: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, PrefillStats]:
     """Prefill ``input_ids`` ``[batch, T]`` into an empty ``cache`` and compress it.
 
@@ -211,6 +212,10 @@ def prefill(
     only (``logits_to_keep=1``, as ``model.generate``'s prefill does); the ``T x vocab`` logits
     of a long context are otherwise the prefill's largest tensor (800 MB at 4K tokens and a
     49K vocabulary).
+
+    ``check``: called before each attention layer of the prefill and before each chunk of the
+    reconstruction pass; whatever it raises stops the prefill there and propagates (the cache is
+    then unusable: a server's deadline or cancellation, :mod:`kv_cache.integrations.serve.engine`).
 
     Returns
     -------
@@ -243,6 +248,9 @@ def prefill(
     with ExitStack() as stack:
         if active_cache() is not cache or not cache.native:
             stack.enter_context(compress(model, cache))
+        if check is not None:
+            check()
+            stack.enter_context(between_layers(model, check))
         with torch.no_grad():
             t0 = time.perf_counter()
             extra = {"logits_to_keep": 1} if last_only else {}
@@ -251,13 +259,26 @@ def prefill(
             stats = PrefillStats(int(input_ids.shape[1]), time.perf_counter() - t0)
             if scored:
                 t0 = time.perf_counter()
-                stats.reconstruction_tokens = reconstruct(model, cache, input_ids[0], tokenizer)
+                stats.reconstruction_tokens = reconstruct(model, cache, input_ids[0], tokenizer, check=check)
                 stats.reconstruction_s = time.perf_counter() - t0
     return out.logits, stats
 
 
+@contextmanager
+def between_layers(model: torch.nn.Module, check: Callable[[], None]) -> Iterator[None]:
+    """Call ``check()`` before each attention layer's forward while inside (forward pre-hooks on
+    the modules with a ``layer_idx``, or on ``model`` itself when none has one; removed on exit)."""
+    layers = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)] or [model]
+    handles = [m.register_forward_pre_hook(lambda *_: check()) for m in layers]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def reconstruct(model: torch.nn.Module, cache: CompressedCache, context_ids: torch.Tensor, tokenizer: Any, *,
-                finish: bool = True) -> int:
+                finish: bool = True, check: Callable[[], None] | None = None) -> int:
     """KVzip's scoring pass over a prefilled context ``context_ids`` ``[T]``; then evict
     (``finish=False``: leave the scores in each layer's ``state["kvzip"]`` ``[batch, kv_heads, T]``
     and evict nothing, for fitting a KVzap scorer).
@@ -274,6 +295,8 @@ def reconstruct(model: torch.nn.Module, cache: CompressedCache, context_ids: tor
     fed = 0
     try:
         for s in range(first, n, pol.chunk_size):
+            if check is not None:
+                check()
             e = min(n, s + pol.chunk_size)
             head = repeat if s == first else cont + context_ids[max(first, s - pol.overlap):s].tolist()
             ids = torch.tensor([head + context_ids[s:e].tolist()], device=context_ids.device)
@@ -313,7 +336,8 @@ class CompressedContext:
     @classmethod
     def build(cls, model: torch.nn.Module, tokenizer: Any, text_or_ids: str | Sequence[int] | torch.Tensor, *,
               quant=None, eviction=None, max_tokens: int | None = None, keep: str | None = None,
-              chat: bool | None = None, plan=None, strict: bool = False) -> "CompressedContext":
+              chat: bool | None = None, plan=None, strict: bool = False,
+              check: Callable[[], None] | None = None) -> "CompressedContext":
         """Prefill and compress a document (text, or token ids with their BOS if the model wants one).
 
         The document must fit the model's positions (``max_position_embeddings``; with
@@ -337,6 +361,8 @@ class CompressedContext:
         ``strict``: raise :class:`~kv_cache.FidelityError` when the fidelity check finds layers the
         compression wrecks, or the eviction check an eviction that drops too much of what the
         prompt's last queries read, instead of warning (:class:`~kv_cache.CompressedCache`).
+        ``check``: called between the prefill's layers and KVzip's chunks (:func:`prefill`); what
+        it raises stops the build.
         """
         from .chat import has_chat_template, split_chat
 
@@ -370,7 +396,7 @@ class CompressedContext:
         cache = (CompressedCache(model.config, plan=plan, strict=strict) if plan is not None
                  else CompressedCache(model.config, quant=quant, eviction=eviction, strict=strict))
         logits, stats = prefill(model, cache, torch.tensor([ids], dtype=torch.long), tokenizer=tokenizer,
-                                last_only=True)
+                                last_only=True, check=check)
         return cls(model, tokenizer, cache, len(ids), logits[0, -1].float(), stats, document_tokens, suffix)
 
     def question_ids(self, question: str | Sequence[int], max_new_tokens: int) -> list[int]:

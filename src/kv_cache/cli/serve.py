@@ -235,7 +235,7 @@ def run_contexts(args: argparse.Namespace) -> int:
         key = args.key if args.key is not None else os.environ.get(KEY_ENV, "")
         if not key.strip():
             raise ValueError("kvcache contexts assign needs --key KEY (or $KVCACHE_API_KEY), or --no-key")
-        owner = key_id(key.strip())
+        owner = key_id(key.strip(), store.owner_salt)
     store.assign(args.id, owner)
     print(f"assigned {args.id} to " + ("no key" if owner is None else f"the key with owner id {owner}"),
           file=sys.stdout)

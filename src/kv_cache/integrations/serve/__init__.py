@@ -35,7 +35,8 @@ def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key:
           api_keys: Iterable[str] = (), cache_bytes: int = 1 << 30, queue_size: int = 16,
           request_timeout: float = 120.0, max_document_tokens: int | None = None, limits: Limits | None = None,
           files: ServedFiles | None = None, shutdown_timeout: float = 10.0, max_batch: int = 8,
-          batch_wait: float = 0.05, strict: bool = False):
+          batch_wait: float = 0.05, strict: bool = False, max_queued_per_key: int | None | str = "auto",
+          max_running_per_key: int | None = 4, allowed_hosts: Iterable[str] = ()):
     """``(app, service, engine)`` serving ``model`` with contexts in ``store_dir``.
 
     Parameters
@@ -59,6 +60,14 @@ def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key:
         Refuse (400 ``invalid_method``, nothing stored) a context whose compressed cache fails the
         fidelity check or the eviction check (math dictionary §26, §26.1) instead of storing it
         with a warning in the log.
+    max_queued_per_key : int, None or "auto", default "auto"
+        Requests one key may have being prepared or waiting (then 429 ``rate_limit_exceeded``);
+        "auto": half of ``queue_size`` when the server has two keys or more, else no limit (one
+        tenant may use the whole queue); None: no limit.
+    max_running_per_key : int or None, default 4
+        Jobs of one key a batch takes while other keys' jobs of its kind wait (None: no limit).
+    allowed_hosts : iterable of str
+        With no key, the ``Host`` / ``Origin`` names answered besides loopback ones (``"*"``: any).
     """
     from .app import create_app
 
@@ -75,9 +84,15 @@ def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key:
                          max_bytes_per_key=limits.max_store_bytes_per_key)
     service = Service(model, tokenizer, store, model_id, limits.max_document_tokens, files or ServedFiles(), limits,
                       strict=strict)
+    api_keys = list(api_keys)
+    n_keys = len({*([api_key] if api_key is not None else []), *api_keys})
+    if max_queued_per_key == "auto":
+        max_queued_per_key = max(1, queue_size // 2) if n_keys >= 2 else None
     engine = Engine(queue_size=queue_size, request_timeout=request_timeout, max_batch=max_batch,
-                    batch_wait=batch_wait)
-    app = create_app(service, engine, api_key=api_key, api_keys=api_keys, shutdown_timeout=shutdown_timeout)
+                    batch_wait=batch_wait, max_queued_per_key=max_queued_per_key,
+                    max_running_per_key=max_running_per_key)
+    app = create_app(service, engine, api_key=api_key, api_keys=api_keys, shutdown_timeout=shutdown_timeout,
+                     allowed_hosts=allowed_hosts)
     return app, service, engine
 
 

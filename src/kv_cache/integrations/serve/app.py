@@ -15,10 +15,24 @@ has keys, ``/docs`` and ``/openapi.json`` included; :mod:`kv_cache.integrations.
 
 Concurrent chats are decoded together, up to ``--max-batch`` at once: chats without a stored
 context (:mod:`kv_cache.integrations.serve.batch`) and chats on stored contexts, the same or different ones
-(:mod:`kv_cache.integrations.serve.batch_context`). ``GET /health`` answers ``{"status": "ok"}`` without a
-key. A POST body is read up to ``--max-body-bytes`` and its depth checked before it is parsed
-(:mod:`kv_cache.integrations.serve.limits`); the request is then checked and tokenized outside the model lock,
-in a thread of its own, and only then queued for the worker. Every error is OpenAI's JSON body
+(:mod:`kv_cache.integrations.serve.batch_context`).
+
+Open routes (no key): ``GET /health`` answers ``{"status": "ok"}``, or 503 ``{"status":
+"draining"}`` once SIGTERM began the shutdown (a load balancer stops sending); ``GET /version``
+the package's, torch's and transformers' versions and the model served. ``GET /metrics`` (behind
+a key when the server has keys) answers Prometheus' text format
+(:mod:`kv_cache.integrations.serve.metrics`), and every request writes one JSON line to the
+access log and carries an ``X-Request-Id``.
+
+Before any body is read: with no key configured, a request whose ``Host`` is not loopback (or
+named by ``--allowed-host``) is answered 421 and a browser's cross-origin request (an ``Origin``
+that is not loopback) 403, so that a web page the user visits can neither post to the server nor
+read it through DNS rebinding; a POST whose ``Content-Type`` is not ``application/json`` is
+answered 415. A POST body is then read up to ``--max-body-bytes`` within ``--body-timeout``
+seconds and its depth checked in one linear pass before it is parsed
+(:mod:`kv_cache.integrations.serve.limits`), checked against its schema
+(:mod:`kv_cache.integrations.serve.schemas`, published in ``/openapi.json``), tokenized outside
+the model lock, in a thread of its own, and only then queued for the worker. Every error is OpenAI's JSON body
 with the status of its case (:mod:`kv_cache.integrations.serve.errors`), its message free of server paths; an
 unexpected failure is logged with its traceback and answered 500 with an incident id, and the
 server keeps serving.
@@ -39,35 +53,97 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .auth import ApiKeys
+from .auth import ApiKeys, host_allowed, origin_allowed
 from .batch import chat_batch
 from .batch_context import context_batch
 from .engine import Engine, Job, internal_error
 from .errors import ApiError, redact
 from .limits import parse_json, read_body
+from .metrics import ServerMetrics, access_line, access_log
 from .requests import parse_chat, parse_context
+from .schemas import ChatCompletionRequest, ContextCreateRequest
 from .service import Service, _store_error
 from .store import ContextCorrupted, ContextNotFound
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/version")
 """The routes that answer without a key."""
+JSON_TYPES = ("application/json",)
+"""The ``Content-Type`` a POST body must have (parameters such as ``charset=utf-8`` allowed)."""
 
 
-async def _next_event(job: Job) -> tuple[str, Any]:
-    """The job's next event, or ``request_timeout`` at its deadline (the job is then cancelled)."""
+def _body_schema(model: type) -> dict[str, Any]:
+    """``openapi_extra`` of a route that reads its body itself: the schema of ``model``."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+
+
+class AccessLog:
+    """Pure ASGI middleware: an ``X-Request-Id`` on every response, and at the response's last
+    byte (a stream's included) one access-log line and the request's metrics."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = "req-" + secrets.token_hex(8)
+        state = scope.setdefault("state", {})
+        state["request_id"], state["started"] = rid, time.monotonic()
+        status = {"code": 500, "done": False}
+
+        async def send_logged(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                message = dict(message, headers=[*message.get("headers", []), (b"x-request-id", rid.encode())])
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False) and not status["done"]:
+                status["done"] = True
+                self._log(scope, state, status["code"])
+
+        try:
+            await self.app(scope, receive, send_logged)
+        finally:
+            if not status["done"]:  # the client went away, or nothing was sent
+                status["done"] = True
+                self._log(scope, state, status["code"] if status["code"] != 500 else 499)
+
+    def _log(self, scope, state, code: int) -> None:
+        route = scope.get("route")
+        usage = state.get("usage") or {}
+        ttft = state.get("first_token")
+        entry = {"id": state["request_id"], "key": state.get("owner"), "method": scope.get("method"),
+                 "route": getattr(route, "path", None) or "other", "path": scope.get("path", "")[:200],
+                 "status": code, "prompt_tokens": usage.get("prompt_tokens"),
+                 "completion_tokens": usage.get("completion_tokens"),
+                 "latency_ms": round((time.monotonic() - state["started"]) * 1000.0, 2),
+                 "ttft_ms": None if ttft is None else round((ttft - state["started"]) * 1000.0, 2)}
+        try:
+            self.metrics.observe(entry)
+            access_log.info(access_line(entry))
+        except Exception:  # observability never fails a request
+            log.exception("the access log failed")
+
+
+async def _next_event(job: Job, state: Any = None) -> tuple[str, Any]:
+    """The job's next event, or ``request_timeout`` at its deadline (the job is then cancelled).
+    ``state`` (a request's): the time of the first ``start`` / ``delta`` event is recorded there."""
     try:
-        return await asyncio.wait_for(job.events.get(), timeout=max(job.deadline - time.monotonic(), 0.0))
+        event = await asyncio.wait_for(job.events.get(), timeout=max(job.deadline - time.monotonic(), 0.0))
     except asyncio.TimeoutError:
         job.cancel()
         raise ApiError("request_timeout", "the request ran past the server's per-request timeout "
                                           "(kvcache serve --request-timeout)") from None
+    if state is not None and event[0] in ("start", "delta") and getattr(state, "first_token", None) is None:
+        state.first_token = time.monotonic()
+    return event
 
 
-async def _result(job: Job) -> Any:
+async def _result(job: Job, state: Any = None) -> Any:
     while True:
-        kind, payload = await _next_event(job)
+        kind, payload = await _next_event(job, state)
         if kind == "done":
             return payload
         if kind == "error":
@@ -75,15 +151,20 @@ async def _result(job: Job) -> Any:
 
 
 def create_app(service: Service, engine: Engine, *, api_key: str | None = None, api_keys: Iterable[str] = (),
-               shutdown_timeout: float = 10.0) -> FastAPI:
+               shutdown_timeout: float = 10.0, allowed_hosts: Iterable[str] = ()) -> FastAPI:
     """The application over ``service`` (model, tokenizer, store, limits) and ``engine`` (the worker).
 
-    ``api_key`` and ``api_keys``: the keys (none: no authentication). The engine's worker and
-    the tokenizer thread are started and stopped with the application (its lifespan); at the
-    end the store is closed after any write in progress (at most ``shutdown_timeout`` seconds)."""
+    ``api_key`` and ``api_keys``: the keys (none: no authentication). ``allowed_hosts``: with no
+    key, the ``Host`` / ``Origin`` names answered besides loopback ones (``"*"``: any; the CLI's
+    ``--insecure`` gives that). The engine's worker and the tokenizer thread are started and
+    stopped with the application (its lifespan); at the end the store is closed after any write
+    in progress (at most ``shutdown_timeout`` seconds)."""
     from contextlib import asynccontextmanager
 
-    keys = ApiKeys([*([api_key] if api_key is not None else []), *api_keys])
+    keys = ApiKeys([*([api_key] if api_key is not None else []), *api_keys], salt=service.store.owner_salt)
+    allowed_hosts = tuple(allowed_hosts)
+    metrics = ServerMetrics(service.store, engine)
+    engine.on_batch = metrics.batch.observe
     limits = service.limits
     hidden = [str(service.store.directory.resolve()), *service.files.paths]
     name_or_path = getattr(getattr(service.model, "config", None), "_name_or_path", None)
@@ -111,7 +192,8 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
             pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kv_cache", summary="OpenAI-compatible chat over compressed KV-cache contexts",
-                  lifespan=lifespan)
+                  lifespan=lifespan, version=_version())
+    app.state.metrics = metrics
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -131,24 +213,55 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
             return error_response(internal_error())
 
     @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if request.url.path not in OPEN_PATHS:
-            try:
+    async def _guard(request: Request, call_next):
+        """Host and Origin (no key), the key, the Content-Type: before any body is read."""
+        try:
+            if not keys.enabled:
+                if not host_allowed(request.headers.get("host"), allowed_hosts):
+                    raise ApiError("misdirected_request", "this server has no API key, so it answers only requests "
+                                                          "addressed to a loopback host (localhost, 127.0.0.1, [::1]); "
+                                                          "give it keys, or name the host with kvcache serve "
+                                                          "--allowed-host")
+                if not origin_allowed(request.headers.get("origin"), allowed_hosts):
+                    raise ApiError("forbidden_origin", "this server has no API key and does not answer pages of other "
+                                                       "origins (a browser's cross-origin request); give it keys, or "
+                                                       "name the origin's host with kvcache serve --allowed-host")
+            if request.url.path not in OPEN_PATHS:
                 request.state.owner = keys.owner(request.headers.get("authorization"))
-            except ApiError as exc:
-                return error_response(exc)
+            if request.method == "POST":
+                ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+                if ctype not in JSON_TYPES:
+                    raise ApiError("unsupported_media_type", "a request body must be JSON sent as 'Content-Type: "
+                                                             f"application/json'; got {ctype[:60]!r}" if ctype else
+                                   "a request body must be JSON sent as 'Content-Type: application/json'; got no "
+                                   "Content-Type")
+        except ApiError as exc:
+            return error_response(exc)
         return await call_next(request)
 
     async def body(request: Request) -> Any:
-        return parse_json(await read_body(request, limits.max_body_bytes), limits.max_json_depth)
+        return parse_json(await read_body(request, limits.max_body_bytes, limits.body_timeout),
+                          limits.max_json_depth)
 
     async def prepare(fn, *args) -> Any:
         """``fn(*args)`` in the tokenizer thread: outside the model lock, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "waiting": engine.waiting}
+    async def health() -> JSONResponse:
+        if engine.stopping:
+            return JSONResponse({"status": "draining", "waiting": engine.waiting}, status_code=503,
+                                headers={"Retry-After": str(engine.retry_after)})
+        return JSONResponse({"status": "ok", "waiting": engine.waiting})
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        return {"version": _version(), "model": service.model_id, **_library_versions()}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -156,15 +269,16 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
                                             "owned_by": "kv_cache"}]}
 
     # --------------------------------------------------------------------- contexts
-    @app.post("/v1/contexts")
+    @app.post("/v1/contexts", status_code=201, openapi_extra=_body_schema(ContextCreateRequest))
     async def create_context(request: Request) -> JSONResponse:
         owner = request.state.owner
         req = parse_context(await body(request), limits)
         if req.method is not None:  # a spec naming a file: 400 even when the queue is full
             service.files.resolve_spec(req.method)  # the result is used in the tokenizer thread
-        with engine.reserve():
+        with engine.reserve(owner):
             prep = await prepare(service.prepare_compress, req, owner)
-            job = engine.submit(lambda j: service.compress(prep, j), asyncio.get_running_loop())
+            job = engine.submit(lambda j: service.compress(prep, j), asyncio.get_running_loop(), owner=owner)
+        request.state.usage = {"prompt_tokens": len(prep.kept), "completion_tokens": 0}
         return JSONResponse(await _result(job), status_code=201)
 
     @app.get("/v1/contexts")
@@ -187,7 +301,7 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
         return {"id": cid, "object": "context.deleted", "deleted": True}
 
     # --------------------------------------------------------------------- chat
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat(request: Request) -> Response:
         owner = request.state.owner
         req = parse_chat(await body(request), service.model_id, limits)
@@ -196,24 +310,26 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
                 service.store.describe(req.context_id, owner)
             except (ContextNotFound, ContextCorrupted) as exc:
                 raise _store_error(exc, req.context_id[:64], "context_id") from None
-        with engine.reserve():
+        with engine.reserve(owner):
             prep = await prepare(service.prepare_chat, req, owner)
             # chats may run together with others of their kind waiting: without a stored context
             # (kv_cache.integrations.serve.batch), on stored contexts (kv_cache.integrations.serve.batch_context)
             batch = ({"batch_key": "plain", "item": prep, "batch_fn": functools.partial(chat_batch, service)}
                      if req.context_id is None else
                      {"batch_key": "context", "item": prep, "batch_fn": functools.partial(context_batch, service)})
-            job = engine.submit(lambda j: service.chat(prep, j), asyncio.get_running_loop(), **batch)
+            job = engine.submit(lambda j: service.chat(prep, j), asyncio.get_running_loop(), owner=owner, **batch)
         cid, now = "chatcmpl-" + secrets.token_hex(12), int(time.time())
+        state = request.state
         if not req.stream:
-            result = await _result(job)
+            result = await _result(job, state)
+            state.usage = result["usage"]
             return JSONResponse({
                 "id": cid, "object": "chat.completion", "created": now, "model": service.model_id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": result["text"]},
                              "finish_reason": result["finish_reason"], "logprobs": None}],
                 "usage": result["usage"], "context_id": req.context_id})
         try:  # errors before the first token are answered with their status, not inside a stream
-            kind, payload = await _next_event(job)
+            kind, payload = await _next_event(job, state)
         except BaseException:
             job.cancel()
             raise
@@ -230,12 +346,13 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
                 yield chunk({"role": "assistant", "content": ""})
                 while True:
                     try:
-                        kind, payload = await _next_event(job)
+                        kind, payload = await _next_event(job, state)
                     except ApiError as exc:
                         kind, payload = "error", exc
                     if kind == "delta":
                         yield chunk({"content": payload})
                     elif kind == "done":
+                        state.usage = payload["usage"]
                         yield chunk({}, payload["finish_reason"])
                         if req.include_usage:
                             body = {"id": cid, "object": "chat.completion.chunk", "created": now,
@@ -254,4 +371,24 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
+    app.add_middleware(AccessLog, metrics=metrics)  # added last: the outermost, so every answer is logged
     return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kv_cache")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "unknown"
+
+
+def _library_versions() -> dict[str, str]:
+    import platform
+
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}

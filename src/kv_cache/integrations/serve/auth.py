@@ -7,7 +7,10 @@
   by :func:`hmac.compare_digest` over sha256 digests, all of them each time (no early exit), so
   the time does not depend on which key, or how much of one, matched.
 * A key's *owner id* (:func:`key_id`, a salted sha256 prefix; the key itself is never stored)
-  is written into each context it stores; a key sees, uses and deletes only contexts with its
+  is written into each context it stores. The salt is the store's own (random, kept in the store
+  folder: owner ids differ between deployments, :meth:`ContextStore._salt`); a store made before
+  salts were per store keeps :data:`LEGACY_SALT`, so its owners still match. A key sees, uses
+  and deletes only contexts with its
   owner id. Without keys the owner id is None, the owner of contexts stored without keys.
 * :func:`is_loopback`: ``kvcache serve`` refuses a non-loopback ``--host`` without a key unless
   ``--insecure`` is given.
@@ -25,12 +28,15 @@ from typing import Iterable
 from .errors import ApiError
 
 KEY_ENV = "KVCACHE_API_KEY"
-_SALT = b"kv_cache.serve key\x00"
+LEGACY_SALT = b"kv_cache.serve key\x00"
+"""The salt every store shared before each got its own (kept by stores that already use it)."""
 
 
-def key_id(key: str) -> str:
-    """The owner id of ``key``: 32 hex digits of a salted sha256 (what a stored context records)."""
-    return hashlib.sha256(_SALT + key.encode()).hexdigest()[:32]
+def key_id(key: str, salt: bytes = LEGACY_SALT) -> str:
+    """The owner id of ``key``: 32 hex digits of a sha256 salted with ``salt`` (the store's
+    :attr:`~kv_cache.integrations.serve.store.ContextStore.owner_salt`; what a stored context
+    records)."""
+    return hashlib.sha256(salt + key.encode()).hexdigest()[:32]
 
 
 def read_keys_file(path: str | os.PathLike) -> list[str]:
@@ -74,16 +80,47 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _split_host(netloc: str) -> str:
+    """The host of ``host[:port]`` / ``[v6]:port``, lower-cased."""
+    netloc = netloc.strip().lower()
+    if netloc.startswith("["):
+        return netloc[1:netloc.find("]")] if "]" in netloc else netloc
+    return netloc.rsplit(":", 1)[0] if netloc.count(":") == 1 else netloc
+
+
+def host_allowed(host_header: str | None, allowed: Iterable[str] = ()) -> bool:
+    """True when a request's ``Host`` header names a loopback host (``localhost``, ``127.x``,
+    ``[::1]``) or one of ``allowed`` (host names, compared without the port; ``"*"``: any)."""
+    allowed = {a.strip().lower() for a in allowed}
+    if "*" in allowed:
+        return True
+    if not host_header:
+        return False
+    host = _split_host(host_header)
+    return is_loopback(host) or host in allowed
+
+
+def origin_allowed(origin: str | None, allowed: Iterable[str] = ()) -> bool:
+    """True for no ``Origin`` header (not a browser's cross-origin request) or one whose host is
+    loopback or in ``allowed`` (``"*"``: any)."""
+    if origin is None:
+        return True
+    scheme, sep, rest = origin.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
+        return "*" in {a.strip() for a in allowed}  # "null" (a file or sandboxed page) and the like
+    return host_allowed(rest.split("/", 1)[0], allowed)
+
+
 class ApiKeys:
     """The configured keys (none: no authentication, every request is owner None)."""
 
-    def __init__(self, keys: Iterable[str] = ()):
+    def __init__(self, keys: Iterable[str] = (), salt: bytes = LEGACY_SALT):
         keys = list(keys)
         for k in keys:
             if not isinstance(k, str) or not k:
                 raise ValueError(f"an API key must be a non-empty string; got {k!r}")
         self._digests = [hashlib.sha256(k.encode()).digest() for k in dict.fromkeys(keys)]
-        self._owners = [key_id(k) for k in dict.fromkeys(keys)]
+        self._owners = [key_id(k, salt) for k in dict.fromkeys(keys)]
 
     @property
     def enabled(self) -> bool:

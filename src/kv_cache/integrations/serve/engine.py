@@ -19,6 +19,12 @@ test) takes the same lock.
   ``max_batch`` are queued (clients whose answers a batch just sent ask again a moment later).
 * Requests are admitted (:meth:`Engine.reserve`) before their tokenization, which runs outside the
   model lock: the jobs being prepared count against ``queue_size`` with the queued ones.
+* **Fairness between keys.** A key (an owner id; requests without keys are one tenant and are not
+  limited this way) may have at most ``max_queued_per_key`` requests being prepared or waiting
+  (past it: 429 ``rate_limit_exceeded`` with ``Retry-After``, while other keys are still admitted),
+  and a batch takes at most ``max_running_per_key`` jobs of one key while other keys' jobs of its
+  kind wait (then the rest of the batch is filled in queue order: a key alone is not slowed), so
+  one key can neither fill the queue nor crowd the others out of a batch.
 * :meth:`Engine.begin_shutdown` (SIGTERM) refuses new jobs, answers the queued ones
   ``shutting_down`` (503) and the running one too, at once, unless it is writing its result
   (:meth:`Job.commit`: then it finishes); the running work stops at its next check (between
@@ -31,6 +37,7 @@ test) takes the same lock.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import secrets
@@ -52,8 +59,9 @@ class Job:
     ``item`` is what ``batch_fn`` reads from each job."""
 
     def __init__(self, fn: Callable[["Job"], Any], deadline: float, loop: asyncio.AbstractEventLoop | None,
-                 batch_key: Any = None, batch_fn: Callable[[list["Job"]], None] | None = None, item: Any = None):
-        self.fn, self.deadline, self.loop = fn, deadline, loop
+                 batch_key: Any = None, batch_fn: Callable[[list["Job"]], None] | None = None, item: Any = None,
+                 owner: str | None = None):
+        self.fn, self.deadline, self.loop, self.owner = fn, deadline, loop, owner
         self.batch_key, self.batch_fn, self.item = batch_key, batch_fn, item
         self.events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
@@ -135,10 +143,28 @@ def emit_many(events: list[tuple[Job, str, Any]]) -> None:
 class _JobQueue(queue.Queue):
     """A bounded FIFO of jobs from which the worker can also take the queued jobs of one batch key."""
 
-    def take_matching(self, key: Any, n: int) -> list[Job]:
-        """Remove and return up to ``n`` queued jobs whose ``batch_key`` is ``key``, oldest first."""
+    def take_matching(self, key: Any, n: int, per_owner: int | None = None,
+                      taken: dict[Any, int] | None = None) -> list[Job]:
+        """Remove and return up to ``n`` queued jobs whose ``batch_key`` is ``key``, oldest first.
+
+        With ``per_owner``: first at most that many of one owner (not None), counting ``taken``
+        (owner -> jobs already in the batch; updated); then, if room is left, the others in order
+        (a key alone in the queue still fills the batch: the cap only makes room for other keys)."""
+        taken = {} if taken is None else taken
         with self.mutex:
-            found = [j for j in self.queue if j is not None and j.batch_key == key and not j.cancelled][:n]
+            found: list[Job] = []
+            chosen: set[int] = set()
+            for capped in ((True, False) if per_owner is not None else (False,)):
+                for j in self.queue:
+                    if len(found) >= n:
+                        break
+                    if j is None or j.batch_key != key or j.cancelled or id(j) in chosen:
+                        continue
+                    if capped and j.owner is not None and taken.get(j.owner, 0) >= per_owner:
+                        continue
+                    taken[j.owner] = taken.get(j.owner, 0) + 1
+                    found.append(j)
+                    chosen.add(id(j))
             for j in found:
                 self.queue.remove(j)
             if found:
@@ -154,15 +180,22 @@ class Engine:
     ``max_batch`` are queued (0: it starts with those queued now)."""
 
     def __init__(self, *, queue_size: int = 16, request_timeout: float = 120.0, retry_after: int = 1,
-                 max_batch: int = 8, batch_wait: float = 0.0):
+                 max_batch: int = 8, batch_wait: float = 0.0, max_queued_per_key: int | None = None,
+                 max_running_per_key: int | None = 4, on_batch: Callable[[int], None] | None = None):
         if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
             raise ValueError(f"queue_size must be an int >= 1; got {queue_size!r}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1; got {max_batch!r}")
         if isinstance(batch_wait, bool) or not isinstance(batch_wait, (int, float)) or not 0 <= batch_wait <= 10:
             raise ValueError(f"batch_wait must be a number of seconds in [0, 10]; got {batch_wait!r}")
+        for name, v in (("max_queued_per_key", max_queued_per_key), ("max_running_per_key", max_running_per_key)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None (no limit); got {v!r}")
         self.max_batch, self.batch_wait = max_batch, float(batch_wait)
-        self.batch_sizes: list[int] = []  # the size of each batch run (more than one job), in order
+        self.max_queued_per_key, self.max_running_per_key = max_queued_per_key, max_running_per_key
+        self.on_batch = on_batch  # called with the size of every run (1: a job alone), on the worker
+        # the size of each batch run (more than one job), the latest 1,024, in order
+        self.batch_sizes: collections.deque[int] = collections.deque(maxlen=1024)
         if not isinstance(request_timeout, (int, float)) or not request_timeout > 0:
             raise ValueError(f"request_timeout must be a number of seconds > 0; got {request_timeout!r}")
         self.queue_size, self.request_timeout, self.retry_after = queue_size, float(request_timeout), retry_after
@@ -171,6 +204,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._admit_lock = threading.Lock()
         self._preparing = 0
+        self._preparing_by: collections.Counter = collections.Counter()
         self._running: Job | None = None
         self._batch: list[Job] = []
         self._stopping = threading.Event()
@@ -185,20 +219,35 @@ class Engine:
             raise ApiError("shutting_down", "the server is shutting down; retry on another server or later",
                            headers={"Retry-After": str(self.retry_after)})
 
+    def queued_by(self, owner: Any) -> int:
+        """Jobs of ``owner`` waiting in the queue."""
+        with self._queue.mutex:
+            return sum(1 for j in self._queue.queue if j is not None and j.owner == owner and not j.cancelled)
+
     @contextmanager
-    def reserve(self) -> Iterator[None]:
-        """Admit one request for its preparation (tokenization, outside the model lock): 503
-        ``queue_full`` when ``queue_size`` requests are already being prepared or waiting."""
+    def reserve(self, owner: str | None = None) -> Iterator[None]:
+        """Admit one request of ``owner`` for its preparation (tokenization, outside the model
+        lock): 503 ``queue_full`` when ``queue_size`` requests are already being prepared or
+        waiting; 429 ``rate_limit_exceeded`` when ``owner`` (not None) has ``max_queued_per_key``."""
         self._refuse_if_stopping()
         with self._admit_lock:
             if self._preparing + self._queue.qsize() >= self.queue_size:
                 raise self._full()
+            limit = self.max_queued_per_key
+            if owner is not None and limit is not None and self._preparing_by[owner] + self.queued_by(owner) >= limit:
+                raise ApiError("rate_limit_exceeded", f"this API key already has {limit} requests waiting (kvcache "
+                                                      f"serve --max-queued-per-key); retry after {self.retry_after} s",
+                               headers={"Retry-After": str(self.retry_after)})
             self._preparing += 1
+            self._preparing_by[owner] += 1
         try:
             yield
         finally:
             with self._admit_lock:
                 self._preparing -= 1
+                self._preparing_by[owner] -= 1
+                if self._preparing_by[owner] <= 0:
+                    del self._preparing_by[owner]
 
     def begin_shutdown(self) -> None:
         """Stop taking jobs; answer the queued ones ``shutting_down``; cancel the running one."""
@@ -243,11 +292,12 @@ class Engine:
         return ended
 
     def submit(self, fn: Callable[[Job], Any], loop: asyncio.AbstractEventLoop | None = None, *,
-               batch_key: Any = None, batch_fn: Callable[[list[Job]], None] | None = None, item: Any = None) -> Job:
+               batch_key: Any = None, batch_fn: Callable[[list[Job]], None] | None = None, item: Any = None,
+               owner: str | None = None) -> Job:
         """Queue ``fn``; :class:`ApiError` ``queue_full`` when ``queue_size`` jobs already wait.
-        ``batch_key`` / ``batch_fn`` / ``item``: see :class:`Job`."""
+        ``batch_key`` / ``batch_fn`` / ``item`` / ``owner``: see :class:`Job`."""
         self._refuse_if_stopping()
-        job = Job(fn, time.monotonic() + self.request_timeout, loop, batch_key, batch_fn, item)
+        job = Job(fn, time.monotonic() + self.request_timeout, loop, batch_key, batch_fn, item, owner)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -257,6 +307,16 @@ class Engine:
     @property
     def waiting(self) -> int:
         return self._queue.qsize()
+
+    @property
+    def preparing(self) -> int:
+        """Requests admitted and being checked or tokenized, not yet queued."""
+        return self._preparing
+
+    @property
+    def running(self) -> int:
+        """Jobs running now (a batch's, or one)."""
+        return len(self._batch) or (1 if self._running is not None else 0)
 
     def _run(self) -> None:
         while True:
@@ -285,6 +345,7 @@ class Engine:
             if mates:
                 self._run_batch([job, *mates])
                 continue
+            self._observe(1)
             with self.model_lock:
                 self._running = job
                 try:
@@ -300,16 +361,24 @@ class Engine:
     def _mates(self, job: Job) -> list[Job]:
         """The queued jobs of ``job``'s batch key, at most ``max_batch - 1``; while fewer are queued,
         more are awaited for ``batch_wait`` seconds (a shutdown ends the wait)."""
-        want = self.max_batch - 1
-        mates = self._queue.take_matching(job.batch_key, want)
+        want, cap = self.max_batch - 1, self.max_running_per_key
+        taken = {job.owner: 1} if job.owner is not None else {}
+        mates = self._queue.take_matching(job.batch_key, want, cap, taken)
         end = time.monotonic() + self.batch_wait
         while len(mates) < want and not self._stopping.is_set():
             left = end - time.monotonic()
             if left <= 0:
                 break
             time.sleep(min(0.002, left))
-            mates += self._queue.take_matching(job.batch_key, want - len(mates))
+            mates += self._queue.take_matching(job.batch_key, want - len(mates), cap, taken)
         return mates
+
+    def _observe(self, size: int) -> None:
+        if self.on_batch is not None:
+            try:
+                self.on_batch(size)
+            except Exception:  # a metrics hook never stops the worker
+                log.exception("the on_batch hook failed")
 
     def _run_batch(self, jobs: list[Job]) -> None:
         """Run ``jobs`` (one batch key) together: ``jobs[0].batch_fn(jobs)`` answers each one."""
@@ -323,6 +392,7 @@ class Engine:
         if not live:
             return
         self.batch_sizes.append(len(live))
+        self._observe(len(live))
         with self.model_lock:
             self._running = live[0]
             self._batch = live

@@ -42,13 +42,18 @@ ERROR_CASES: dict[str, ErrorCase] = {
     "document_too_long": ErrorCase(400, "invalid_request_error"),  # past --max-document-tokens or the positions
     "context_length_exceeded": ErrorCase(400, "invalid_request_error"),  # question + answer past the positions
     "invalid_api_key": ErrorCase(401, "authentication_error"),
+    "forbidden_origin": ErrorCase(403, "permission_error"),  # no key: a browser page of another origin
+    "request_body_timeout": ErrorCase(408, "invalid_request_error"),  # the body not sent within --body-timeout
     "context_not_found": ErrorCase(404, "not_found_error"),
     "model_not_found": ErrorCase(404, "not_found_error"),
     "not_found": ErrorCase(404, "not_found_error"),  # an unknown path
     "method_not_allowed": ErrorCase(405, "invalid_request_error"),
     "payload_too_large": ErrorCase(413, "invalid_request_error"),  # a body past --max-body-bytes
+    "unsupported_media_type": ErrorCase(415, "invalid_request_error"),  # a POST body not application/json
+    "misdirected_request": ErrorCase(421, "invalid_request_error"),  # no key: a Host that is not loopback
     "context_corrupted": ErrorCase(422, "invalid_request_error"),  # a stored file failing its checks
     "storage_quota_exceeded": ErrorCase(429, "insufficient_quota"),  # --max-contexts / --max-store-bytes
+    "rate_limit_exceeded": ErrorCase(429, "rate_limit_error"),  # --max-queued-per-key, with Retry-After
     "server_error": ErrorCase(500, "server_error"),
     "queue_full": ErrorCase(503, "overloaded_error"),  # with Retry-After
     "shutting_down": ErrorCase(503, "overloaded_error"),  # SIGTERM: in flight or queued when the server stops

@@ -7,6 +7,7 @@ a request meets them:
 limit (flag)                   default    past it
 =============================  =========  =============================================================
 ``--max-body-bytes``           8 MiB      413 ``payload_too_large``, while reading, before parsing
+``--body-timeout``             30 s       408 ``request_body_timeout`` (a body sent too slowly)
 ``--max-json-depth``           32         400 ``json_too_deep``, before parsing
 ``--max-document-chars``       1,000,000  400 ``text_too_long`` (the document; a chat's messages)
 ``--max-tokens``               1024       400 ``invalid_parameter`` (a chat's ``max_tokens``)
@@ -28,6 +29,7 @@ the answer. The nesting depth is measured on the raw bytes (:func:`json_depth`) 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, fields
 from typing import Any
@@ -49,6 +51,8 @@ class Limits:
     Parameters
     ----------
     max_body_bytes : int, default 8 MiB
+    body_timeout : int, default 30
+        Seconds a client has to send a request body (a slow sender holds no handler longer).
     max_json_depth : int, default 32
         Nesting of arrays and objects in a body (``{"a": [1]}`` is 2).
     max_document_chars : int, default 1,000,000
@@ -66,6 +70,7 @@ class Limits:
     """
 
     max_body_bytes: int = 8 * MiB
+    body_timeout: int = 30
     max_json_depth: int = 32
     max_document_chars: int = 1_000_000
     max_document_tokens: int | None = None
@@ -151,8 +156,10 @@ def too_large(limit: int, what: str = "") -> ApiError:
                                          f"takes at most {limit:,} (kvcache serve --max-body-bytes)")
 
 
-async def read_body(request: Any, limit: int) -> bytes:
-    """The body of ``request`` (a Starlette request), at most ``limit`` bytes, read chunk by chunk.
+async def read_body(request: Any, limit: int, timeout: float | None = None) -> bytes:
+    """The body of ``request`` (a Starlette request), at most ``limit`` bytes, read chunk by chunk
+    within ``timeout`` seconds in all (None: no limit; past it ``request_body_timeout``, 408, and
+    the connection is closed).
 
     Past ``limit`` (as declared by ``Content-Length`` or as read) the rest is read and dropped,
     up to :data:`DRAIN_BYTES`, then ``payload_too_large`` (413) is raised; the server closes the
@@ -163,8 +170,21 @@ async def read_body(request: Any, limit: int) -> bytes:
             raise ApiError("invalid_json", f"Content-Length must be a byte count; got {declared[:40]!r}")
     over = declared is not None and int(declared) > limit
     buf, drained, complete = bytearray(), 0, False
+    end = None if timeout is None else asyncio.get_running_loop().time() + timeout
+    stream = request.stream().__aiter__()
     try:
-        async for chunk in request.stream():
+        while True:
+            try:
+                if end is None:
+                    chunk = await stream.__anext__()
+                else:
+                    chunk = await asyncio.wait_for(stream.__anext__(), max(end - asyncio.get_running_loop().time(), 0))
+            except StopAsyncIteration:
+                complete = True
+                break
+            except asyncio.TimeoutError:
+                raise ApiError("request_body_timeout", f"the request body was not sent within {timeout:g} s (kvcache "
+                               "serve --body-timeout)", headers={"Connection": "close"}) from None
             if not over and len(buf) + len(chunk) <= limit:
                 buf += chunk
                 continue
@@ -173,8 +193,8 @@ async def read_body(request: Any, limit: int) -> bytes:
             drained += len(chunk)
             if drained > DRAIN_BYTES:
                 break
-        else:
-            complete = True
+    except ApiError:
+        raise
     except Exception:  # the client went away (ClientDisconnect): nobody reads the answer
         complete = False
     if not over:

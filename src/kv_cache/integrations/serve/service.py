@@ -191,15 +191,17 @@ class Service:
         return PreparedContext(req, owner, len(ids), kept, suffix, quant, eviction, plan, spec)
 
     def compress(self, prep: PreparedContext, job: Job) -> dict[str, Any]:
-        """Compress and store a prepared document (on the worker, under the model lock)."""
+        """Compress and store a prepared document (on the worker, under the model lock). The job's
+        deadline and cancellation are checked between the prefill's layers and KVzip's chunks: a
+        compression past its deadline stops there and frees the worker."""
         job.check()
         try:
             if prep.plan is not None:
                 ctx = CompressedContext.build(self.model, self.tokenizer, prep.kept, plan=prep.plan,
-                                              strict=self.strict)
+                                              strict=self.strict, check=job.check)
             else:
                 ctx = CompressedContext.build(self.model, self.tokenizer, prep.kept, quant=prep.quant,
-                                              eviction=prep.eviction, strict=self.strict)
+                                              eviction=prep.eviction, strict=self.strict, check=job.check)
         except FidelityError as exc:  # --strict: this method wrecks this model's attention; nothing is stored
             raise ApiError("invalid_method", str(exc), param="method" if prep.req.method else "plan") from None
         except ValueError as exc:  # settings this model cannot take that only the prefill finds: the request's

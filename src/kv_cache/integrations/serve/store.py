@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 SUFFIX = ".kvc"
 TMP_PREFIX = ".tmp-"
 ID_RE = re.compile(r"^ctx-[0-9a-f]{24}$")
+SALT_FILE = ".owner-salt"
+"""The file of the store's owner-id salt (hex; see :meth:`ContextStore._salt`)."""
 
 
 class ContextNotFound(KeyError):
@@ -160,6 +162,51 @@ class ContextStore:
         self._lru: OrderedDict[str, tuple[CompressedContext, int]] = OrderedDict()
         self._held = 0
         self._scan()
+        self.owner_salt = self._salt()
+
+    def _salt(self) -> bytes:
+        """The salt of this store's owner ids (:func:`kv_cache.integrations.serve.auth.key_id`), kept
+        in :data:`SALT_FILE`: random for a new store (owner ids differ between deployments); a store
+        that already holds owned contexts and no salt file keeps the salt they were made with."""
+        from .auth import LEGACY_SALT
+
+        path = self.directory / SALT_FILE
+        try:
+            text = path.read_text(encoding="ascii").strip()
+            salt = bytes.fromhex(text)
+            if len(salt) < 16:
+                raise ValueError(f"{len(salt)} bytes")
+            return salt
+        except FileNotFoundError:
+            pass
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{SALT_FILE} in the store folder is not the hex salt the server wrote ({exc}); "
+                             "restore it from a backup (removing it changes every key's owner id)") from None
+        owned = any(m.get("owner") is not None for m in self._meta.values())
+        salt = LEGACY_SALT if owned else os.urandom(32)
+        tmp = self.directory / f"{TMP_PREFIX}salt"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(salt.hex() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return salt
+
+    def usage_by_owner(self) -> dict[Any, tuple[int, int]]:
+        """``{owner id or None: (contexts, file bytes)}`` of every owner with a context."""
+        out: dict[Any, list[int]] = {}
+        with self._lock:
+            for m in self._meta.values():
+                row = out.setdefault(m["owner"], [0, 0])
+                row[0] += 1
+                row[1] += m["file_bytes"]
+        return {k: (n, b) for k, (n, b) in out.items()}
+
+    @property
+    def cache_bytes_held(self) -> int:
+        """Bytes of the contexts held loaded in memory (the LRU; at most ``cache_bytes``)."""
+        return self._held
 
     # ------------------------------------------------------------------ opening the folder
     def _path(self, cid: str) -> Path:
