@@ -6,10 +6,18 @@ once and serves ``/v1/models``, ``/v1/chat/completions`` (streaming or not) and 
 ``--store`` and survive a restart; each API key has its own. Requests run on one model worker
 (concurrent chats decoded together, up to ``--max-batch``, on stored contexts too); at most
 ``--queue-size`` wait (then 503 with ``Retry-After``), each at most ``--request-timeout`` seconds
-(then 504). Every input is bounded (the --max-* flags). Requests
-never name files: plans, scorers and bit profiles are registered here by name (--plan,
---scorer, --bit-profile). SIGTERM stops it within --shutdown-timeout seconds, leaving no
-partial file. Needs ``pip install kv_cache[serve]``.
+(then 504). Every input is bounded (the --max-* flags) and checked in time linear in its size
+before any work. Requests never name files: plans, scorers and bit profiles are registered here
+by name (--plan, --scorer, --bit-profile). One key may hold at most --max-queued-per-key waiting
+requests (then 429) and --max-running-per-key places of a batch while others wait.
+
+Operators watch ``/metrics`` (Prometheus), ``/version``, ``/health`` (503 while draining) and one
+JSON access-log line per request on stderr (``--no-access-log`` to turn it off). Off a loopback
+``--host`` the server needs keys (or ``--insecure``) and TLS: ``--ssl-keyfile`` /
+``--ssl-certfile``, or ``--behind-tls-proxy`` when a proxy in front ends TLS. SIGTERM answers
+queued requests 503, stops the running one at its next check and ends the process within
+``--shutdown-timeout`` seconds, leaving no partial file (a write in progress finishes); a second
+SIGTERM, or the timeout, ends it at once. Needs ``pip install kv_cache[serve]``.
 
 ``kvcache contexts --store DIR list|assign|delete`` is the operator's tool over a store no
 server is using: list every context with its owner, give one to a key, delete one.
@@ -18,6 +26,8 @@ server is using: list every context with its owner, give one to a key, delete on
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import re
 import sys
 import threading
@@ -70,7 +80,15 @@ def add_parser(sub) -> None:
                         "when no key flag is given, else none)")
     g.add_argument("--api-keys-file", default=None, metavar="FILE",
                    help="keys, one a line (blank lines and # comments skipped)")
-    g.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without any key")
+    g.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without any key and without TLS, answering any Host")
+    g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="without keys, a Host / Origin name answered besides loopback ones (repeatable; '*': any)")
+    t = p.add_argument_group("TLS (required off a loopback --host, unless a proxy in front ends it)")
+    t.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="the TLS private key (PEM), for uvicorn")
+    t.add_argument("--ssl-certfile", default=None, metavar="FILE", help="the TLS certificate chain (PEM), for uvicorn")
+    t.add_argument("--behind-tls-proxy", action="store_true",
+                   help="TLS ends at a proxy in front of this server: serve plain HTTP off loopback")
     p.add_argument("--strict", action="store_true",
                    help="refuse (400, nothing stored) a context whose compressed cache fails the fidelity check "
                         "or the eviction check (math dictionary §26, §26.1) instead of storing it with a warning")
@@ -82,6 +100,8 @@ def add_parser(sub) -> None:
                    help="a `kvcache allocate` bit profile: method 'q4p[NAME]'")
     lim = p.add_argument_group("limits (checked before any work)")
     lim.add_argument("--max-body-bytes", default="8M", help="a request body's bytes; then 413 [8M]")
+    lim.add_argument("--body-timeout", type=int, default=d.body_timeout,
+                     help=f"seconds a client has to send a request body; then 408 [{d.body_timeout}]")
     lim.add_argument("--max-json-depth", type=int, default=d.max_json_depth,
                      help=f"nesting of a body's arrays and objects; then 400 [{d.max_json_depth}]")
     lim.add_argument("--max-document-chars", type=int, default=d.max_document_chars,
@@ -100,6 +120,13 @@ def add_parser(sub) -> None:
     lim.add_argument("--max-store-bytes-per-key", default="2G",
                      help="bytes of stored files per key, or 'none'; then 429 [2G]")
     lim.add_argument("--queue-size", type=int, default=16, help="requests waiting at most; then 503 [16]")
+    lim.add_argument("--max-queued-per-key", default="auto",
+                     help="requests one key may have waiting, or 'none'; then 429 [auto: half of --queue-size with "
+                          "two keys or more, else none]")
+    lim.add_argument("--max-running-per-key", default="4",
+                     help="places of a batch one key takes while other keys' chats wait, or 'none' [4]")
+    lim.add_argument("--limit-concurrency", type=int, default=256,
+                     help="connections and requests uvicorn serves at once; then 503 [256]")
     lim.add_argument("--request-timeout", type=float, default=120.0,
                      help="seconds per request, queue included; then 504 [120]")
     p.add_argument("--cache-bytes", default="1G", help="bytes of contexts kept loaded in memory, LRU [1G]")
@@ -113,6 +140,8 @@ def add_parser(sub) -> None:
                    help="seconds SIGTERM waits for requests in flight before it stops them [10]")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="[float32]")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="[info]")
+    p.add_argument("--no-access-log", action="store_true",
+                   help="no JSON access-log line per request (kv_cache.serve.access) on stderr")
     p.set_defaults(_run=run)
 
     c = sub.add_parser("contexts", help="the operator's tool over a server's store: list, assign, delete",
@@ -131,7 +160,7 @@ def add_parser(sub) -> None:
 def limits_from_args(args: argparse.Namespace):
     from ..integrations.serve.limits import Limits
 
-    return Limits(max_body_bytes=parse_bytes(args.max_body_bytes, "--max-body-bytes"),
+    return Limits(max_body_bytes=parse_bytes(args.max_body_bytes, "--max-body-bytes"), body_timeout=args.body_timeout,
                   max_json_depth=args.max_json_depth, max_document_chars=args.max_document_chars,
                   max_document_tokens=args.max_document_tokens, max_tokens=args.max_tokens,
                   max_stop_chars=args.max_stop_chars,
@@ -142,14 +171,78 @@ def limits_from_args(args: argparse.Namespace):
                                                     as_bytes=True))
 
 
-def check_exposure(host: str, keys: list[str], insecure: bool) -> None:
-    """Refuse a non-loopback ``host`` without any key unless ``insecure``."""
+def check_exposure(host: str, keys: list[str], insecure: bool, tls: bool = False, tls_proxy: bool = False) -> None:
+    """Refuse a non-loopback ``host`` without any key, or without TLS (``tls``: the server's own;
+    ``tls_proxy``: a proxy in front ends it), unless ``insecure``."""
     from ..integrations.serve.auth import is_loopback
 
-    if not keys and not is_loopback(host) and not insecure:
+    if is_loopback(host) or insecure:
+        return
+    if not keys:
         raise ValueError(f"--host {host} is not a loopback address and no API key is set: anyone who reaches it "
                          "could use the model and read every context. Give --api-key / --api-keys-file (or "
                          "$KVCACHE_API_KEY), or --insecure to serve without keys anyway")
+    if not tls and not tls_proxy:
+        raise ValueError(f"--host {host} is not a loopback address and the server has no TLS: the API keys would "
+                         "cross the network in clear text. Give --ssl-keyfile and --ssl-certfile, or "
+                         "--behind-tls-proxy when a proxy in front ends TLS (or --insecure to serve plain HTTP anyway)")
+
+
+def check_tls(keyfile: str | None, certfile: str | None) -> bool:
+    """True when both TLS files are given (each must be a readable file); neither: False."""
+    if (keyfile is None) != (certfile is None):
+        raise ValueError("give both --ssl-keyfile and --ssl-certfile (TLS needs the key and its certificate); got "
+                         + ("only --ssl-keyfile" if certfile is None else "only --ssl-certfile"))
+    if keyfile is None:
+        return False
+    for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile)):
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise ValueError(f"{flag} must name a readable file; got {path!r}")
+    return True
+
+
+def _per_key(text: str, flag: str) -> int | None | str:
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    return _optional(text, flag)
+
+
+class Shutdown:
+    """SIGTERM / SIGINT handling of ``kvcache serve`` beyond uvicorn's own.
+
+    The first signal starts the engine's shutdown (queued requests answered 503, the running job
+    stopped at its next check) and a watchdog that ends the process ``timeout`` + ``grace``
+    seconds later if it is still there (a worker stuck in one long step, a thread that does not
+    end); a second signal ends it at once. Ending is :func:`os._exit`: no thread can hold the
+    process, and the store's atomic writes leave at most a temporary file that the next start
+    removes."""
+
+    def __init__(self, begin: "callable", timeout: float, grace: float = 2.0, exit_fn=os._exit):
+        self.begin, self.timeout, self.grace, self.exit_fn = begin, timeout, grace, exit_fn
+        self.signals = 0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self.signals += 1
+            n = self.signals
+        if n == 1:
+            # not in the signal handler itself: it may have interrupted a thread holding a queue lock
+            threading.Thread(target=self.begin, name="kv_cache-serve-shutdown", daemon=True).start()
+            threading.Thread(target=self._watchdog, name="kv_cache-serve-watchdog", daemon=True).start()
+        else:
+            self._force("a second signal")
+
+    def _watchdog(self) -> None:
+        import time
+
+        time.sleep(self.timeout + self.grace)
+        self._force(f"--shutdown-timeout ({self.timeout:g} s) passed")
+
+    def _force(self, why: str) -> None:
+        logging.getLogger("kv_cache.serve").error("kvcache serve: %s; exiting now", why)
+        sys.stderr.flush()
+        self.exit_fn(1)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -173,32 +266,53 @@ def run(args: argparse.Namespace) -> int:
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0; got {args.shutdown_timeout}")
     keys = collect_keys(args.api_key, args.api_keys_file)
-    check_exposure(args.host, keys, args.insecure)
+    tls = check_tls(args.ssl_keyfile, args.ssl_certfile)
+    check_exposure(args.host, keys, args.insecure, tls, args.behind_tls_proxy)
+    if args.limit_concurrency < 1:
+        raise ValueError(f"--limit-concurrency must be an int >= 1; got {args.limit_concurrency}")
+    per_key = _per_key(args.max_queued_per_key, "--max-queued-per-key")
+    per_batch = _optional(args.max_running_per_key, "--max-running-per-key")
+    allowed_hosts = list(args.allowed_host) or (["*"] if args.insecure else [])
     name = args.served_model_name if args.served_model_name is not None else served_model_name(args.model)
     if not name.strip():
         raise ValueError(f"--served-model-name must be a non-empty name; got {name!r}")
     logging.getLogger("kv_cache").setLevel(args.log_level.upper())
+    from ..integrations.serve.metrics import ACCESS_LOG
+
+    access = logging.getLogger(ACCESS_LOG)
+    if args.no_access_log:
+        access.disabled = True
+    elif not access.handlers:  # one JSON object a line on stderr, nothing around it
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access.addHandler(handler)
+        access.setLevel(logging.INFO)
+        access.propagate = False
     model, tok = load_model(args.model, dtype=args.dtype)
     files = ServedFiles.register(args.plan, args.scorer, args.bit_profile, model_config=model.config)
     app, service, engine = build(model, tok, args.store, model_id=name, api_keys=keys, cache_bytes=cache_bytes,
                                  queue_size=args.queue_size, request_timeout=args.request_timeout, limits=limits,
                                  files=files, shutdown_timeout=args.shutdown_timeout, max_batch=args.max_batch,
-                                 batch_wait=args.batch_wait,
-                                 strict=args.strict)
+                                 batch_wait=args.batch_wait, strict=args.strict, max_queued_per_key=per_key,
+                                 max_running_per_key=per_batch, allowed_hosts=allowed_hosts)
+    shutdown = Shutdown(engine.begin_shutdown, args.shutdown_timeout)
 
     class Server(uvicorn.Server):
-        """uvicorn's server, which on SIGTERM / SIGINT also stops the model worker's jobs."""
+        """uvicorn's server, which on SIGTERM / SIGINT also stops the model worker's jobs and
+        bounds the time to exit (:class:`Shutdown`)."""
 
         def handle_exit(self, sig, frame) -> None:
-            # not in the signal handler itself: it may have interrupted a thread holding a queue lock
-            threading.Thread(target=engine.begin_shutdown, name="kv_cache-serve-shutdown", daemon=True).start()
+            shutdown()
             super().handle_exit(sig, frame)
 
     n = len(service.store.list(ANY_OWNER))
-    print(f"kvcache serve: {name} on http://{args.host}:{args.port}/v1, {n} stored context(s), "
+    scheme = "https" if tls else "http"
+    print(f"kvcache serve: {name} on {scheme}://{args.host}:{args.port}/v1, {n} stored context(s), "
           + (f"{len(keys)} API key(s)" if keys else "no API key"), flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+                            timeout_graceful_shutdown=args.shutdown_timeout, limit_concurrency=args.limit_concurrency,
+                            access_log=False, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                            proxy_headers=args.behind_tls_proxy)
     Server(config).run()
     return 0
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
+from annotated_types import MaxLen
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ...generation import MAX_TEMPERATURE
@@ -36,6 +37,8 @@ MAX_PRESET_CHARS = 32
 """Characters of a ``preset`` (``"16x"``)."""
 MAX_ID_CHARS = 128
 """Characters of an id or a name a request sends (``model``, ``context_id``; a context id is 28)."""
+MAX_MESSAGES = 4096
+"""Messages of one chat request (checked before any message is validated)."""
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 NonEmpty = Annotated[str, Field(min_length=1)]
@@ -70,7 +73,8 @@ class ChatCompletionRequest(BaseModel):
     model_config = _STRICT
     model: str = Field(min_length=1, max_length=MAX_ID_CHARS,
                        description="the served model's name (GET /v1/models), a non-empty string")
-    messages: list[ChatMessage] = Field(min_length=1, description="a non-empty list of {role, content}")
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES,
+                                        description=f"a non-empty list of at most {MAX_MESSAGES:,} {{role, content}}")
     max_tokens: Optional[int] = Field(None, ge=1, description="an integer >= 1 (at most the server's --max-tokens)")
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="an integer >= 1 (as max_tokens)")
     temperature: Optional[float] = Field(None, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False,
@@ -168,6 +172,12 @@ def validate(model: type[BaseModel], body: Any) -> BaseModel:
     naming it (``param``), what it must be (its description) and what was received."""
     if not isinstance(body, dict):
         raise ApiError("invalid_json", f"the request body must be a JSON object; got {type(body).__name__}")
+    for name, info in model.model_fields.items():  # a list's length first: before validating every item
+        cap = next((m.max_length for m in info.metadata if isinstance(m, MaxLen)), None)
+        v = body.get(name)
+        if cap is not None and isinstance(v, list) and len(v) > cap:
+            raise ApiError(ERROR_CODES.get(name, "invalid_parameter"), f"{name} must be {info.description}; got a "
+                                                                       f"list of {len(v):,}", param=name)
     try:
         return model.model_validate(body)
     except ValidationError as exc:

@@ -115,6 +115,23 @@ class Service:
     def __post_init__(self) -> None:
         if self.max_document_tokens is None:
             self.max_document_tokens = self.limits.max_document_tokens
+        self._longest: int | None = None
+
+    def chars_past(self, tokens: int | None) -> int | None:
+        """Characters of text past which it surely takes more than ``tokens`` tokens (None: no
+        bound): ``tokens`` times the longest token's characters, so a text that long is refused
+        without being tokenized (the tokenizer is linear, but not free: a 1M-character document
+        takes seconds)."""
+        if tokens is None:
+            return None
+        if self._longest is None:
+            try:
+                with self.tokenizer_lock:
+                    pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+                self._longest = max([len(p) for p in pieces if isinstance(p, str)] or [0])
+            except Exception:  # a tokenizer without a vocabulary listing: no bound
+                self._longest = 0
+        return None if self._longest <= 0 else tokens * self._longest
 
     # ----------------------------------------------------------------- POST /v1/contexts
     def settings(self, req: ContextRequest, tokens: int) -> tuple[Any, Any, Any, str]:
@@ -162,6 +179,13 @@ class Service:
             self.store.check_room(owner)
         except StoreFull as exc:
             raise ApiError("storage_quota_exceeded", str(exc)) from None
+        fits = [n for n in (self.max_document_tokens, max_positions(self.model.config)) if n is not None]
+        bound = self.chars_past(min(fits)) if fits and req.max_tokens is None else None
+        if bound is not None and len(req.document) > bound:
+            raise ApiError("document_too_long", f"the document is {len(req.document):,} characters: more tokens than "
+                                                f"this server takes ({min(fits):,}; --max-document-tokens or the "
+                                                "model's positions); give max_tokens (and keep) to compress a part "
+                                                "of it", param="document")
         suffix = None
         with self.tokenizer_lock:
             if has_chat_template(self.tokenizer):
@@ -241,6 +265,12 @@ class Service:
     def prepare_chat(self, req: ChatRequest, owner: str | None = None) -> PreparedChat:
         """Check and tokenize ``req`` for ``owner``, outside the model lock: the context (404,
         422), the prompt's tokens and ``max_tokens`` against the positions."""
+        limit = max_positions(self.model.config)
+        bound = self.chars_past(limit)
+        chars = sum(len(text) for _, text in req.messages)
+        if bound is not None and chars > bound:
+            raise ApiError("context_length_exceeded", f"the messages hold {chars:,} characters: more tokens than the "
+                                                      f"model's {limit:,} positions", param="messages")
         if req.context_id is not None:
             try:
                 desc = self.store.describe(req.context_id, owner)
