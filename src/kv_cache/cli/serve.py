@@ -212,12 +212,12 @@ class Shutdown:
 
     The first signal starts the engine's shutdown (queued requests answered 503, the running job
     stopped at its next check) and a watchdog that ends the process ``timeout`` + ``grace``
-    seconds later if it is still there (a worker stuck in one long step, a thread that does not
-    end); a second signal ends it at once. Ending is :func:`os._exit`: no thread can hold the
+    (0.5) seconds later if it is still there (a worker stuck in one long step, a write that takes
+    longer, a thread that does not end); a second signal ends it at once. Ending is :func:`os._exit`: no thread can hold the
     process, and the store's atomic writes leave at most a temporary file that the next start
     removes."""
 
-    def __init__(self, begin: "callable", timeout: float, grace: float = 2.0, exit_fn=os._exit):
+    def __init__(self, begin: "callable", timeout: float, grace: float = 0.5, exit_fn=os._exit):
         self.begin, self.timeout, self.grace, self.exit_fn = begin, timeout, grace, exit_fn
         self.signals = 0
         self._lock = threading.Lock()

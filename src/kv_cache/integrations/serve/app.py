@@ -51,6 +51,7 @@ from typing import Any, AsyncIterator, Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .auth import ApiKeys, host_allowed, origin_allowed
@@ -171,6 +172,9 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
     if isinstance(name_or_path, str) and name_or_path != service.model_id:
         hidden.append(name_or_path)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv_cache-serve-tokenize")
+    # the depth scan, the JSON parse and the schema check of a body (up to --max-body-bytes): off the
+    # event loop, so /health and streams keep answering while an 8 MiB body is checked
+    parsers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv_cache-serve-parse")
 
     def error_response(exc: ApiError) -> JSONResponse:
         body = exc.body()
@@ -190,6 +194,7 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
                 log.error("a context was still being written at shutdown; its temporary file is removed at the "
                           "next start")
             pool.shutdown(wait=False, cancel_futures=True)
+            parsers.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kv_cache", summary="OpenAI-compatible chat over compressed KV-cache contexts",
                   lifespan=lifespan, version=_version())
@@ -212,47 +217,71 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
         except Exception:
             return error_response(internal_error())
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        """Host and Origin (no key), the key, the Content-Type: before any body is read."""
-        try:
-            if not keys.enabled:
-                if not host_allowed(request.headers.get("host"), allowed_hosts):
-                    raise ApiError("misdirected_request", "this server has no API key, so it answers only requests "
-                                                          "addressed to a loopback host (localhost, 127.0.0.1, [::1]); "
-                                                          "give it keys, or name the host with kvcache serve "
-                                                          "--allowed-host")
-                if not origin_allowed(request.headers.get("origin"), allowed_hosts):
-                    raise ApiError("forbidden_origin", "this server has no API key and does not answer pages of other "
-                                                       "origins (a browser's cross-origin request); give it keys, or "
-                                                       "name the origin's host with kvcache serve --allowed-host")
-            if request.url.path not in OPEN_PATHS:
-                request.state.owner = keys.owner(request.headers.get("authorization"))
-            if request.method == "POST":
-                ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-                if ctype not in JSON_TYPES:
-                    raise ApiError("unsupported_media_type", "a request body must be JSON sent as 'Content-Type: "
-                                                             f"application/json'; got {ctype[:60]!r}" if ctype else
-                                   "a request body must be JSON sent as 'Content-Type: application/json'; got no "
-                                   "Content-Type")
-        except ApiError as exc:
-            return error_response(exc)
-        return await call_next(request)
+    def guard(scope: dict) -> ApiError | None:
+        """Host and Origin (no key), the key, the Content-Type: checked before any body is read;
+        the request's owner goes to its state."""
+        headers = Headers(scope=scope)
+        if not keys.enabled:
+            if not host_allowed(headers.get("host"), allowed_hosts):
+                return ApiError("misdirected_request", "this server has no API key, so it answers only requests "
+                                                       "addressed to a loopback host (localhost, 127.0.0.1, [::1]); "
+                                                       "give it keys, or name the host with kvcache serve "
+                                                       "--allowed-host")
+            if not origin_allowed(headers.get("origin"), allowed_hosts):
+                return ApiError("forbidden_origin", "this server has no API key and does not answer pages of other "
+                                                    "origins (a browser's cross-origin request); give it keys, or "
+                                                    "name the origin's host with kvcache serve --allowed-host")
+        if scope["path"] not in OPEN_PATHS:
+            try:
+                scope.setdefault("state", {})["owner"] = keys.owner(headers.get("authorization"))
+            except ApiError as exc:
+                return exc
+        if scope["method"] == "POST":
+            ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if ctype not in JSON_TYPES:
+                return ApiError("unsupported_media_type", "a request body must be JSON sent as 'Content-Type: "
+                                f"application/json'; got {ctype[:60]!r}" if ctype else
+                                "a request body must be JSON sent as 'Content-Type: application/json'; got no "
+                                "Content-Type")
+        return None
 
-    async def body(request: Request) -> Any:
-        return parse_json(await read_body(request, limits.max_body_bytes, limits.body_timeout),
-                          limits.max_json_depth)
+    def health_answer() -> JSONResponse:
+        if engine.stopping:
+            return JSONResponse({"status": "draining", "waiting": engine.waiting}, status_code=503,
+                                headers={"Retry-After": str(engine.retry_after)})
+        return JSONResponse({"status": "ok", "waiting": engine.waiting})
+
+    class Guard:
+        """Pure ASGI middleware (no task or stream per request): :func:`guard`'s refusals, and
+        ``GET /health`` answered here, before routing, so that it stays cheap under load."""
+
+        def __init__(self, inner: Any):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                return await self.inner(scope, receive, send)
+            refused = guard(scope)
+            if refused is not None:
+                return await error_response(refused)(scope, receive, send)
+            if scope["path"] == "/health" and scope["method"] == "GET":
+                return await health_answer()(scope, receive, send)
+            return await self.inner(scope, receive, send)
+
+    async def checked(request: Request, parse, *args) -> Any:
+        """The request's body read (within its limits), parsed and checked by ``parse`` in a parser
+        thread: ``parse(json_value, *args)``."""
+        raw = await read_body(request, limits.max_body_bytes, limits.body_timeout)
+        return await asyncio.get_running_loop().run_in_executor(
+            parsers, lambda: parse(parse_json(raw, limits.max_json_depth), *args))
 
     async def prepare(fn, *args) -> Any:
         """``fn(*args)`` in the tokenizer thread: outside the model lock, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     @app.get("/health")
-    async def health() -> JSONResponse:
-        if engine.stopping:
-            return JSONResponse({"status": "draining", "waiting": engine.waiting}, status_code=503,
-                                headers={"Retry-After": str(engine.retry_after)})
-        return JSONResponse({"status": "ok", "waiting": engine.waiting})
+    async def health() -> JSONResponse:  # answered by Guard before routing; here for /openapi.json
+        return health_answer()
 
     @app.get("/version")
     async def version() -> dict[str, Any]:
@@ -272,9 +301,10 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
     @app.post("/v1/contexts", status_code=201, openapi_extra=_body_schema(ContextCreateRequest))
     async def create_context(request: Request) -> JSONResponse:
         owner = request.state.owner
-        req = parse_context(await body(request), limits)
+        req = await checked(request, parse_context, limits)
         if req.method is not None:  # a spec naming a file: 400 even when the queue is full
             service.files.resolve_spec(req.method)  # the result is used in the tokenizer thread
+        service.check_characters(req)  # a text that cannot fit: 400 even when the queue is full
         with engine.reserve(owner):
             prep = await prepare(service.prepare_compress, req, owner)
             job = engine.submit(lambda j: service.compress(prep, j), asyncio.get_running_loop(), owner=owner)
@@ -304,7 +334,8 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat(request: Request) -> Response:
         owner = request.state.owner
-        req = parse_chat(await body(request), service.model_id, limits)
+        req = await checked(request, parse_chat, service.model_id, limits)
+        service.check_characters(req)  # messages that cannot fit: 400 even when the queue is full
         if req.context_id is not None:  # another key's or a missing context: 404 even when the queue is full
             try:
                 service.store.describe(req.context_id, owner)
@@ -371,6 +402,7 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
+    app.add_middleware(Guard)
     app.add_middleware(AccessLog, metrics=metrics)  # added last: the outermost, so every answer is logged
     return app
 

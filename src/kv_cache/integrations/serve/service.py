@@ -91,6 +91,15 @@ class PreparedChat:
     cached: int
 
 
+def _longest_token(tokenizer: Any) -> int:
+    """Characters of the tokenizer's longest token (0: unknown, no bound)."""
+    try:
+        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        return max([len(p) for p in pieces if isinstance(p, str)] or [0])
+    except Exception:  # a tokenizer without a vocabulary listing: no bound
+        return 0
+
+
 def _store_error(exc: Exception, cid: str, param: str | None = None) -> ApiError:
     if isinstance(exc, ContextNotFound):
         return ApiError("context_not_found", f"no context with id {cid!r} (GET /v1/contexts lists them)", param=param)
@@ -115,23 +124,36 @@ class Service:
     def __post_init__(self) -> None:
         if self.max_document_tokens is None:
             self.max_document_tokens = self.limits.max_document_tokens
-        self._longest: int | None = None
+        self._longest = _longest_token(self.tokenizer)  # at start-up: never under the lock on the event loop
 
     def chars_past(self, tokens: int | None) -> int | None:
         """Characters of text past which it surely takes more than ``tokens`` tokens (None: no
         bound): ``tokens`` times the longest token's characters, so a text that long is refused
         without being tokenized (the tokenizer is linear, but not free: a 1M-character document
         takes seconds)."""
-        if tokens is None:
+        if tokens is None or self._longest <= 0:
             return None
-        if self._longest is None:
-            try:
-                with self.tokenizer_lock:
-                    pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
-                self._longest = max([len(p) for p in pieces if isinstance(p, str)] or [0])
-            except Exception:  # a tokenizer without a vocabulary listing: no bound
-                self._longest = 0
-        return None if self._longest <= 0 else tokens * self._longest
+        return tokens * self._longest
+
+    def check_characters(self, req: ContextRequest | ChatRequest) -> None:
+        """Refuse a text that cannot fit by its characters alone (:meth:`chars_past`), before it
+        is tokenized or queued: a document (without ``max_tokens``) past the server's document
+        tokens, a chat's messages past the model's positions."""
+        limit = max_positions(self.model.config)
+        if isinstance(req, ContextRequest):
+            fits = [n for n in (self.max_document_tokens, limit) if n is not None]
+            bound = self.chars_past(min(fits)) if fits and req.max_tokens is None else None
+            if bound is not None and len(req.document) > bound:
+                raise ApiError("document_too_long", f"the document is {len(req.document):,} characters: more tokens "
+                                                    f"than this server takes ({min(fits):,}; --max-document-tokens or "
+                                                    "the model's positions); give max_tokens (and keep) to compress "
+                                                    "a part of it", param="document")
+            return
+        bound = self.chars_past(limit)
+        chars = sum(len(text) for _, text in req.messages)
+        if bound is not None and chars > bound:
+            raise ApiError("context_length_exceeded", f"the messages hold {chars:,} characters: more tokens than the "
+                                                      f"model's {limit:,} positions", param="messages")
 
     # ----------------------------------------------------------------- POST /v1/contexts
     def settings(self, req: ContextRequest, tokens: int) -> tuple[Any, Any, Any, str]:
@@ -179,13 +201,7 @@ class Service:
             self.store.check_room(owner)
         except StoreFull as exc:
             raise ApiError("storage_quota_exceeded", str(exc)) from None
-        fits = [n for n in (self.max_document_tokens, max_positions(self.model.config)) if n is not None]
-        bound = self.chars_past(min(fits)) if fits and req.max_tokens is None else None
-        if bound is not None and len(req.document) > bound:
-            raise ApiError("document_too_long", f"the document is {len(req.document):,} characters: more tokens than "
-                                                f"this server takes ({min(fits):,}; --max-document-tokens or the "
-                                                "model's positions); give max_tokens (and keep) to compress a part "
-                                                "of it", param="document")
+        self.check_characters(req)
         suffix = None
         with self.tokenizer_lock:
             if has_chat_template(self.tokenizer):
@@ -265,12 +281,7 @@ class Service:
     def prepare_chat(self, req: ChatRequest, owner: str | None = None) -> PreparedChat:
         """Check and tokenize ``req`` for ``owner``, outside the model lock: the context (404,
         422), the prompt's tokens and ``max_tokens`` against the positions."""
-        limit = max_positions(self.model.config)
-        bound = self.chars_past(limit)
-        chars = sum(len(text) for _, text in req.messages)
-        if bound is not None and chars > bound:
-            raise ApiError("context_length_exceeded", f"the messages hold {chars:,} characters: more tokens than the "
-                                                      f"model's {limit:,} positions", param="messages")
+        self.check_characters(req)
         if req.context_id is not None:
             try:
                 desc = self.store.describe(req.context_id, owner)
