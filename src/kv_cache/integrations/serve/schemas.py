@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from annotated_types import MaxLen
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ...generation import MAX_TEMPERATURE
@@ -173,7 +172,7 @@ def validate(model: type[BaseModel], body: Any) -> BaseModel:
     if not isinstance(body, dict):
         raise ApiError("invalid_json", f"the request body must be a JSON object; got {type(body).__name__}")
     for name, info in model.model_fields.items():  # a list's length first: before validating every item
-        cap = next((m.max_length for m in info.metadata if isinstance(m, MaxLen)), None)
+        cap = next((m.max_length for m in info.metadata if isinstance(getattr(m, "max_length", None), int)), None)
         v = body.get(name)
         if cap is not None and isinstance(v, list) and len(v) > cap:
             raise ApiError(ERROR_CODES.get(name, "invalid_parameter"), f"{name} must be {info.description}; got a "
