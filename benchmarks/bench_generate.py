@@ -89,7 +89,7 @@ def _env() -> dict:
 def _one(method_spec: str, context: int, decode: int, dtype: str = "float32", model_name: str = "smollm2") -> dict:
     import torch
 
-    from kv_cache.eval.methods import MethodUnavailable, parse_method
+    from kv_cache.spec.grammar import MethodUnavailable, parse_method
     from kv_cache.cache.report import fp16_kv_bytes
     from kv_cache.context import forward_at
     from kv_cache.eval.runner import _prefill, held_nbytes

@@ -143,7 +143,7 @@ def one(spec: str, context: int, decode: int, dtype: str, model_name: str, long_
 
     from kv_cache.cache.report import fp16_kv_bytes
     from kv_cache.eval.accounting import held_nbytes
-    from kv_cache.eval.methods import MethodUnavailable, parse_method
+    from kv_cache.spec.grammar import MethodUnavailable, parse_method
     from kv_cache.eval.runner import _prefill
     from kv_cache.models import load_model
 

@@ -31,7 +31,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from kv_cache import QuantConfig  # noqa: E402
 from kv_cache.cache.hooks import attention_modules, post_rope_queries  # noqa: E402
-from kv_cache.cache.key_offset import key_offset  # noqa: E402
+from kv_cache.attention.key_offset import key_offset  # noqa: E402
 from kv_cache.cache.packed import PackedKV  # noqa: E402
 from kv_cache.models import load_model, shared_data_dir  # noqa: E402
 

@@ -20,7 +20,7 @@ from kv_cache.plan.bit_allocation import (
 )
 from kv_cache.plan.sensitivity import _round_trip, measure_bit_costs
 from kv_cache.eval.accounting import walked_nbytes
-from kv_cache.eval.methods import parse_method, parse_quant
+from kv_cache.spec.grammar import parse_method, parse_quant
 
 
 def _brute(costs: torch.Tensor, choices, avg) -> float:

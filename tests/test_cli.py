@@ -9,7 +9,7 @@ import torch
 
 from kv_cache import CompressedCache, QuantConfig
 from kv_cache.cli import main
-from kv_cache.eval.methods import MethodUnavailable, parse_method
+from kv_cache.spec.grammar import MethodUnavailable, parse_method
 from kv_cache.eval.runner import held_nbytes, resolve_task
 from kv_cache.models import shared_data_dir
 
@@ -171,7 +171,7 @@ def test_kvpress_adapter_evicts(stories):
 
 
 def test_hf_fp8_matches_fp8_formula_and_counts_bytes(stories):
-    from kv_cache.eval.fp8 import FP8_MAX, fp8_dequantize, fp8_quantize
+    from kv_cache.spec.hf_fp8 import FP8_MAX, fp8_dequantize, fp8_quantize
 
     method = parse_method("hf-fp8")
     assert (method.family, method.bits) == ("hf", 8)
@@ -207,7 +207,7 @@ def test_hf_fp8_matches_fp8_formula_and_counts_bytes(stories):
 def test_fp8_backport_equals_transformers_fp8_layer():
     from transformers import cache_utils
 
-    from kv_cache.eval.fp8 import Fp8QuantizedLayerBackport
+    from kv_cache.spec.hf_fp8 import Fp8QuantizedLayerBackport
 
     if not hasattr(cache_utils, "Fp8QuantizedLayer"):
         pytest.skip("the installed transformers has no Fp8QuantizedLayer (it ships from 5.24 at the latest)")
@@ -251,7 +251,7 @@ def _config_from_cli(monkeypatch, argv):
 
 
 def test_cli_defaults_are_the_config_dataclass(monkeypatch, capsys):
-    from kv_cache.eval.methods import grammar_help
+    from kv_cache.spec.grammar import grammar_help
     from kv_cache.eval.runner import EvalConfig
 
     assert _config_from_cli(monkeypatch, ["eval"]) == (EvalConfig(), "runs/eval")

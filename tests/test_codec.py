@@ -22,7 +22,7 @@ from kv_cache.cache.serialize import load_cache, read_info, save_cache
 from kv_cache.codec import CodecBasisError, CodecSettings, load_basis, save_basis
 from kv_cache.codec import ans
 from kv_cache.codec.allocation import MAX_SYMBOL, allocate, laplace_bits, rd_table
-from kv_cache.codec.calibrate import fit_codec_basis
+from kv_cache.plan.codec_calibration import fit_codec_basis
 from kv_cache.codec.transform import accumulate_moments, fit_basis, from_components, query_metric, to_components
 from kv_cache.compression.scorer_file import model_identity
 
@@ -392,7 +392,7 @@ def test_hostile_payloads_are_refused_before_decoding(stories, basis, tmp_path, 
 
 
 def test_eval_file_methods_parse():
-    from kv_cache.eval.methods import parse_method
+    from kv_cache.spec.grammar import parse_method
 
     m = parse_method("kvzip@0.25+file20")
     assert m.file_ratio == 20 and m.needs_tokenizer and "file_ratio=20" in m.resolved

@@ -11,7 +11,7 @@ import torch
 from kv_cache import CompressedCache, QuantConfig, compress
 from kv_cache.cache.config import AUTO, BEST_LAYOUT, KIVI_LAYOUT
 from kv_cache.eval.accounting import walked_nbytes
-from kv_cache.eval.methods import parse_method, parse_quant
+from kv_cache.spec.grammar import parse_method, parse_quant
 
 
 def _layout(q: QuantConfig) -> dict:

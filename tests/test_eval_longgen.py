@@ -15,7 +15,7 @@ import torch
 from kv_cache.cli import main
 from kv_cache.eval import runner
 from kv_cache.eval.longgen import _kept_steps, check_longgen, longgen_table, memory_summary, run_longgen_sample
-from kv_cache.eval.methods import parse_method
+from kv_cache.spec.grammar import parse_method
 from kv_cache.eval.prefill_cost import plain_prefill_seconds, prefill_cost
 from kv_cache.eval.report import markdown_table, write_reports
 from kv_cache.eval.runner import EvalConfig, resolve_task, run_eval

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 import kv_cache
 from kv_cache import CompressedCache, FidelityError, FidelityWarning, KVzip, QuantConfig
 from kv_cache.cache.serialize import load_cache, save_cache
-from kv_cache.cache.fidelity import (EVICTION_THRESHOLD, FIDELITY_QUERIES, eviction_limit, eviction_message,
+from kv_cache.attention.fidelity import (EVICTION_THRESHOLD, FIDELITY_QUERIES, eviction_limit, eviction_message,
                                      eviction_past, evicted_share, query_attention)
 from test_kvzip_hybrid import CONFIGS, _capture, _context, _kept_slots, _model, _Tok
 

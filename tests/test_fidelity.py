@@ -14,7 +14,7 @@ import torch
 
 import kv_cache
 from kv_cache import CompressedCache, FidelityError, FidelityWarning, QuantConfig
-from kv_cache.cache.fidelity import (FIDELITY_THRESHOLD, attention_output_error, broken_layers, checked_rows,
+from kv_cache.attention.fidelity import (FIDELITY_THRESHOLD, attention_output_error, broken_layers, checked_rows,
                                      fidelity_message, masked_attention)
 
 

@@ -9,7 +9,7 @@ import torch
 from kv_cache import H2O, CompressedCache, compress
 from kv_cache.context import forward_at
 from kv_cache.eval.accounting import walked_nbytes
-from kv_cache.eval.methods import parse_method
+from kv_cache.spec.grammar import parse_method
 
 
 def _decode_lengths(model, ids, policy, steps):

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 import kv_cache
 from kv_cache import CompressedCache, QuantConfig
-from kv_cache.cache.key_offset import key_offset, lse_shift, shift_keys, unshift_keys
+from kv_cache.attention.key_offset import key_offset, lse_shift, shift_keys, unshift_keys
 
 import test_architectures as arch
 from test_architectures import _run

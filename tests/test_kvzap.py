@@ -17,7 +17,7 @@ from kv_cache.compression.scorer import (LayerScorer, check_layer_scorer, fit_li
                                          r_squared, score_hidden, standardise)
 from kv_cache.compression.scorer_file import (Scorer, ScorerFileError, load_scorer, model_identity, read_header,
                                               save_scorer)
-from kv_cache.eval.methods import parse_method
+from kv_cache.spec.grammar import parse_method
 from kv_cache.plan.scorer_training import fit_scorer
 
 STORY = "Once upon a time there was a little girl named Lily. She liked to play with her toys in the park. " * 6

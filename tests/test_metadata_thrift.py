@@ -228,7 +228,7 @@ def test_log_coded_norms_need_norm_only_levels():
 def test_log_coded_cache_in_model_generate_and_accounting(stories):
     from kv_cache import CompressedCache, compress
     from kv_cache.eval.accounting import walked_nbytes
-    from kv_cache.eval.methods import parse_quant
+    from kv_cache.spec.grammar import parse_quant
 
     model, tok = stories
     ids = tok("Once upon a time there was a little girl who liked to play in the park.", return_tensors="pt").input_ids

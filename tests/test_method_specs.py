@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kv_cache import QuantConfig
-from kv_cache.eval.methods import (
+from kv_cache.spec.grammar import (
     EXAMPLES,
     METHOD_GRAMMAR,
     QUANT_OPTIONS,

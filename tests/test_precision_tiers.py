@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from kv_cache import CompressedCache, KVzip, QuantConfig, SnapKV, H2O, compress, prefill
 from kv_cache.eval.accounting import walked_nbytes
-from kv_cache.eval.methods import parse_method, parse_quant
+from kv_cache.spec.grammar import parse_method, parse_quant
 
 
 # --------------------------------------------------------------------------- model-free

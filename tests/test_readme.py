@@ -259,9 +259,9 @@ def test_no_placeholders_left():
 
 
 def test_spec_table_lists_every_form_and_letter(monkeypatch):
-    """The method-spec table is the grammar of kv_cache.eval.methods: every quantization letter and
+    """The method-spec table is the grammar of kv_cache.spec.grammar: every quantization letter and
     every non-policy form has a row, and every example in the table parses."""
-    from kv_cache.eval.methods import METHOD_GRAMMAR, QUANT_OPTIONS, parse_method
+    from kv_cache.spec.grammar import METHOD_GRAMMAR, QUANT_OPTIONS, parse_method
     from kv_cache.policies import POLICIES
 
     text = README.read_text()

@@ -121,7 +121,7 @@ def test_depth_scan_and_parse_are_linear_at_the_body_limit(name):
 
 
 def _grammar_patterns():
-    from kv_cache.eval import methods
+    from kv_cache.spec import grammar as methods
     from kv_cache.integrations.serve import errors, files
 
     pats = [form.pattern for form in methods.METHOD_GRAMMAR if form.pattern is not None]
@@ -153,7 +153,7 @@ def test_every_grammar_pattern_is_linear_far_past_the_caps():
 
 
 def test_method_parsers_are_linear_far_past_the_caps():
-    from kv_cache.eval.methods import parse_method
+    from kv_cache.spec.grammar import parse_method
     from kv_cache.plan import parse_target
 
     def run():

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .attention import active_cache
+from .generation import forward_at  # noqa: F401 (defined there; kv_cache.context.forward_at stays importable)
 from .cache import CompressedCache, compress
 from .policies.kvzip import CONTINUE_PROMPT, REPEAT_PROMPT
 
@@ -41,21 +42,6 @@ class PrefillStats:
     def cost_ratio(self) -> float:
         """Total prefill time over the plain prefill's (1.0 without a reconstruction pass)."""
         return (self.prefill_s + self.reconstruction_s) / self.prefill_s if self.prefill_s > 0 else float("nan")
-
-
-def forward_at(model: torch.nn.Module, cache: Any, ids: torch.Tensor, pos: int, *,
-               last_only: bool = False) -> torch.Tensor:
-    """Forward ``ids`` ``[batch, q]`` at absolute positions ``pos, pos + 1, ...`` over ``cache``
-    (its ``cache_position`` continues from the tokens it has seen); float32 logits ``[batch, q, V]``,
-    or ``[batch, 1, V]`` with ``last_only`` (the model forms only the last position's logits, as
-    ``model.generate``'s prefill does: a ``q x V`` matrix is not allocated)."""
-    q = ids.shape[1]
-    past = cache.get_seq_length()
-    extra = {"logits_to_keep": 1} if last_only else {}
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True,
-                position_ids=torch.arange(pos, pos + q, device=ids.device).unsqueeze(0),
-                cache_position=torch.arange(past, past + q, device=ids.device), **extra)
-    return out.logits.float()
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:

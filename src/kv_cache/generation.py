@@ -22,7 +22,21 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .context import forward_at
+
+def forward_at(model: torch.nn.Module, cache: Any, ids: torch.Tensor, pos: int, *,
+               last_only: bool = False) -> torch.Tensor:
+    """Forward ``ids`` ``[batch, q]`` at absolute positions ``pos, pos + 1, ...`` over ``cache``
+    (its ``cache_position`` continues from the tokens it has seen); float32 logits ``[batch, q, V]``,
+    or ``[batch, 1, V]`` with ``last_only`` (the model forms only the last position's logits, as
+    ``model.generate``'s prefill does: a ``q x V`` matrix is not allocated)."""
+    q = ids.shape[1]
+    past = cache.get_seq_length()
+    extra = {"logits_to_keep": 1} if last_only else {}
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True,
+                position_ids=torch.arange(pos, pos + q, device=ids.device).unsqueeze(0),
+                cache_position=torch.arange(past, past + q, device=ids.device), **extra)
+    return out.logits.float()
+
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 

@@ -35,9 +35,9 @@ from typing import Any, Iterator
 import torch
 
 from .blocks import attend_new, fused_decode, join_new_token, merge, reconstruction_scores
-from ..cache.fidelity import (FIDELITY_QUERIES, attention_output_error, checked_rows, masked_attention,
+from .fidelity import (FIDELITY_QUERIES, attention_output_error, checked_rows, masked_attention,
                               query_attention)
-from ..cache.key_offset import lse_shift, unshift_keys
+from .key_offset import lse_shift, unshift_keys
 from .dense import apply_learned_sinks, attend_positions, attend_positions_observed, materialize
 
 ATTENTION_NAME = "kv_cache"
@@ -136,7 +136,7 @@ def compressed_attention(
 
 
 def _prefill_error(layer, q, key, value, scaling, G, L, softcap, new_valid) -> float:
-    """The fidelity check (:mod:`kv_cache.cache.fidelity`, §26): the largest relative error, over
+    """The fidelity check (:mod:`kv_cache.attention.fidelity`, §26): the largest relative error, over
     rows and KV heads, of the last queries' attention output over the stored (compressed)
     prompt against the full-precision prompt of this first prefill. NaN when the stored blocks
     cannot be read densely under soft-capping (heads of different lengths)."""

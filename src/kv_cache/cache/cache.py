@@ -15,7 +15,7 @@ from .config import QuantConfig
 from .budgets import fixed_parts
 import warnings
 
-from .fidelity import (EVICTION_THRESHOLD, FIDELITY_THRESHOLD, RECENT_ATTENTION, broken_layers, eviction_limit,
+from ..attention.fidelity import (EVICTION_THRESHOLD, FIDELITY_THRESHOLD, RECENT_ATTENTION, broken_layers, eviction_limit,
                        eviction_message, eviction_past, fidelity_message)
 from .layer import CompressedLayer
 from .report import MemoryReport, fp16_kv_bytes, kv_geometry, layer_nbytes
@@ -82,10 +82,10 @@ class CompressedCache(Cache):
         the share of full-attention layers on a hybrid model).
     fidelity_threshold : float, default 0.5
         The relative attention-output error past which a layer counts as wrecked.
-    eviction_threshold : float, default :data:`~kv_cache.cache.fidelity.EVICTION_THRESHOLD`
+    eviction_threshold : float, default :data:`~kv_cache.attention.fidelity.EVICTION_THRESHOLD`
         The mean share of the last queries' attention an eviction may drop (in (0, 1]) on a model
         whose every layer attends globally; a hybrid model's limit is this times its share of
-        full-attention layers (:func:`~kv_cache.cache.fidelity.eviction_limit`).
+        full-attention layers (:func:`~kv_cache.attention.fidelity.eviction_limit`).
 
     With both None the cache behaves exactly like ``DynamicCache``.
 

@@ -34,10 +34,10 @@ from .config import QuantConfig
 from .budgets import check_budget_fits, forced_slots, layer_masks, resolved_budget
 from .checks import check_policy_can_act
 from .context_layer import RECONSTRUCTION_MISSING, running_max, session_tail
-from .fidelity import RECENT_ATTENTION, evicted_share
+from ..attention.fidelity import RECENT_ATTENTION, evicted_share
 from .keep import keep_slots
 from .ragged import ragged_state
-from .key_offset import key_offset, shift_keys, unshift_keys
+from ..attention.key_offset import key_offset, shift_keys, unshift_keys
 from .report import layer_nbytes, layer_tensors
 from .tiers import TIERS_NEED_NATIVE, demote
 from .window import slide

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .config import QuantConfig
-from .key_offset import key_offset, shift_keys
+from ..attention.key_offset import key_offset, shift_keys
 from .packed_ragged import PackedRaggedStorage
 from .ragged import RaggedStorage
 from .storage import FullPrecisionStorage, make_storage

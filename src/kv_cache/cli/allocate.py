@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from ..plan.bit_allocation import allocate_bits, layer_bits_from_allocation, save_bit_profile
     from ..compression.rotation_file import model_shapes, text_sha256
     from ..plan.sensitivity import measure_bit_costs
-    from ..eval.methods import parse_quant
+    from ..spec import parse_quant
     from ..models import load_model, shared_data_dir
 
     for name in ("windows", "prefix", "continuation"):

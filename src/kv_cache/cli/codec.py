@@ -33,7 +33,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ..codec.basis_file import save_basis
-    from ..codec.calibrate import default_texts, fit_codec_basis
+    from ..plan.codec_calibration import default_texts, fit_codec_basis
     from ..compression.scorer_file import model_identity
     from ..models import load_model
     from ..models.paths import default_cache_dir

@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..spec import method_settings, parse_ours  # noqa: F401 (defined there; importable from here as before)
+
 KEEP = ("head", "tail")  # kv_cache.context.KEEP (not imported here: `kvcache --help` stays light)
 DEFAULT_METHOD = "kvzip@0.3"
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -80,30 +82,6 @@ def add_parsers(sub) -> None:
     a.set_defaults(_run=run_ask)
 
 
-def parse_ours(spec: str, bits: int | None) -> tuple[Any, str]:
-    """``(method, spec)``: an ``kvcache eval`` method spec (ours only), ``bits`` prefixed; no model needed."""
-    from ..eval.methods import parse_method
-
-    if bits is not None:
-        spec = f"q{bits}+{spec}"
-    method = parse_method(spec, check_packages=False)  # a peer is refused below, installed or not
-    if method.family != "ours":
-        raise ValueError(f"--method {spec!r} is a peer's method; `kvcache compress` takes kv_cache's own "
-                         "(e.g. kvzip@0.3, q4+kvzip@0.3, q4htc8l, snapkv@0.5:layer, full)")
-    return method, spec
-
-
-def method_settings(spec: str, bits: int | None, model: Any) -> tuple[Any, Any, str]:
-    """``(quant, eviction, spec)`` of an ``kvcache eval`` method spec (ours only), ``bits`` prefixed."""
-    from ..cache import CompressedCache
-
-    method, spec = parse_ours(spec, bits)
-    cache, _ = method.make(model)
-    if not isinstance(cache, CompressedCache):  # "full": the uncompressed cache
-        return None, None, spec
-    return cache.quant, cache.eviction, spec
-
-
 def _model_ref(name: str) -> str:
     """What ``ask`` loads: an existing path made absolute, otherwise the alias or hub id as given."""
     p = Path(name).expanduser()
@@ -152,7 +130,7 @@ def run_compress(args: argparse.Namespace) -> int:
                              "not with --bits, --ratio or --plan")
     into = None
     if args.into is not None:
-        from ..eval.methods import parse_quant
+        from ..spec import parse_quant
 
         into = parse_quant(args.into)
         if args.bits is not None or args.ratio is not None or args.plan is not None:
@@ -272,7 +250,7 @@ def run_ask(args: argparse.Namespace) -> int:
     questions = _questions(args)
     into = "file"  # the layout the file records, if any
     if args.into is not None:
-        from ..eval.methods import parse_quant
+        from ..spec import parse_quant
 
         into = None if args.into.strip().lower() == "full" else parse_quant(args.into)
     info = read_info(args.file)  # checks the file before the model is loaded

@@ -66,7 +66,7 @@ def _load_config_file(path: str) -> dict[str, Any]:
 
 
 def _eval_parser(sub, name: str, help_text: str, defaults: dict[str, Any]) -> argparse.ArgumentParser:
-    from ..eval.methods import grammar_help
+    from ..spec import grammar_help
     from ..eval.runner import EvalConfig
     from ..eval.tasks import HAYSTACK_KINDS
 
@@ -130,7 +130,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"kvcache: unknown option(s) {sorted(unknown)}")
     cfg = EvalConfig(**{k: _option_value(fields[k], v) for k, v in opts.items() if k != "out" and v is not None})
-    from ..eval.methods import parse_methods
+    from ..spec import parse_methods
     from ..eval.runner import resolve_task
 
     methods, _ = parse_methods(cfg.methods)  # fail fast on typos, before any model is loaded

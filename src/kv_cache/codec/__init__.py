@@ -4,7 +4,8 @@
 * :mod:`.allocation`: a step per component for a byte target, least squared error;
 * :mod:`.ans`: range-ANS entropy coding (``constriction``);
 * :mod:`.basis_file`: the per-model basis file, referenced by fingerprint;
-* :mod:`.calibrate`: fitting a basis on calibration text (``kvcache calibrate-codec``);
+* fitting a basis on calibration text (``kvcache calibrate-codec``) runs the model: it is
+  :mod:`kv_cache.plan.codec_calibration`, above the cache;
 * :mod:`.payload`: encoding and checked decoding of a saved cache state.
 
 The file format and its checks stay in :mod:`kv_cache.cache.serialize`.

@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.report import fp16_kv_bytes
-from ..context import forward_at
+from ..generation import forward_at
 from .accounting import held_nbytes
-from .methods import REFERENCE_SPEC
+from ..spec import REFERENCE_SPEC
 
 TASK = "longgen"
 MEMORY_EVERY = 64

@@ -1,42 +1,7 @@
-"""Method specs that name a cache plan: presets ``<r>x`` and plan files ``plan[<path>]``
-(rows of :data:`kv_cache.eval.methods.METHOD_GRAMMAR`; math dictionary §23)."""
+"""Moved to :mod:`kv_cache.spec.plans` (with the method grammar); this path is kept for one release and warns."""
 
-from __future__ import annotations
+import importlib as _importlib
+import warnings as _warnings
 
-import re
-from typing import Any, Callable
-
-from ..cache import CompressedCache, compress
-
-
-def _planned(spec: str, get_plan: Callable[[Any], Any], resolved: str) -> "Method":
-    """A method whose cache is ``CompressedCache(config, plan=get_plan(model))``."""
-    from .methods import Method  # methods.py imports this module for its grammar table
-
-    def make(model):
-        cache = CompressedCache(model.config, plan=get_plan(model))
-        return cache, lambda: compress(model, cache)
-    return Method(spec, "ours", None, None, make, resolved=resolved, needs_tokenizer=True)
-
-
-def plan_file(spec: str, m: re.Match[str]) -> "Method":
-    """``plan[<path>]``: a plan file, read now (the path keeps the case it was given in)."""
-    from ..plan import CachePlan
-
-    plan = CachePlan.load(spec.strip()[len("plan["):-1])
-    return _planned(spec, lambda model: plan, f"kv_cache plan {plan.fingerprint}")
-
-
-def preset(spec: str, m: re.Match[str]) -> "Method":
-    """``<r>x``: ``kv_cache.plan.preset_plan`` for that ratio, sized once per model (not per sample)."""
-    from ..plan import parse_target, preset_plan
-
-    ratio, made = parse_target(m.string), {}
-
-    def get(model):
-        key = (id(model), next(model.parameters()).dtype)
-        if key not in made:
-            made.clear()
-            made[key] = preset_plan(model.config, m.string, dtype=key[1])
-        return made[key]
-    return _planned(spec, get, f"kv_cache preset {ratio:g}x")
+globals().update({k: v for k, v in vars(_importlib.import_module("kv_cache.spec.plans")).items() if not k.startswith("__")})
+_warnings.warn("kv_cache.eval.plan_methods moved to kv_cache.spec.plans; the old path goes in the next release", DeprecationWarning, stacklevel=2)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..context import forward_at
+from ..generation import forward_at
 
 
 def plain_prefill_seconds(model, ids: torch.Tensor, *, last_only: bool = False) -> float:

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..cache.fidelity import EVICTION_THRESHOLD
+from ..attention.fidelity import EVICTION_THRESHOLD
 from .longgen import TASK as LONGGEN, longgen_table, plot_memory
 
 

@@ -45,7 +45,7 @@ from ..generation import SamplingParams, generate_tokens
 from .accounting import held_nbytes, walked_nbytes  # noqa: F401  (re-exported: runner's public API)
 from .longgen import TASK as LONGGEN, check_longgen, run_longgen_sample, summarize_longgen
 from .metrics import ReferenceLogProbs, bits_per_element, next_token_kl
-from .methods import REFERENCE_SPEC, Method, MethodUnavailable, parse_methods
+from ..spec import REFERENCE_SPEC, Method, MethodUnavailable, parse_methods
 from .prefill_cost import plain_prefill_seconds, prefill_cost
 from .tasks import (TASKS, TaskRequest, build_prompt, build_task, check_context_fits, perplexity_windows,
                     score_retrieval)

@@ -51,7 +51,7 @@ from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
 from ..context import forward_at, max_context_tokens
-from ..eval.methods import parse_method
+from ..spec import parse_method
 from ..eval.runner import _prefill
 from ..generation import SamplingParams, generate_tokens, stop_scan
 

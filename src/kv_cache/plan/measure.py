@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from ..cache import CompressedCache, compress
-from ..cache.fidelity import broken_layers, eviction_past
+from ..attention.fidelity import broken_layers, eviction_past
 from ..context import forward_at, prefill
 from .plan import CachePlan
 

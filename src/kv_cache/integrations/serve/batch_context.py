@@ -38,7 +38,7 @@ import torch
 
 from ...cache import compress
 from ...cache.stack import layout_key, session_states, stack_reason, stack_sessions
-from ...context import forward_at
+from ...generation import forward_at
 from .engine import Job, internal_error
 from .errors import ApiError
 from .rows import Row, decode_rows, flush, pad_token

@@ -160,7 +160,7 @@ class Service:
         """``(quant, eviction, plan, name)`` of the request's method, or preset (sized for
         ``tokens``) or plan (then ``plan`` is the :class:`~kv_cache.plan.CachePlan` and ``quant``
         None); ``invalid_method`` when it does not parse or does not fit this model."""
-        from ...cli.context import method_settings
+        from ...spec import method_settings
         from ...plan import CachePlan, preset_plan
 
         try:
