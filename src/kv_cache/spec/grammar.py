@@ -17,6 +17,7 @@ while the context is prefilled (our ``compress`` hooks, a kvpress press, or noth
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -32,7 +33,8 @@ from ..plan.bit_allocation import load_bit_profile
 from ..policies import POLICIES, EvictionPolicy
 from ..policies.base import SCOPES
 from .method import MAX_SPEC_CHARS, REFERENCE_SPEC, Method, MethodUnavailable
-from .peers import HF_BACKENDS, HF_QUANT_KWARGS, KVPRESS_PRESSES, KVPRESS_WRAPPERS, HFBackend, _hf, _hf_fp8, _kvpress
+from .peers import (HF_BACKENDS, HF_QUANT_KWARGS, KVPRESS_PRESSES, KVPRESS_WRAPPERS, HFBackend,  # noqa: F401 (old names)
+                    _hf, _hf_fp8, _kvpress)
 from .plans import plan_file as _plan_file, preset as _preset
 
 
