@@ -10,11 +10,14 @@ The layer knows the order of operations; its :mod:`~kv_cache.cache.storage` know
    (or the reference path's hook, :meth:`observe`) and evicts; one that needs none (StreamingLLM)
    evicts in ``update``; outside ``compress`` a policy that needs attention raises at once.
 3. A shared budget (``scope`` ``"layer"`` / ``"model"``) turns the storage into ragged rows in one
-   buffer (:mod:`~kv_cache.cache.packed_ragged`). The compress-once methods (sessions, KVzip's
-   pass, §19.3-§19.4), precision tiers (``QuantConfig.evicted_bits``, §21) and a sliding-window
-   layer's trim (§22) are methods of this one class over pure helpers:
-   :mod:`~kv_cache.cache.context_layer`, :mod:`~kv_cache.cache.tiers`, :mod:`~kv_cache.cache.window`,
-   :mod:`~kv_cache.cache.budgets` and :mod:`~kv_cache.cache.checks`.
+   buffer (:mod:`~kv_cache.cache.packed_ragged`).
+
+This module holds the transformers layer contract and eviction. The compress-once methods
+(sessions, KVzip's pass, §19.3-§19.4) are :class:`~kv_cache.cache.context_layer.CompressOnceLayer`
+and the precision tiers' (``QuantConfig.evicted_bits``, §21)
+:class:`~kv_cache.cache.tiers.TiersLayer`, both mixed into :class:`CompressedLayer`; a
+sliding-window layer's trim (§22), the budgets and the checks are pure helpers in
+:mod:`~kv_cache.cache.window`, :mod:`~kv_cache.cache.budgets` and :mod:`~kv_cache.cache.checks`.
 
 Positions: ``get_seq_length`` is the number of tokens *seen*, so RoPE stays absolute after
 eviction; ``get_mask_sizes`` returns ``kv_length = kept + q_len`` and ``kv_offset = seen - kept``,
@@ -33,20 +36,20 @@ from ..policies.base import EvictionPolicy, ScoreInputs
 from .config import QuantConfig
 from .budgets import check_budget_fits, forced_slots, layer_masks, resolved_budget
 from .checks import check_policy_can_act
-from .context_layer import RECONSTRUCTION_MISSING, running_max, session_tail
+from .context_layer import CompressOnceLayer
 from ..attention.fidelity import RECENT_ATTENTION, evicted_share
 from .keep import keep_slots
 from .ragged import ragged_state
 from ..attention.key_offset import key_offset, shift_keys, unshift_keys
 from .report import layer_nbytes, layer_tensors
-from .tiers import TIERS_NEED_NATIVE, demote
+from .tiers import TIERS_NEED_NATIVE, TiersLayer
 from .window import slide
 from .storage import FullPrecisionStorage, LayerStorage, gather_tokens, make_storage
 
 _FORCE = torch.finfo(torch.float32).max
 
 
-class CompressedLayer(CacheLayerMixin):
+class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
     """Cache layer with quantized storage (``quant``) and eviction (``policy``), both optional.
 
     Attributes
@@ -438,95 +441,6 @@ class CompressedLayer(CacheLayerMixin):
             self._demote(masks)
         self.state = {name: ragged_state(t, masks) for name, t in self.state.items()}
         self.storage, self._starts = keep_slots(self.storage, masks, self._starts, in_place)
-
-    # ------------------------------------------------------------------ precision tiers (§21)
-    @property
-    def tiered(self) -> bool:
-        """True when evicted tokens are demoted, not dropped (``QuantConfig.evicted_bits``)."""
-        return self.quant is not None and self.quant.evicted_bits is not None
-
-    def demoted_blocks(self) -> list:
-        """The evicted tier's blocks (read after the kept ones; [] when there is none)."""
-        return [] if self.demoted is None else self.demoted.blocks()
-
-    def _demote(self, masks: torch.Tensor) -> None:
-        if self.demoted is not None:
-            raise RuntimeError(f"layer {self.layer_idx} already demoted its evicted tokens: QuantConfig.evicted_bits "
-                               "demotes once, after the prefill (a policy with prefill_only)")
-        self.demoted = demote(self.storage, masks, self._starts, self.quant, self.layer_idx)
-
-    # ------------------------------------------------------------------ compress once, ask many (§19.4)
-    def begin_session(self) -> None:
-        """From now on new tokens go to a full-precision tail that :meth:`end_session` drops: the
-        compressed context is read, never changed (no eviction, no quantization of the tail)."""
-        if self._tail is not None:
-            raise RuntimeError(f"layer {self.layer_idx} is already in a session")
-        if self._awaiting_reconstruction:
-            raise RuntimeError(RECONSTRUCTION_MISSING)
-        self._session_seen = self.seen
-        self._tail = session_tail(self.storage, getattr(self, "dtype", None), getattr(self, "device", None))
-
-    def end_session(self) -> None:
-        """Drop the tail (the question and its answer) and return to the context's length."""
-        self._tail = None
-        self.seen = self._session_seen
-
-    def _session_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        self.seen += key_states.shape[2]
-        if self.native:
-            self._view = (self.storage.blocks() + self._tail.attention_update(key_states, value_states)
-                          + self.demoted_blocks())
-            return key_states, value_states
-        if self.demoted is not None:
-            raise RuntimeError(TIERS_NEED_NATIVE)
-        k, v = self.storage.read()
-        tk, tv = self._tail.update(key_states, value_states)
-        return torch.cat([k, tk], dim=2), torch.cat([v, tv], dim=2)
-
-    # ------------------------------------------------------------------ KVzip's reconstruction pass (§19.3)
-    @property
-    def reconstructing(self) -> tuple[int, int, int] | None:
-        """``(sinks, start, end)`` while the stored context slots ``[start, end)`` are repeated."""
-        return self._reconstruct
-
-    def begin_reconstruction(self, sinks: int, start: int, end: int) -> None:
-        """Attend the repeat chunk without storing it; a layer with a policy scores context slots
-        ``[start, end)``, a layer without one (a sliding-window layer) only attends."""
-        if self.policy is not None and not self._awaiting_reconstruction:
-            raise RuntimeError(f"layer {self.layer_idx} has no prefilled context awaiting KVzip scores")
-        self._reconstruct = (sinks, start, end)
-
-    def reconstruction_states(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored keys and values in full precision ``[batch, kv_heads, T, d]`` (keys as the
-        model computed them, the offset added back): what the repeat chunks attend."""
-        keys, values = self.storage.read()
-        return unshift_keys(keys, self.key_offset), values
-
-    def observe_reconstruction(self, scores: torch.Tensor) -> None:
-        """``scores`` ``[batch, kv_heads, end - start]``: this chunk's max probabilities; kept as the max."""
-        _, s, e = self._reconstruct
-        st = self.storage
-        self.state["kvzip"] = running_max(self.state.get("kvzip"), scores, s, e, (st.batch, st.heads, st.length))
-        self._view = None
-
-    def end_reconstruction_chunk(self) -> None:
-        self._reconstruct = None
-        self._view = None
-
-    def finish_reconstruction(self) -> None:
-        """Evict with the reconstruction scores (shared budgets wait for every layer)."""
-        self._awaiting_reconstruction = False
-        self._reconstruct = None
-        if self.policy is None:  # a sliding-window layer: attended, never scored
-            return
-        shape = (self.storage.batch, self.storage.heads, self.kept_length())
-        self.state.setdefault("kvzip", torch.zeros(shape))
-        valid = None
-        if self._starts is not None:
-            valid = torch.arange(shape[2], device=self._starts.device) >= self._starts.unsqueeze(-1)
-        self._evict(self._score_inputs(shape, key_valid=valid), valid)
-        self.state.pop("kvzip", None)
-        self.state.pop("kvzip_continuation", None)
 
     # ------------------------------------------------------------------ accounting
     def held_tensors(self) -> dict[str, torch.Tensor]:

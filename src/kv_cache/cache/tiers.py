@@ -65,3 +65,23 @@ def demote(storage: LayerStorage, masks: torch.Tensor, starts: torch.Tensor | No
             row.append(keys[b:b + 1, h:h + 1, idx], values[b:b + 1, h:h + 1, idx])
             rows.append(row)
     return PackedRaggedStorage.from_rows(rows, B, H)
+
+
+class TiersLayer:
+    """The precision-tier methods of :class:`~kv_cache.cache.layer.CompressedLayer` (a mixin over
+    its ``quant``, ``storage``, ``demoted``, ``_starts`` and ``layer_idx``)."""
+
+    @property
+    def tiered(self) -> bool:
+        """True when evicted tokens are demoted, not dropped (``QuantConfig.evicted_bits``)."""
+        return self.quant is not None and self.quant.evicted_bits is not None
+
+    def demoted_blocks(self) -> list:
+        """The evicted tier's blocks (read after the kept ones; [] when there is none)."""
+        return [] if self.demoted is None else self.demoted.blocks()
+
+    def _demote(self, masks: torch.Tensor) -> None:
+        if self.demoted is not None:
+            raise RuntimeError(f"layer {self.layer_idx} already demoted its evicted tokens: QuantConfig.evicted_bits "
+                               "demotes once, after the prefill (a policy with prefill_only)")
+        self.demoted = demote(self.storage, masks, self._starts, self.quant, self.layer_idx)
