@@ -129,12 +129,12 @@ def _no_model(monkeypatch):
 
 
 def _no_prefill(monkeypatch):
-    import kv_cache.context
+    import kv_cache.context.compressed
 
     def prefill(*a, **k):
         raise AssertionError("the prefill ran before the document was checked")
 
-    monkeypatch.setattr(kv_cache.context, "prefill", prefill)
+    monkeypatch.setattr(kv_cache.context.compressed, "prefill", prefill)  # where CompressedContext.build calls it
 
 
 @pytest.mark.parametrize("method, fits, why", [

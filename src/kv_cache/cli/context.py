@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+
 
 from ..spec import method_settings, parse_ours  # noqa: F401 (defined there; importable from here as before)
 
@@ -111,7 +111,7 @@ def read_document(path: str) -> str:
 
 def run_compress(args: argparse.Namespace) -> int:
     from ..cache.serialize import save_cache
-    from ..context import CompressedContext, _text_ids, fit_context
+    from ..context import CompressedContext, fit_context, text_token_ids
     from ..models import load_model
 
     # Everything that can be checked without the model is checked before it loads.
@@ -149,7 +149,7 @@ def run_compress(args: argparse.Namespace) -> int:
         spec = f"plan[{args.plan}]" if args.plan is not None else (args.method or DEFAULT_METHOD)
         parse_ours(spec, args.bits)
     model, tok = load_model(args.model)
-    ids = _text_ids(tok, text)  # checked against the model's positions before the prefill
+    ids = text_token_ids(tok, text)  # checked against the model's positions before the prefill
     basis = None
     if args.file_ratio is not None:
         from ..codec import basis_for_model

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ...cache import FidelityError, compress
-from ...context import CompressedContext, _ids, _text_ids, fit_context, forward_at, max_positions
+from ...context import CompressedContext, fit_context, forward_at, max_positions, text_token_ids, token_ids
 from ...generation import generate_tokens, stop_scan
 from .engine import Job
 from .errors import ApiError
@@ -209,7 +209,7 @@ class Service:
                     head, suffix = split_chat(self.tokenizer, req.document)
                 except ValueError:  # a template that splits the user's text: raw text, as build(chat=False)
                     suffix = None
-            ids = _ids(self.tokenizer, head) if suffix is not None else _text_ids(self.tokenizer, req.document)
+            ids = token_ids(self.tokenizer, head) if suffix is not None else text_token_ids(self.tokenizer, req.document)
         limit = self.max_document_tokens
         if limit is not None and len(ids) > limit:
             raise ApiError("document_too_long", f"the document is {len(ids):,} tokens; this server takes at most "
@@ -294,11 +294,11 @@ class Service:
 
                 question = question_text(question, suffix)
             with self.tokenizer_lock:
-                ids = _ids(self.tokenizer, question)
+                ids = token_ids(self.tokenizer, question)
             cached = int(desc["tokens"])
         else:
             with self.tokenizer_lock:
-                ids = _text_ids(self.tokenizer, render_messages(self.tokenizer, req.messages))
+                ids = text_token_ids(self.tokenizer, render_messages(self.tokenizer, req.messages))
             cached = 0
         if not ids:
             raise ApiError("context_length_exceeded", "the question is empty", param="messages")
