@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from ..cache.report import fp16_kv_bytes
 from ..generation import forward_at
 from .accounting import held_nbytes
+from .prefilled import prefill_method, sample_cost
 from ..spec import REFERENCE_SPEC
 
 TASK = "longgen"
@@ -77,7 +78,6 @@ def run_longgen_sample(model, method, sample, full_argmax: list[int] | None = No
     ``full_argmax``: the full cache's arg-max tokens of the same sample (None: no agreement).
     Returns the sample's results (see the module docstring).
     """
-    from .runner import _cost, _prefill  # runner dispatches here: imported on use
 
     if isinstance(memory_every, bool) or not isinstance(memory_every, int) or memory_every < 1:
         raise ValueError(f"memory_every must be an int >= 1 (steps between kept memory samples); got {memory_every!r}")
@@ -89,7 +89,7 @@ def run_longgen_sample(model, method, sample, full_argmax: list[int] | None = No
     p = prompt.shape[1]
     nll_sum, argmax, step_bytes = 0.0, [], []
     with torch.no_grad():
-        pre = _prefill(model, method, prompt, tokenizer, last_only=True)
+        pre = prefill_method(model, method, prompt, tokenizer, last_only=True)
         try:
             step_bytes.append(pre.kv_bytes)
             logits = pre.logits[0, -1].float()
@@ -113,7 +113,7 @@ def run_longgen_sample(model, method, sample, full_argmax: list[int] | None = No
             "prompt_tokens": p, "continuation_tokens": len(cont), "steps": steps,
             "memory": {"every": memory_every, "steps": kept, "bytes": [step_bytes[s] for s in kept]},
             **memory_summary(step_bytes),
-            "decode_tokens_per_s": steps / dt if steps and dt > 0 else float("nan"), **_cost(pre)}
+            "decode_tokens_per_s": steps / dt if steps and dt > 0 else float("nan"), **sample_cost(pre)}
 
 
 def _mean(xs: list[Any]) -> float | None:
@@ -129,7 +129,7 @@ def summarize_longgen(t: dict) -> None:
 
 
 def _fmt_bytes(n: float | None) -> str:
-    from .report import _fmt_bytes as fmt
+    from .report import fmt_bytes as fmt
 
     return fmt(n)
 

@@ -10,7 +10,7 @@ from ..attention.fidelity import EVICTION_THRESHOLD
 from .longgen import TASK as LONGGEN, longgen_table, plot_memory
 
 
-def _fmt_bytes(n: float | None) -> str:
+def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -18,6 +18,9 @@ def _fmt_bytes(n: float | None) -> str:
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
         n /= 1024
     return f"{n}"
+
+
+_fmt_bytes = fmt_bytes  # the old private name
 
 
 def _bits_per_element(m: dict) -> float | None:
@@ -67,7 +70,7 @@ def markdown_table(doc: dict) -> str:
         planned = str(m.get("resolved", "")).startswith(("kv_cache preset", "kv_cache plan"))
         bits = "-" if planned and m.get("bits") is None else str(m.get("bits") or "16")
         row = [f"`{m['spec']}`", bits, "-" if m.get("budget") is None else str(m["budget"]),
-               _fmt_bytes(m.get("kv_bytes")), "-" if not m.get("ratio") else f"{m['ratio']:.2f}x"]
+               fmt_bytes(m.get("kv_bytes")), "-" if not m.get("ratio") else f"{m['ratio']:.2f}x"]
         bpe = _bits_per_element(m)
         row.append("-" if bpe is None else f"{bpe:.2f}")
         for t in tasks:

@@ -24,7 +24,6 @@ own length), so peers whose caches report the kept length after eviction decode 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -39,14 +38,16 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.report import fp16_kv_bytes
-from ..cache import compress
-from ..context import forward_at, prefill
+from ..context import forward_at
 from ..generation import SamplingParams, generate_tokens
 from .accounting import held_nbytes, walked_nbytes  # noqa: F401  (re-exported: runner's public API)
 from .longgen import TASK as LONGGEN, check_longgen, run_longgen_sample, summarize_longgen
 from .metrics import ReferenceLogProbs, bits_per_element, next_token_kl
 from ..spec import REFERENCE_SPEC, Method, MethodUnavailable, parse_methods
-from .prefill_cost import plain_prefill_seconds, prefill_cost
+from .prefill_cost import plain_prefill_seconds, prefill_cost  # noqa: F401
+from .prefilled import Prefilled, prefill_method, sample_cost  # noqa: F401 (Prefilled: re-exported)
+
+_prefill, _cost = prefill_method, sample_cost  # the names longgen, lm-eval and benchmarks used before
 from .tasks import (TASKS, TaskRequest, build_prompt, build_task, check_context_fits, perplexity_windows,
                     score_retrieval)
 
@@ -68,109 +69,6 @@ def resolve_task(name: str) -> str:
             f"(aliases: {', '.join(f'{a}={t}' for a, t in TASK_ALIASES.items())})"
         )
     return key
-
-
-@dataclass
-class Prefilled:
-    """A method's cache after prefilling a context, and the scope to keep running in."""
-
-    cache: Any
-    logits: torch.Tensor
-    kv_bytes: int
-    scope: Any = field(repr=False)
-    prefill_cost: float | None = None  # KVzip: its in-run prefill + reconstruction over its context prefill
-    prefill_s: float | None = None  # seconds of the whole prefill
-    codec_s: tuple[float, float] | None = None  # file<R>: seconds to encode (save) and decode (load)
-
-    def checks(self) -> dict[str, float | None]:
-        """``attention_error``: the fidelity check's largest per-layer error (§26);
-        ``evicted_attention``: the eviction check's mean dropped share of attention (§26.1); both
-        from one ``memory_report()``, None for caches that do not measure them. Read after the
-        prefill, before decoding grows the cache."""
-        report = getattr(self.cache, "memory_report", None)
-        r = None if report is None else report()
-        return {"attention_error": getattr(r, "max_attention_error", None),
-                "evicted_attention": getattr(r, "mean_evicted_attention", None)}
-
-
-def _through_file(model, pre: Prefilled, method: Method) -> Prefilled:
-    """``file<R>``: save ``pre``'s cache transform-coded at ratio R (:mod:`kv_cache.codec`, the
-    model's shipped or ``$KV_CACHE_HOME`` basis), load it back (into ``method.load_quant``'s
-    layout when the spec has a quantization part) and go on from the loaded cache; its
-    ``kv_bytes`` are the file's bytes, ``codec_s`` the encode and decode seconds."""
-    import tempfile
-
-    from ..cache.serialize import load_cache, save_cache
-    from ..codec import basis_for_model
-
-    basis = basis_for_model(model)
-    if basis is None:
-        pre.scope.close()
-        raise ValueError(f"method {method.spec!r}: no codec basis for this model; fit one with "
-                         "`kvcache calibrate-codec --model M -o $KV_CACHE_HOME/codecs/M.safetensors`")
-    target = int(fp16_kv_bytes(model.config, pre.cache.get_seq_length()) / method.file_ratio)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "ctx.kvc")
-        t0 = time.perf_counter()
-        try:
-            size = save_cache(pre.cache, path, model_config=model.config, codec=basis, file_bytes=target)
-        finally:
-            pre.scope.close()
-        t1 = time.perf_counter()
-        cache, _ = load_cache(path, model_config=model.config, codec=basis, quant=method.load_quant)
-        t2 = time.perf_counter()
-    scope = contextlib.ExitStack()
-    scope.enter_context(compress(model, cache))
-    out = Prefilled(cache, pre.logits, size, scope, pre.prefill_cost, pre.prefill_s)
-    out.codec_s = (t1 - t0, t2 - t1)
-    return out
-
-
-def _prefill(model, method: Method, ids: torch.Tensor, tokenizer=None, last_only: bool = False) -> Prefilled:
-    pre = _prefill_cache(model, method, ids, tokenizer, last_only)
-    return _through_file(model, pre, method) if method.file_ratio is not None else pre
-
-
-def _prefill_cache(model, method: Method, ids: torch.Tensor, tokenizer=None, last_only: bool = False) -> Prefilled:
-    """Prefill ``ids`` into a fresh cache of ``method``; ``scope`` stays open for what follows
-    (ours: the ``compress`` hooks; kvpress presses only wrap the prefill). A method scored by a
-    reconstruction pass (KVzip) prefills through :func:`kv_cache.prefill`, which runs it.
-    ``last_only``: logits of the last position only (:func:`forward_at`), as ``generate`` does."""
-    cache, ctx = method.make(model)
-    scope = contextlib.ExitStack()
-    if method.needs_tokenizer:
-        if tokenizer is None:
-            raise ValueError(f"method {method.spec!r} needs the tokenizer for its reconstruction pass")
-        scope.enter_context(ctx())
-        try:
-            logits, stats = prefill(model, cache, ids, tokenizer=tokenizer, last_only=last_only)
-        except BaseException:
-            scope.close()
-            raise
-        return Prefilled(cache, logits.float(), held_nbytes(cache), scope, stats.cost_ratio,
-                         stats.prefill_s + stats.reconstruction_s)
-    t0 = time.perf_counter()
-    if method.prefill_only_context:
-        with ctx():
-            logits = forward_at(model, cache, ids, 0, last_only=last_only)
-    else:
-        scope.enter_context(ctx())
-        try:
-            logits = forward_at(model, cache, ids, 0, last_only=last_only)
-        except BaseException:
-            scope.close()
-            raise
-    return Prefilled(cache, logits, held_nbytes(cache), scope, prefill_s=time.perf_counter() - t0)
-
-
-def _cost(pre: Prefilled, plain_s: float | None = None) -> dict:
-    """The prefill cost fields of a sample: KVzip's own in-run ratio, else ``pre``'s time over
-    ``plain_s`` (a plain prefill of the same ids); nothing when neither was measured. ``file<R>``:
-    also the encode and decode seconds."""
-    out = {"prefill_cost": pre.prefill_cost} if pre.prefill_cost is not None else prefill_cost(pre.prefill_s, plain_s)
-    if pre.codec_s is not None:
-        out = {**out, "encode_s": pre.codec_s[0], "decode_s": pre.codec_s[1], "prefill_s": pre.prefill_s}
-    return out
 
 
 def _greedy(model, cache, logits: torch.Tensor, pos: int, n: int, eos: set[int]) -> tuple[list[int], float]:
@@ -199,7 +97,7 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None,
     cont = torch.tensor([sample.continuation_ids])
     with torch.no_grad():
         # the last position's logits only: the T x vocab logits of a 16K window are ~10 GB (Qwen2.5)
-        pre = _prefill(model, method, prefix, tokenizer, last_only=True)
+        pre = prefill_method(model, method, prefix, tokenizer, last_only=True)
         try:
             logits = forward_at(model, pre.cache, cont[:, :-1], prefix.shape[1])
             all_logits = torch.cat([pre.logits[:, -1:], logits], dim=1)[0]  # predicts every continuation token
@@ -217,7 +115,7 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None,
     agreement = None if full_argmax is None else sum(a == b for a, b in zip(argmax, full_argmax)) / len(argmax)
     return {"index": sample.index, "nll": nll, "ppl": math.exp(nll), "agreement": agreement, "kl": kl,
             "argmax": argmax, "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_kv_bytes(model.config, prefix.shape[1]),
-            "decode_tokens_per_s": tps, **checks, **_cost(pre)}, log_probs
+            "decode_tokens_per_s": tps, **checks, **sample_cost(pre)}, log_probs
 
 
 def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, max_new_tokens: int) -> dict:
@@ -232,7 +130,7 @@ def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, 
     with torch.no_grad():
         # The reference is the plain prefill (cost 1); KVzip times its own pass (Prefilled.prefill_cost).
         plain_s = None if method.is_reference or method.needs_tokenizer else plain_prefill_seconds(model, ctx_ids)
-        pre = _prefill(model, method, ctx_ids, tok)
+        pre = prefill_method(model, method, ctx_ids, tok)
         plain_s = pre.prefill_s if method.is_reference else plain_s
         try:
             logits = forward_at(model, pre.cache, q_ids, ctx_ids.shape[1])
@@ -244,7 +142,7 @@ def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, 
             "score": score_retrieval(prediction, sample.expected), "depth": sample.depth,
             "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_kv_bytes(model.config, ctx_ids.shape[1]),
             "context_tokens": int(ctx_ids.shape[1]), "decode_tokens_per_s": tps,
-            **pre.checks(), **_cost(pre, plain_s)}
+            **pre.checks(), **sample_cost(pre, plain_s)}
 
 
 def _option(default: Any, help_text: str) -> Any:

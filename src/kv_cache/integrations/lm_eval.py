@@ -52,7 +52,7 @@ from tqdm import tqdm
 
 from ..context import forward_at, max_context_tokens
 from ..spec import parse_method
-from ..eval.runner import _prefill
+from ..eval.prefilled import prefill_method
 from ..generation import SamplingParams, generate_tokens, stop_scan
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class KVCacheLM(HFLM):
         position, read over the compressed cache of ``context``."""
         ids = torch.tensor([context], dtype=torch.long, device=self.device)
         with torch.no_grad():
-            pre = _prefill(self.model, self.method, ids, self.tokenizer, last_only=True)
+            pre = prefill_method(self.model, self.method, ids, self.tokenizer, last_only=True)
             try:
                 logits = pre.logits[0, -1:].float()  # [1, vocab]: predicts continuation[0]
                 if len(continuation) > 1:
@@ -202,7 +202,7 @@ class KVCacheLM(HFLM):
             return out
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
         with torch.no_grad():
-            pre = _prefill(self.model, self.method, ids, self.tokenizer, last_only=True)
+            pre = prefill_method(self.model, self.method, ids, self.tokenizer, last_only=True)
             gen = generate_tokens(self.model, pre.cache, pre.logits[0, -1], len(prompt), max_new_tokens=n_new,
                                   params=params, eos=eos)
             try:

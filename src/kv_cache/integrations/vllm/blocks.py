@@ -19,7 +19,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ...kernels.paged import SlotLayout
-from .codecs import PagedCodec, _levels, _log_norm_table
+from .codecs import PagedCodec, log_norm_table, value_levels
 
 _KEYS = {"channel": "channel_groups", "token_int8": "token_int8"}
 _VALUES = {"rotated_lloyd_max": "levels_token_norm", "token_int8": "token_int8",
@@ -31,7 +31,7 @@ def slot_layout(codec: PagedCodec) -> SlotLayout:
     """The kernels' :class:`SlotLayout` of ``codec``'s slots (values rotated for rotated codecs)."""
     levels = norms = None
     if codec.value_layout == "rotated_lloyd_max":
-        levels, norms = _levels(codec.value_bits)[0].contiguous(), _log_norm_table().contiguous()
+        levels, norms = value_levels(codec.value_bits)[0].contiguous(), log_norm_table().contiguous()
     return SlotLayout(codec.head_dim, _KEYS[codec.key_layout], codec.key_bits, _VALUES[codec.value_layout],
                       codec.value_bits, codec.offsets(), levels, norms)
 

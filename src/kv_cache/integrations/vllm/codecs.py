@@ -210,17 +210,20 @@ def _decode_token_int8(codes: torch.Tensor, scale_bytes: torch.Tensor) -> torch.
 
 
 @lru_cache(maxsize=8)
-def _levels(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def value_levels(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     levels = lloyd_max_gaussian(bits).float()
     return levels, (levels[:-1] + levels[1:]) * 0.5
 
 
 @lru_cache(maxsize=1)
-def _log_norm_table() -> torch.Tensor:
+def log_norm_table() -> torch.Tensor:
     c = torch.arange(256, dtype=torch.float64)
     table = torch.pow(2.0, LOG_SCALE_MIN_EXP + (c - 1) * LOG_SCALE_STEP)
     table[0] = 0.0
     return table.float()
+
+
+_levels, _log_norm_table = value_levels, log_norm_table  # the old private names
 
 
 def _encode_log_norm(rms: torch.Tensor) -> torch.Tensor:
@@ -236,17 +239,17 @@ def _encode_lloyd_max(x_rot: torch.Tensor, bits: int) -> tuple[torch.Tensor, tor
     xf = x_rot.float()
     rms = xf.square().mean(dim=-1, keepdim=True).sqrt()
     ncode = _encode_log_norm(rms)
-    s = _log_norm_table().to(x_rot.device)[ncode.long()]
+    s = log_norm_table().to(x_rot.device)[ncode.long()]
     v = torch.where(s > 0, xf / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xf))
-    _, mids = _levels(bits)
+    _, mids = value_levels(bits)
     codes = torch.bucketize(v, mids.to(x_rot.device)).to(torch.uint8)
     return codes, ncode
 
 
 def _decode_lloyd_max(codes: torch.Tensor, ncode: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes ``[..., D]`` and norm codes ``[..., 1]`` -> rotated values ``[..., D]`` float32."""
-    levels, _ = _levels(bits)
-    s = _log_norm_table().to(codes.device)[ncode.long()]
+    levels, _ = value_levels(bits)
+    s = log_norm_table().to(codes.device)[ncode.long()]
     return levels.to(codes.device)[codes.long()] * s
 
 
