@@ -245,7 +245,7 @@ def test_corrupted_truncated_and_mismatched_files(calib_file, tmp_path):
     with pytest.raises(FileNotFoundError, match="no calibration file at"):
         load_calibration(tmp_path / "missing.safetensors")
     _, meta = load_calibration(path)
-    with pytest.raises(CalibrationError, match="no 'kv_cache.calibration' metadata"):
+    with pytest.raises(CalibrationError, match="no 'kv_cache.calibration' header"):
         load_calibration(_rewrite(path, tmp_path / "nometa.safetensors", meta="x"))
     with pytest.raises(CalibrationError, match="format_version 99 is not supported"):
         load_calibration(_rewrite(path, tmp_path / "v99.safetensors", meta={**meta, "format_version": 99}))

@@ -19,9 +19,6 @@ Loading checks all of it; :meth:`CodecBasis.check_identity` checks the model.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +26,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..compression.checked_file import cached_loader, check_format, read_checked_header, read_tensors, tensor_digest, write_checked
 from ..compression.scorer_file import IDENTITY_KEYS, model_identity
 from .transform import orthonormalize
 
@@ -108,18 +106,13 @@ class CodecBasis:
                     "one for this model with `kvcache calibrate-codec --model M -o basis.safetensors`")
 
 
-def _digest(t: torch.Tensor) -> str:
-    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-    h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
+_digest = tensor_digest  # the old private name
 
 
 def save_basis(path: str | os.PathLike, layers: Mapping[int, Mapping[str, torch.Tensor]], model: Mapping[str, Any],
                info: Mapping[str, Any]) -> str:
     """Write bases (``layers[l]`` holds ``k_mean``, ``k_basis``, ``k_var``, ``v_...``) to ``path``
     (a temporary file, then renamed); returns the fingerprint."""
-    from safetensors.torch import save_file
-
     tensors: dict[str, torch.Tensor] = {}
     for i, rec in sorted(layers.items()):
         for kind in KINDS:
@@ -134,63 +127,22 @@ def save_basis(path: str | os.PathLike, layers: Mapping[int, Mapping[str, torch.
     header = {"format": FORMAT, "format_version": FORMAT_VERSION, "layers": sorted(int(i) for i in layers),
               "model": dict(model), "info": dict(info),
               "tensors": {k: _digest(v) for k, v in sorted(tensors.items())}}
-    text = json.dumps(header, sort_keys=True)
-    fingerprint = hashlib.sha256(text.encode()).hexdigest()
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={METADATA_KEY: text, SHA_KEY: fingerprint})
-    os.replace(tmp, path)
-    return fingerprint
+    return write_checked(path, tensors, header, header_key=METADATA_KEY, sha_key=SHA_KEY)
 
 
 def read_header(path: str | os.PathLike) -> dict[str, Any]:
     """The checked header of a basis file (format, version, header sha256), tensors unread; the
     fingerprint is added as ``"fingerprint"``."""
-    from safetensors import SafetensorError, safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no codec basis file at {str(path)!r}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise CodecBasisError(f"{path}: not a readable safetensors codec basis (corrupted or truncated?): {exc}") from None
-    text = meta.get(METADATA_KEY)
-    if text is None:
-        raise CodecBasisError(f"{path}: no {METADATA_KEY!r} header; was it written by `kvcache calibrate-codec`?")
-    found = hashlib.sha256(text.encode()).hexdigest()
-    if meta.get(SHA_KEY) != found:
-        raise CodecBasisError(f"{path} is corrupted: header sha256 expected {meta.get(SHA_KEY)}, found {found}")
-    header = json.loads(text)
-    if header.get("format") != FORMAT or header.get("format_version") != FORMAT_VERSION:
-        raise CodecBasisError(f"{path}: format {header.get('format')!r} version {header.get('format_version')!r}; "
-                              f"this release reads {FORMAT!r} version {FORMAT_VERSION}")
+    header, found = read_checked_header(path, header_key=METADATA_KEY, sha_key=SHA_KEY, error=CodecBasisError,
+                                        what="codec basis", written_by="`kvcache calibrate-codec`")
+    check_format(header, path, FORMAT, FORMAT_VERSION, CodecBasisError)
     header["fingerprint"] = found
     return header
 
 
-def load_basis(path: str | os.PathLike) -> CodecBasis:
-    """Read and check a basis file (cached by path, size and modification time)."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"no codec basis file at {str(p)!r}")
-    st = p.stat()
-    return _load_cached(str(p.resolve()), st.st_mtime_ns, st.st_size)
-
-
-@functools.lru_cache(maxsize=4)
-def _load_cached(path: str, mtime_ns: int, size: int) -> CodecBasis:
-    from safetensors.torch import load_file
-
+def _read_basis(path: str) -> CodecBasis:
     header = read_header(path)
-    tensors = load_file(path)
-    if sorted(tensors) != sorted(header["tensors"]):
-        raise CodecBasisError(f"{path}: tensors do not match the header's list")
-    for name, t in tensors.items():
-        if _digest(t) != header["tensors"][name]:
-            raise CodecBasisError(f"{path} is corrupted: tensor {name!r} sha256 expected {header['tensors'][name]}, "
-                                  f"found {_digest(t)}")
+    tensors = read_tensors(path, CodecBasisError, "codec basis", header["tensors"])
     layers, shape = {}, None
     for i in header["layers"]:
         rec = {}
@@ -223,6 +175,10 @@ def _load_cached(path: str, mtime_ns: int, size: int) -> CodecBasis:
     if not layers:
         raise CodecBasisError(f"{path}: holds no layer")
     return CodecBasis(layers, header["model"], header.get("info", {}), header["fingerprint"], path)
+
+
+load_basis = cached_loader(_read_basis, 4, "codec basis")
+load_basis.__doc__ = """Read and check a basis file (cached by path, size and modification time)."""
 
 
 def find_basis(fingerprint: str, directories: list[Path] | None = None) -> CodecBasis | None:

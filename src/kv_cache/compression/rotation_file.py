@@ -12,14 +12,14 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+
+from .checked_file import cached_loader, read_checked_header, read_tensors, write_checked
 
 from .rotation import calibrated_rotation
 
@@ -112,13 +112,10 @@ def save_calibration(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor
     CalibrationError (a ValueError)
         Metadata or tensors that do not agree.
     """
-    from safetensors.torch import save_file
-
     path = Path(path)
     meta = _check_meta(dict(meta), str(path))
     _check_tensors(tensors, meta, str(path))
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path),
-              metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
+    write_checked(path, tensors, meta, header_key=METADATA_KEY)
     return path
 
 
@@ -138,28 +135,10 @@ def load_calibration(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
         The file is not readable safetensors (corrupted, truncated), lacks the metadata
         header, has another format version, or its tensors do not match its header.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no calibration file at {str(path)!r}")
     where = str(path)
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise CalibrationError(f"{where}: not a readable safetensors calibration file "
-                               f"(corrupted or truncated?): {exc}") from None
-    if METADATA_KEY not in header:
-        raise CalibrationError(f"{where}: no {METADATA_KEY!r} metadata; was it written by save_calibration?")
-    try:
-        meta = json.loads(header[METADATA_KEY])
-    except json.JSONDecodeError as exc:
-        raise CalibrationError(f"{where}: metadata is not valid JSON: {exc}") from None
+    meta, _ = read_checked_header(path, header_key=METADATA_KEY, sha_key=None, error=CalibrationError,
+                                  what="calibration", written_by="save_calibration")
+    tensors = read_tensors(path, CalibrationError, "calibration")
     meta = _check_meta(meta, where)
     _check_tensors(tensors, meta, where)
     return {k: v.float() for k, v in tensors.items()}, meta
@@ -174,9 +153,7 @@ def check_against_model(meta: Mapping[str, Any], config: Any, where: str = "cali
                                    f"{key}={have[key]!r}")
 
 
-@functools.lru_cache(maxsize=4)
-def _load_cached(path: str, mtime_ns: int, size: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    return load_calibration(path)
+_load_cached = cached_loader(load_calibration, 4, "calibration")
 
 
 def rotation_matrices(path: str | os.PathLike, layer: int, kv_heads: int, head_dim: int,
@@ -195,10 +172,7 @@ def rotation_matrices(path: str | os.PathLike, layer: int, kv_heads: int, head_d
         model's values).
     """
     p = os.fspath(path)
-    if not os.path.isfile(p):
-        raise FileNotFoundError(f"no calibration file at {p!r}")
-    st = os.stat(p)
-    tensors, meta = _load_cached(p, st.st_mtime_ns, st.st_size)
+    tensors, meta = _load_cached(p)
     if (meta["kv_heads"], meta["head_dim"]) != (kv_heads, head_dim):
         raise CalibrationError(
             f"{p} was fitted for kv_heads={meta['kv_heads']}, head_dim={meta['head_dim']} "

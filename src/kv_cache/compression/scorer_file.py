@@ -14,15 +14,15 @@ Tensors: ``layers.<i>.<name>`` for each scored layer ``i`` and each tensor of it
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+
+from .checked_file import cached_loader, check_format, read_checked_header, read_tensors, tensor_digest, write_checked
 
 from .scorer import KINDS, LayerScorer, check_layer_scorer, score_hidden
 
@@ -101,16 +101,11 @@ def model_identity(model: Any) -> dict[str, Any]:
             "weights_sha256": hashlib.sha256(rows.view(torch.int16).numpy().tobytes()).hexdigest()}
 
 
-def _digest(t: torch.Tensor) -> str:
-    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-    h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
+_digest = tensor_digest  # the old private name
 
 
 def save_scorer(path: str | os.PathLike, scorer: Scorer) -> Path:
     """Write ``scorer`` to ``path`` (written to a temporary file, then renamed)."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
     for i, ls in sorted(scorer.layers.items()):
@@ -123,61 +118,23 @@ def save_scorer(path: str | os.PathLike, scorer: Scorer) -> Path:
     header = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": scorer.kind,
               "layers": sorted(int(i) for i in scorer.layers), "model": dict(scorer.model),
               "info": dict(scorer.info), "tensors": {k: _digest(v) for k, v in sorted(tensors.items())}}
-    text = json.dumps(header, sort_keys=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={METADATA_KEY: text, SHA_KEY: hashlib.sha256(text.encode()).hexdigest()})
-    os.replace(tmp, path)
+    write_checked(path, tensors, header, header_key=METADATA_KEY, sha_key=SHA_KEY)
     return path
 
 
 def read_header(path: str | os.PathLike) -> dict[str, Any]:
     """The checked header of a scorer file (format, version, header sha256), tensors unread."""
-    from safetensors import SafetensorError, safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no KVzap scorer file at {str(path)!r}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise ScorerFileError(f"{path}: not a readable safetensors scorer file (corrupted or truncated?): {exc}") from None
-    text = meta.get(METADATA_KEY)
-    if text is None:
-        raise ScorerFileError(f"{path}: no {METADATA_KEY!r} header; was it written by `kvcache calibrate-scorer`?")
-    found = hashlib.sha256(text.encode()).hexdigest()
-    if meta.get(SHA_KEY) != found:
-        raise ScorerFileError(f"{path} is corrupted: header sha256 expected {meta.get(SHA_KEY)}, found {found}")
-    header = json.loads(text)
-    if header.get("format") != FORMAT or header.get("format_version") != FORMAT_VERSION:
-        raise ScorerFileError(f"{path}: format {header.get('format')!r} version {header.get('format_version')!r}; "
-                              f"this release reads {FORMAT!r} version {FORMAT_VERSION}")
+    header, _ = read_checked_header(path, header_key=METADATA_KEY, sha_key=SHA_KEY, error=ScorerFileError,
+                                    what="KVzap scorer", written_by="`kvcache calibrate-scorer`")
+    check_format(header, path, FORMAT, FORMAT_VERSION, ScorerFileError)
     if header.get("kind") not in KINDS:
         raise ScorerFileError(f"{path}: kind must be one of {list(KINDS)}; got {header.get('kind')!r}")
     return header
 
 
-def load_scorer(path: str | os.PathLike) -> Scorer:
-    """Read and check a scorer file (cached by path, size and modification time)."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"no KVzap scorer file at {str(p)!r}")
-    st = p.stat()
-    return _load_cached(str(p.resolve()), st.st_mtime_ns, st.st_size)
-
-
-@functools.lru_cache(maxsize=8)
-def _load_cached(path: str, mtime_ns: int, size: int) -> Scorer:
-    from safetensors.torch import load_file
-
+def _read_scorer(path: str) -> Scorer:
     header = read_header(path)
-    tensors = load_file(path)
-    if sorted(tensors) != sorted(header["tensors"]):
-        raise ScorerFileError(f"{path}: tensors {sorted(tensors)} do not match the header's {sorted(header['tensors'])}")
-    for name, t in tensors.items():
-        if _digest(t) != header["tensors"][name]:
-            raise ScorerFileError(f"{path} is corrupted: tensor {name!r} sha256 expected {header['tensors'][name]}, "
-                                  f"found {_digest(t)}")
+    tensors = read_tensors(path, ScorerFileError, "KVzap scorer", header["tensors"])
     layers = {}
     for i in header["layers"]:
         get = {n: tensors.get(f"layers.{i}.{n}") for n in ("mu", "sigma", "w1", "b1", "w2", "b2")}
@@ -190,6 +147,10 @@ def _load_cached(path: str, mtime_ns: int, size: int) -> Scorer:
             raise ScorerFileError(str(exc)) from None
         layers[int(i)] = ls
     return Scorer(layers, header["model"], header.get("info", {}), path)
+
+
+load_scorer = cached_loader(_read_scorer, 8, "KVzap scorer")
+load_scorer.__doc__ = """Read and check a scorer file (cached by path, size and modification time)."""
 
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "IDENTITY_KEYS", "Scorer", "ScorerFileError", "load_scorer",
