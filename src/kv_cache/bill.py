@@ -3,7 +3,7 @@
 Runs a prompt through a real model, captures its full-precision KV cache, and for several
 configurations reports bytes before/after, bits per element including metadata, the byte and
 token compression ratios, the seed's total gain and the reconstruction error. (The main job,
-``kvcache demo``, runs the compressed cache inside ``generate`` instead; see ``cli.py``.)
+``kvcache demo``, runs the compressed cache inside ``generate`` instead; see :mod:`kv_cache.cli.main`.)
 """
 
 from __future__ import annotations

@@ -87,11 +87,13 @@ class QuantConfig:
     **Defaults: the best measured layout for the widths in use.** Every layout field left at
     ``"auto"`` is resolved in ``__post_init__`` (the stored config holds concrete values):
 
-    * 2-4 bits (keys, values and every ``layer_bits`` entry): :data:`BEST_LAYOUT`, a randomized
-      Hadamard rotation, per-token keys, Lloyd-Max levels with one 8-bit log-coded norm per
-      vector, 4 float16 sinks, flush blocks of 4 tokens. On SmolLM2 (``docs/results/``) this
-      layout beats KIVI at every width: 4 bits +0.46% ppl at 4.25 bits per element against
-      +1.65% at 5.0, 3 bits +2.5% against KIVI 2-bit's +25.6% at about the same bytes.
+    * 2-4 bits (keys, values and every ``layer_bits`` entry): :data:`BEST_LAYOUT`: keys per
+      channel in groups of 32 tokens (uniform levels, a float16 scale and a zero point per
+      group, never rotated), values rotated by a randomized Hadamard rotation with Lloyd-Max
+      levels and one 8-bit log-coded norm per vector, 4 float16 sinks and a float16 residual of
+      up to 31 tokens. It holds on SmolLM2, Qwen2.5 and Gemma 3 (``docs/results/``, math
+      dictionary §25), where the earlier per-token keys (:data:`PER_TOKEN_LAYOUT`, one argument
+      away: ``key_grouping="token"``) cost Qwen2.5 +60% perplexity.
     * any 8-bit width: :data:`KIVI_LAYOUT` (per-channel keys in groups of 32 tokens, per-token
       values, uniform asymmetric levels, a 32-token residual), also :meth:`kivi` at any width.
 

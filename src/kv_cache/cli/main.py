@@ -155,7 +155,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     print(paths["markdown"].read_text())
     for spec, why in doc.get("skipped", {}).items():
         print(f"skipped {spec}: {why}", file=sys.stderr)
-    print(f"results: {paths['json']}\ntable:   {paths['markdown']}\nplot:    {paths['plot']}")
+    print(f"results: {paths['json']}\ntable:   {paths['markdown']}\nplot:    {paths['plot'] or paths['plot_missing']}")
     return 0
 
 

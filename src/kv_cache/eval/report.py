@@ -242,10 +242,20 @@ def pareto_plot(doc: dict, path: str | Path) -> Path:
     return path
 
 
+PLOT_EXTRA = "pip install 'kv_cache[plot]'"
+"""What draws ``pareto.png``: matplotlib, in the ``plot`` extra (``make demo`` installs it)."""
+
+
 def write_reports(doc: dict, out_dir: str | Path) -> dict[str, Any]:
-    """Write ``results.md`` and ``pareto.png`` next to ``results.json``; return their paths."""
+    """Write ``results.md`` and ``pareto.png`` next to ``results.json``; return their paths
+    (``plot`` None, and ``plot_missing`` saying how to get it, without matplotlib)."""
+    import importlib.util
+
     out = Path(out_dir)
     md = out / "results.md"
     md.write_text(markdown_table(doc) + "\n")
+    if importlib.util.find_spec("matplotlib") is None:
+        return {"markdown": md, "plot": None, "plot_missing": f"not drawn: matplotlib is not installed ({PLOT_EXTRA})",
+                "json": out / "results.json"}
     png = pareto_plot(doc, out / "pareto.png")
     return {"markdown": md, "plot": png, "json": out / "results.json"}
