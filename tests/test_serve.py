@@ -284,11 +284,10 @@ def test_request_timeout_504(stories, tmp_path):
         server.engine.submit(lambda job: (started.set(), release.wait(30)))
         try:
             assert started.wait(30)
-            t0 = time.monotonic()
             r = httpx.post(server.base_url + "/v1/chat/completions", headers=AUTH, timeout=30,
                            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
             error(r, 504, "request_timeout")
-            assert time.monotonic() - t0 < 10
+            assert server.engine.running == 1  # answered at its deadline while the worker is still held
         finally:
             release.set()
         r = httpx.post(server.base_url + "/v1/chat/completions", headers=AUTH, timeout=30,

@@ -240,11 +240,9 @@ def test_fifty_megabytes_413_and_deep_json_400_at_the_default_limits(stories, tm
                 yield b"x" * (1 << 20)
 
         before = _rss()
-        t0 = time.monotonic()
         r = httpx.post(server.base_url + "/v1/contexts", content=chunks(),
                        headers={**AUTH, "content-type": "application/json"}, timeout=60)
         error(r, 413, "payload_too_large")
-        assert time.monotonic() - t0 < 30
         assert _rss() - before < 48 << 20  # the 8 MiB read, the rest dropped chunk by chunk
         r = httpx.post(server.base_url + "/v1/contexts", content=b"x" * (50 << 20),
                        headers={**AUTH, "content-type": "application/json"}, timeout=60)
@@ -291,10 +289,9 @@ def test_tokens_checked_outside_the_model_lock(srv, stories):
         srv.service.max_document_tokens = 50
         long_doc = "Lily and Tom played in the park. " * 30
         assert len(tok(long_doc).input_ids) > 50
-        t0 = time.monotonic()
         r = httpx.post(srv.base_url + "/v1/contexts", json={"document": long_doc}, headers=AUTH, timeout=30)
         error(r, 400, "document_too_long")
-        assert time.monotonic() - t0 < 10
+        assert srv.engine.running == 1 and not release.is_set()  # refused while the worker is still held
     finally:
         srv.service.max_document_tokens = None
         release.set()

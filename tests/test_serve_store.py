@@ -164,7 +164,7 @@ def test_lru_capped_in_bytes_and_temp_files_removed(stories, tmp_path):
 def _start_child(store_dir, marker, port, pause="none", *extra):
     cmd = [sys.executable, str(REPO / "tests" / "serve_child.py"), pause, "1", str(marker), "--", "--model", MODEL,
            "--store", str(store_dir), "--port", str(port), "--api-key", KEY, "--log-level", "warning",
-           "--shutdown-timeout", "10", *extra]
+           "--shutdown-timeout", "10", "--no-access-log", *extra]
     child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -204,10 +204,10 @@ def test_sigterm_during_a_write_finishes_it_and_exits(stories, tmp_path):
             while not marker.exists():
                 assert time.monotonic() < deadline and child.poll() is None, "the child never reached the write"
                 time.sleep(0.02)
-            t0 = time.monotonic()
             child.send_signal(signal.SIGTERM)
-            assert child.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once stopped
-            assert time.monotonic() - t0 < 12  # the 3 s write + the shutdown, well within --shutdown-timeout
+            # ended by itself (uvicorn re-raises the signal once stopped), not by the watchdog that
+            # ends a process still there at --shutdown-timeout (10 s) + 0.5 s with status 1
+            assert child.wait(timeout=30) in (0, -signal.SIGTERM)
             second = pending.result(timeout=30)
             pool.shutdown()
     finally:
@@ -224,7 +224,8 @@ def test_sigterm_while_answering_stops_within_bounded_time(tmp_path):
     """SIGTERM while one answer streams and others wait: the stream ends, the waiting requests
     are answered 503 ``shutting_down``, the process exits within seconds."""
     store_dir, port = tmp_path / "store", free_port()
-    child, base = _start_child(store_dir, tmp_path / "unused", port, "none", "--queue-size", "8")
+    child, base = _start_child(store_dir, tmp_path / "unused", port, "none", "--queue-size", "8",
+                               "--shutdown-timeout", "6")
     results: list = []
     try:
         oc = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
@@ -263,10 +264,10 @@ def test_sigterm_while_answering_stops_within_bounded_time(tmp_path):
             assert time.monotonic() < deadline, "the four requests never queued"
             time.sleep(0.01)
         assert not any(kind == "stream" for kind, _ in results), "the stream ended before the signal"
-        t0 = time.monotonic()
         child.send_signal(signal.SIGTERM)
-        assert child.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once stopped
-        assert time.monotonic() - t0 < 8
+        # ended by itself within --shutdown-timeout (6 s here): the watchdog would have ended it
+        # with status 1 at 6.5 s
+        assert child.wait(timeout=30) in (0, -signal.SIGTERM)
         for t in threads:
             t.join(timeout=30)
     finally:
@@ -305,16 +306,14 @@ def test_shutdown_during_a_long_compression_answers_at_once_and_writes_nothing(s
         pending = pool.submit(httpx.post, server.base_url + "/v1/contexts", headers=AUTH, timeout=60,
                               json={"document": DOC, "method": "q4d"})
         assert building.wait(60)
-        t0 = time.monotonic()
         server.engine.begin_shutdown()  # what the CLI's Server.handle_exit starts on SIGTERM
         server.should_exit = True
         r = pending.result(timeout=30)
-        answered = time.monotonic() - t0
         error(r, 503, "shutting_down")
-        assert answered < 2
+        assert not built.is_set()  # answered while the 5 s build still runs
         pool.shutdown()
         server.thread.join(timeout=30)
-        assert not server.thread.is_alive() and time.monotonic() - t0 < 5  # before the 5 s build ends
+        assert not server.thread.is_alive() and not built.is_set()  # stopped without waiting for the build
     assert built.wait(30)
     time.sleep(0.5)
     assert [p.name for p in store_dir.iterdir()] == [SALT_FILE]  # the compression ended after the shutdown: nothing written
