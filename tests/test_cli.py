@@ -255,10 +255,13 @@ def test_cli_defaults_are_the_config_dataclass(monkeypatch, capsys):
     from kv_cache.eval.runner import EvalConfig
 
     assert _config_from_cli(monkeypatch, ["eval"]) == (EvalConfig(), "runs/eval")
+    from kv_cache.cli.main import DEMO_TEXT
+
     demo = EvalConfig(model="smollm2", tasks=["ppl", "needle"], samples=2, context=1024, continuation=128,
-                      methods=["full", "q8", "q4", "q4d", "q2d", "8x", "16x", "kvzip@0.25", "kvzap@0.25",
-                               "snapkv@0.5", "h2o@0.5", "q4+h2o@0.5"])
+                      methods=["full", "q8", "q4", "q4d", "q2d", "8x", "kvzip@0.25", "kvzap@0.25",
+                               "snapkv@0.5", "h2o@0.5", "q4+h2o@0.5"], text=str(DEMO_TEXT))
     assert _config_from_cli(monkeypatch, ["demo"]) == (demo, "runs/demo")
+    assert DEMO_TEXT.is_file() and DEMO_TEXT.stat().st_size > 200_000  # shipped: a bare clone has no shared/
     flags = ["eval", "--tasks", "ppl,needle", "--query-aware", "--depths", "0.1,0.9", "--samples", "3",
              "--haystack", "noise", "--text", str(TEXT), "--out", "o"]
     want = EvalConfig(tasks=["ppl", "needle"], query_aware=True, depths=[0.1, 0.9], samples=3, haystack="noise",

@@ -51,7 +51,10 @@ def markdown_table(doc: dict) -> str:
         for t in m["tasks"]:
             if t not in tasks and t != LONGGEN:  # longgen has a table of its own
                 tasks.append(t)
-    head = ["method", "bits", "budget", "KV bytes (measured)", "ratio vs fp16", "bits/elem"]
+    full = next((m for m in methods if m.get("spec") == "full" and m.get("kv_bytes")), None)
+    dtype = doc.get("config", {}).get("dtype") or "the model's dtype"
+    head = ["method", "bits", "budget", "KV bytes (measured)", *([f"vs full ({dtype})"] if full else []),
+            "ratio vs fp16", "bits/elem"]
     for t in tasks:
         head += ["ppl", "Δppl", "greedy agree", "KL"] if t == "ppl" else [f"{t} acc"]
     head.append("decode tok/s")
@@ -69,8 +72,10 @@ def markdown_table(doc: dict) -> str:
         # A plan (preset or file) sets its widths per layer and model: no single bits to show.
         planned = str(m.get("resolved", "")).startswith(("kv_cache preset", "kv_cache plan"))
         bits = "-" if planned and m.get("bits") is None else str(m.get("bits") or "16")
-        row = [f"`{m['spec']}`", bits, "-" if m.get("budget") is None else str(m["budget"]),
-               fmt_bytes(m.get("kv_bytes")), "-" if not m.get("ratio") else f"{m['ratio']:.2f}x"]
+        row = [f"`{m['spec']}`", bits, "-" if m.get("budget") is None else str(m["budget"]), fmt_bytes(m.get("kv_bytes"))]
+        if full:  # against the full cache in the model's own dtype: the full row reads 1.00x
+            row.append(f"{full['kv_bytes'] / m['kv_bytes']:.2f}x" if m.get("kv_bytes") else "-")
+        row.append("-" if not m.get("ratio") else f"{m['ratio']:.2f}x")
         bpe = _bits_per_element(m)
         row.append("-" if bpe is None else f"{bpe:.2f}")
         for t in tasks:
@@ -106,7 +111,8 @@ def markdown_table(doc: dict) -> str:
     cfg = doc.get("config", {})
     lines.append(f"\nModel `{cfg.get('model')}`, context {cfg.get('context')} tokens, {cfg.get('samples')} samples "
                  f"per task, {'query-aware' if cfg.get('query_aware') else 'query-agnostic'}; KV bytes are the sum "
-                 "of tensor nbytes each cache holds after prefill; ratio = fp16 full-cache bytes / measured bytes; "
+                 "of tensor nbytes each cache holds after prefill; vs full = the full cache's measured bytes (the model's "
+                 "dtype) / measured bytes; ratio vs fp16 = fp16 full-cache bytes / measured bytes; "
                  "bits/elem = 8 x KV bytes / (2 x layers x kv_heads x head_dim x tokens) = 16 / ratio, over every "
                  "token of the context prefilled, so for eviction methods it is per element of the full context "
                  "(what a token of context costs), not per element kept.")

@@ -59,6 +59,23 @@ KNOWN_TASKS = ("ppl", *TASKS, LONGGEN)
 DECODE_TIMING_TOKENS = 8
 
 
+SHIPPED_TEXT = Path(__file__).resolve().parent / "data" / "wikitext-2-test-excerpt.raw"
+"""The first 240 KB of the wikitext-2 test split, shipped with the package (CC BY-SA 3.0, see
+``data/SOURCE.txt``): the demo's text, and ``kvcache eval``'s where no shared data folder is."""
+
+
+def default_text() -> Path:
+    """The wikitext-2 test split of the shared data folder, else the excerpt shipped with the
+    package (:data:`SHIPPED_TEXT`; a bare clone has no shared folder)."""
+    from ..models import shared_data_dir
+
+    try:
+        path = shared_data_dir() / "wikitext-2-raw" / "wiki.test.raw"
+    except FileNotFoundError:
+        return SHIPPED_TEXT
+    return path if path.is_file() else SHIPPED_TEXT
+
+
 def resolve_task(name: str) -> str:
     """Map a task name or alias to its canonical name; unknown names list the known ones."""
     key = name.strip().lower()
@@ -167,7 +184,8 @@ class EvalConfig:
     model: str = _option("smollm2", "alias (smollm2, stories260K), local HF directory, .gguf file or hub id")
     dtype: str = _option("float32", "model dtype: float32, bfloat16 or float16 (the cache keeps it; statistics "
                                     "stay float32)")
-    text: str | None = _option(None, "haystack / perplexity text file [wikitext-2 test from ../shared/data]")
+    text: str | None = _option(None, "haystack / perplexity text file [wikitext-2 test from ../shared/data, else "
+                                     "the excerpt shipped with the package]")
     tasks: list[str] = _option(["ppl"], "comma-separated tasks")
     methods: list[str] = _option(["full", "q4"], "comma-separated method specs")
     samples: int = _option(8, "samples per task")
@@ -187,9 +205,7 @@ class EvalConfig:
         if self.dtype not in EVAL_DTYPES:
             raise ValueError(f"dtype must be one of {list(EVAL_DTYPES)}; got {self.dtype!r}")
         if not self.text:
-            from ..models import shared_data_dir
-
-            self.text = str(shared_data_dir() / "wikitext-2-raw" / "wiki.test.raw")
+            self.text = str(default_text())
 
     def fingerprint(self, text_sha: str) -> str:
         d = {k: getattr(self, k) for k in ("model", "samples", "context", "continuation", "query_aware",
