@@ -71,7 +71,8 @@ def markdown_table(doc: dict) -> str:
     for m in methods:
         # A plan (preset or file) sets its widths per layer and model: no single bits to show.
         planned = str(m.get("resolved", "")).startswith(("kv_cache preset", "kv_cache plan"))
-        bits = "-" if planned and m.get("bits") is None else str(m.get("bits") or "16")
+        unquantized = {"float32": "32"}.get(doc.get("config", {}).get("dtype"), "16")  # the model's own width
+        bits = "-" if planned and m.get("bits") is None else str(m.get("bits") or unquantized)
         row = [f"`{m['spec']}`", bits, "-" if m.get("budget") is None else str(m["budget"]), fmt_bytes(m.get("kv_bytes"))]
         if full:  # against the full cache in the model's own dtype: the full row reads 1.00x
             row.append(f"{full['kv_bytes'] / m['kv_bytes']:.2f}x" if m.get("kv_bytes") else "-")
