@@ -230,18 +230,24 @@ def test_log_coded_cache_in_model_generate_and_accounting(stories):
     from kv_cache.eval.accounting import walked_nbytes
     from kv_cache.spec.grammar import parse_quant
 
+    from kv_cache.generation import forward_at
+
     model, tok = stories
     ids = tok("Once upon a time there was a little girl who liked to play in the park.", return_tensors="pt").input_ids
+    cont = tok(["She ran to the swings and her mom pushed her high into the sky."], return_tensors="pt").input_ids[:, 1:]
     out = {}
     for spec in ("q3g4r4s2htc16l", "q3g4r4s2htc16le"):
         cache = CompressedCache(model.config, quant=parse_quant(spec))
-        with compress(model, cache):
-            out[spec] = model(ids, past_key_values=cache).logits
+        with torch.no_grad(), compress(model, cache):
+            forward_at(model, cache, ids, 0)
+            out[spec] = forward_at(model, cache, cont, ids.shape[1])  # a continuation: it reads the cache
         rep = cache.memory_report()
         assert rep.total_bytes == walked_nbytes(cache)
         out[spec + "scales"] = rep.scales_bytes
     assert out["q3g4r4s2htc16lescales"] * 2 == out["q3g4r4s2htc16lscales"]
-    torch.testing.assert_close(out["q3g4r4s2htc16le"], out["q3g4r4s2htc16l"], rtol=0, atol=5e-2)
+    # 8-bit log-coded norms cost little next to float16 ones: measured max |d logit| 0.43 on this
+    # continuation, where a 2-bit layout differs by 10.6 and uniform levels by 8.8
+    assert (out["q3g4r4s2htc16le"] - out["q3g4r4s2htc16l"]).abs().max().item() < 1.0
 
 
 def test_qblock_scale_table_is_validated():
