@@ -1,11 +1,21 @@
 """Golden tests on real models of two families: SmolLM2-135M (Llama) and Qwen2.5-Coder-0.5B (Qwen2).
 
-Held-out text (Moby Dick, pg2701: never used for any calibration), one window per model:
-768 tokens prefilled and compressed, the next 256 scored. Against the full cache of the same
-window: ``q4d`` (``QuantConfig(bits=4)``) within +1.5%, the ``8x`` preset within +3%,
-``kvzip@0.25`` within +5%; the fidelity check quiet on all of them. The tiny random grid
-(``test_architectures.py``) cannot catch a layout that breaks one family's keys (Qwen2's key
-bias broke the previous per-token default by +60%): these can.
+Held-out text (Moby Dick, pg2701: never used for any calibration): 768 tokens prefilled and
+compressed, the next 256 scored, against the full cache of the same window. Bounds sit at about
+twice the measured figure (wave 5):
+
+* ``q4d`` (``QuantConfig(bits=4)``) over four windows (chapters 1, 10, 20 and 40): the mean
+  next-token KL from the full cache, which is stable across windows where the perplexity of 256
+  tokens is not (KIVI-4 scores *below* the full cache on two of the four windows). Measured
+  0.0021 (SmolLM2) and 0.0038 (Qwen2.5), bounds 0.0042 and 0.0057; KIVI-4 measures 0.0058 and
+  0.0064, so a fall to KIVI's quality fails (on Qwen2.5 KIVI-4 is only 1.7x q4d's KL, hence 1.5x
+  there).
+* the ``8x`` preset and ``kvzip@0.25`` on the chapter-1 window: perplexity within about twice
+  what they measure there (8x +1.86% / +0.37%, kvzip@0.25 +3.38% / +3.12%).
+
+The fidelity check stays quiet on all of them. The tiny random grid (``test_architectures.py``)
+cannot catch a layout that breaks one family's keys (Qwen2's key bias broke the previous
+per-token default by +60%): these can.
 """
 
 from __future__ import annotations
@@ -24,22 +34,32 @@ from kv_cache.models import load_model, shared_data_dir
 from kv_cache.plan import preset_plan
 
 PREFIX, SCORED = 768, 256
-LIMITS = {"q4d": 0.015, "8x": 0.03, "kvzip@0.25": 0.05}
+LIMITS = {  # Δppl on the chapter-1 window, about twice the measured figure
+    ("smollm2", "8x"): 0.037, ("smollm2", "kvzip@0.25"): 0.068,
+    ("qwen2.5-0.5b", "8x"): 0.0075, ("qwen2.5-0.5b", "kvzip@0.25"): 0.063,
+}
+Q4D_KL = {"smollm2": 0.0042, "qwen2.5-0.5b": 0.0057}  # mean KL over CHAPTERS (see the module docstring)
+CHAPTERS = ("CHAPTER 1. Loomings.", "CHAPTER 10. A Bosom Friend.", "CHAPTER 20. All Astir.",
+            "CHAPTER 40. Midnight, Forecastle.")
 
 
-def _window(tok) -> torch.Tensor:
+def _window(tok, chapter: str = CHAPTERS[0]) -> torch.Tensor:
     text = (shared_data_dir() / "gutenberg" / "pg2701.txt").read_text(encoding="utf-8").replace("\r\n", "\n")
-    start = text.index("CHAPTER 1. Loomings.")
+    start = text.index(chapter)
     return torch.tensor([tok(text[start:start + 8000]).input_ids[:PREFIX + SCORED]])
 
 
-def _ppl(model, tok, ids: torch.Tensor, cache) -> float:
+def _log_probs(model, tok, ids: torch.Tensor, cache) -> torch.Tensor:
+    """Next-token log-probabilities ``[SCORED, vocab]`` of the scored tokens, read through ``cache``."""
     with torch.no_grad(), kv_cache.compress(model, cache):  # the native attention reads ragged heads
         last, _ = kv_cache.prefill(model, cache, ids[:, :PREFIX], tokenizer=tok, last_only=True)
         cont = forward_at(model, cache, ids[:, PREFIX:-1], PREFIX)
-    logits = torch.cat([last[:, -1:].float(), cont], 1)[0]  # predicts tokens PREFIX..end
-    nll = torch.nn.functional.cross_entropy(logits, ids[0, PREFIX:], reduction="mean")
-    return math.exp(float(nll))
+    return torch.cat([last[:, -1:].float(), cont], 1)[0].log_softmax(-1)  # predicts tokens PREFIX..end
+
+
+def _ppl(model, tok, ids: torch.Tensor, cache) -> float:
+    lp = _log_probs(model, tok, ids, cache)
+    return math.exp(float(-lp.gather(1, ids[0, PREFIX:, None]).mean()))
 
 
 def _cache(model, name: str):
@@ -62,7 +82,27 @@ def _model_and_full(alias: str):
 # (4-bit codes + KVzip sized to 8.0x by its measured bytes, §19.6, scoring a token also by what the
 # prompt's last 96 queries read, §19.7) costs +1.9% and +0.4% here (+4.5% and +5.4% with the
 # reconstruction score alone).
-CASES = [(alias, name) for alias in ("smollm2", "qwen2.5-0.5b") for name in LIMITS]
+CASES = sorted(LIMITS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alias", sorted(Q4D_KL))
+def test_default_layout_holds_on_real_families(alias):
+    """``q4d``: the mean next-token KL from the full cache over four held-out windows within
+    Q4D_KL (about twice the measured figure: KIVI-4's quality fails it), the fidelity check quiet."""
+    model, tok = load_model(alias)
+    kls = []
+    for chapter in CHAPTERS:
+        ids = _window(tok, chapter)
+        full = _log_probs(model, tok, ids, CompressedCache(model.config))
+        cache = _cache(model, "q4d")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FidelityWarning)  # the check (§26) must stay quiet
+            got = _log_probs(model, tok, ids, cache)
+        assert cache.memory_report().attention_errors, f"{alias} {chapter}: the fidelity check did not run"
+        kls.append(float((full.exp() * (full - got)).sum(-1).mean()))
+    mean = sum(kls) / len(kls)
+    assert mean <= Q4D_KL[alias], f"{alias} q4d: mean KL {mean:.5f} over {len(kls)} windows > {Q4D_KL[alias]} ({kls})"
 
 
 @pytest.mark.slow
@@ -77,9 +117,9 @@ def test_defaults_hold_on_real_families(alias, name):
     assert report.attention_errors, f"{alias} {name}: the fidelity check did not run"
     # the eviction check after KVzip (measured here: kvzip@0.25 drops 0.12 / 0.20 of the last
     # queries' attention, 8x 0.07 / 0.16, against the limit 0.25)
-    assert (report.mean_evicted_attention is not None) == (name != "q4d"), f"{alias} {name}: eviction check"
-    delta = ppl / full - 1
-    assert delta <= LIMITS[name], f"{alias} {name}: {ppl:.3f} against full {full:.3f} ({delta:+.2%} > {LIMITS[name]:+.1%})"
+    assert report.mean_evicted_attention is not None, f"{alias} {name}: eviction check"
+    delta, limit = ppl / full - 1, LIMITS[(alias, name)]
+    assert delta <= limit, f"{alias} {name}: {ppl:.3f} against full {full:.3f} ({delta:+.2%} > {limit:+.2%})"
 
 
 @pytest.mark.slow
