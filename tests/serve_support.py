@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -77,3 +79,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_child(store_dir, marker, port, pause="none", *extra, skip: int = 1):
+    """``kvcache serve`` in a child process (tests/serve_child.py: it pauses its write number
+    ``skip + 1`` at ``pause``), on 127.0.0.1:``port`` with one key and --shutdown-timeout 10 (the
+    ``extra`` flags come last and win); ``(child, base url)`` once ``/health`` answers."""
+    import httpx
+    import pytest
+
+    cmd = [sys.executable, str(REPO / "tests" / "serve_child.py"), pause, str(skip), str(marker), "--", "--model",
+           MODEL, "--store", str(store_dir), "--port", str(port), "--api-key", KEY, "--log-level", "warning",
+           "--shutdown-timeout", "10", "--no-access-log", *extra]
+    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if child.poll() is not None:
+            pytest.fail(f"the server child exited: {child.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return child, base
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            child.kill()
+            pytest.fail("the server child did not start within 120 s")
+        time.sleep(0.2)

@@ -35,7 +35,7 @@ from kv_cache.integrations.serve.engine import Engine  # noqa: E402
 from kv_cache.integrations.serve.errors import ApiError  # noqa: E402
 from kv_cache.integrations.serve.metrics import ACCESS_LOG  # noqa: E402
 from kv_cache.integrations.serve.store import SALT_FILE, ContextStore  # noqa: E402
-from serve_support import AUTH, DOC, KEY, MODEL, REPO, create, error, free_port, serving  # noqa: E402
+from serve_support import AUTH, DOC, KEY, MODEL, REPO, create, error, free_port, serving, start_child  # noqa: E402
 
 KEY2 = "second-key"
 AUTH2 = {"Authorization": f"Bearer {KEY2}"}
@@ -276,32 +276,13 @@ def test_shutdown_forces_the_exit_at_the_timeout_or_a_second_signal():
     assert exits2 == [1]
 
 
-def _child(store_dir, marker, port, pause, *extra):
-    cmd = [sys.executable, str(REPO / "tests" / "serve_child.py"), pause, "0", str(marker), "--", "--model", MODEL,
-           "--store", str(store_dir), "--port", str(port), "--api-key", KEY, "--log-level", "warning",
-           "--no-access-log", *extra]
-    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if child.poll() is not None:
-            pytest.fail(f"the server child exited: {child.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return child, base
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server child did not start within 120 s"
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("signals", [1, 2])
 def test_sigterm_ends_a_process_whose_worker_is_stuck(tmp_path, signals):
     """The worker hangs inside a write (paused for 600 s): one SIGTERM ends the process within
     --shutdown-timeout (2 s) + the 0.5 s grace, a second one at once (each + 3 s for a loaded
     machine, far below the 600 s the worker would take)."""
     marker = tmp_path / "paused"
-    child, base = _child(tmp_path / "store", marker, free_port(), "open", "--shutdown-timeout", "2")
+    child, base = start_child(tmp_path / "store", marker, free_port(), "open", "--shutdown-timeout", "2", skip=0)
     try:
         pending = threading.Thread(target=lambda: httpx.post(base + "/v1/contexts", json={"document": DOC},
                                                              headers=AUTH, timeout=60), daemon=True)

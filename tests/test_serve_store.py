@@ -20,7 +20,8 @@ from kv_cache import CompressedContext  # noqa: E402
 from kv_cache.integrations.serve.store import ANY_OWNER, SALT_FILE  # noqa: E402
 from kv_cache.integrations.serve.auth import key_id  # noqa: E402
 from kv_cache.integrations.serve.store import ContextStore  # noqa: E402
-from serve_support import AUTH, DOC, KEY, MODEL, QUESTION, REPO, ask, create, error, free_port, serving  # noqa: E402
+from serve_support import (AUTH, DOC, KEY, MODEL, QUESTION, REPO, ask, create, error, free_port, serving,  # noqa: E402
+                           start_child)
 
 
 # ------------------------------------------------------------------------------ persistence
@@ -162,24 +163,7 @@ def test_lru_capped_in_bytes_and_temp_files_removed(stories, tmp_path):
 
 # ------------------------------------------------------------------------------ SIGTERM
 def _start_child(store_dir, marker, port, pause="none", *extra):
-    cmd = [sys.executable, str(REPO / "tests" / "serve_child.py"), pause, "1", str(marker), "--", "--model", MODEL,
-           "--store", str(store_dir), "--port", str(port), "--api-key", KEY, "--log-level", "warning",
-           "--shutdown-timeout", "10", "--no-access-log", *extra]
-    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if child.poll() is not None:
-            pytest.fail(f"the server child exited: {child.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return child, base
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            child.kill()
-            pytest.fail("the server child did not start within 120 s")
-        time.sleep(0.2)
+    return start_child(store_dir, marker, port, pause, *extra)
 
 
 def _stop(child):
