@@ -94,23 +94,8 @@ def test_kill_during_compression_leaves_no_partial_entry(stories, tmp_path, paus
     complete one at either rename); the folder then holds the earlier context only."""
     model, tok = stories
     store_dir, marker, port = tmp_path / "store", tmp_path / "paused", free_port()
-    cmd = [sys.executable, str(REPO / "tests" / "serve_child.py"), pause, "1", str(marker), "--", "--model", MODEL,
-           "--store", str(store_dir), "--port", str(port), "--api-key", KEY, "--log-level", "warning"]
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
+    child, base = start_child(store_dir, marker, port, pause)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if child.poll() is not None:
-                pytest.fail(f"the server child exited: {child.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the server child did not start within 120 s")
-            time.sleep(0.2)
         with httpx.Client(base_url=base, headers=AUTH, timeout=60) as h:
             first = create(h, method="q4d")  # written before the pause
             pool = ThreadPoolExecutor(1)
@@ -131,7 +116,6 @@ def test_kill_during_compression_leaves_no_partial_entry(stories, tmp_path, paus
         if child.poll() is None:
             child.kill()
             child.wait(timeout=30)
-        child.stdout.close()
         child.stderr.close()
 
     store = ContextStore(store_dir, model, tok)  # what a restarted server sees
