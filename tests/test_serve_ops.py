@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import os
 import signal
 import subprocess
@@ -348,8 +349,15 @@ def test_metrics_version_and_one_access_line_per_request(keyed, caplog):
 
 def test_openapi_publishes_the_request_schemas(keyed):
     spec = httpx.get(keyed.base_url + "/openapi.json", headers=AUTH).json()
-    chat = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    ctx = spec["paths"]["/v1/contexts"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    components = spec["components"]["schemas"]
+    refs = set(re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(spec)))
+    assert refs and refs <= set(components), refs - set(components)  # every reference resolves
+
+    def body(path):
+        ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        return components[ref.rsplit("/", 1)[1]]
+
+    chat, ctx = body("/v1/chat/completions"), body("/v1/contexts")
     assert {"model", "messages", "context_id", "stop"} <= set(chat["properties"]) and "messages" in chat["required"]
     assert {"document", "method", "preset", "plan"} <= set(ctx["properties"])
     assert ctx["properties"]["method"]["anyOf"][0]["maxLength"] == 256

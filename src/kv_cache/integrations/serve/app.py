@@ -74,10 +74,26 @@ JSON_TYPES = ("application/json",)
 """The ``Content-Type`` a POST body must have (parameters such as ``charset=utf-8`` allowed)."""
 
 
+BODY_MODELS = (ChatCompletionRequest, ContextCreateRequest)
+"""The request bodies the routes read themselves (published in ``/openapi.json``)."""
+
+
 def _body_schema(model: type) -> dict[str, Any]:
-    """``openapi_extra`` of a route that reads its body itself: the schema of ``model``."""
+    """``openapi_extra`` of a route that reads its body itself: a reference to ``model``'s schema
+    (added to the document's components by :func:`_body_components`)."""
     return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _body_components() -> dict[str, Any]:
+    """The schemas of :data:`BODY_MODELS` and of the models they nest, by name, their references
+    pointing into the document's ``components``."""
+    out: dict[str, Any] = {}
+    for model in BODY_MODELS:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        out.update(schema.pop("$defs", {}))
+        out[model.__name__] = schema
+    return out
 
 
 class AccessLog:
@@ -402,6 +418,15 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
+    generated = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, with the request bodies' schemas among its components."""
+        if app.openapi_schema is None:
+            generated().setdefault("components", {}).setdefault("schemas", {}).update(_body_components())
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.add_middleware(Guard)
     app.add_middleware(AccessLog, metrics=metrics)  # added last: the outermost, so every answer is logged
     return app
