@@ -34,7 +34,7 @@ from ..policies import POLICIES, EvictionPolicy
 from ..policies.base import SCOPES
 from .method import MAX_SPEC_CHARS, REFERENCE_SPEC, Method, MethodUnavailable
 from .peers import (HF_BACKENDS, HF_QUANT_KWARGS, KVPRESS_PRESSES, KVPRESS_WRAPPERS, HFBackend,  # noqa: F401 (old names)
-                    _hf, _hf_fp8, _kvpress)
+                    hf_method, hf_fp8_method, kvpress_method)
 from .plans import plan_file as _plan_file, preset as _preset
 
 
@@ -161,35 +161,35 @@ def _ours(spec: str, parts: list[str]) -> Method:
         m = _FILE.match(part)
         if m:
             if file_ratio is not None:
-                raise _unknown(spec, "two file parts")
+                raise unknown_spec(spec, "two file parts")
             file_ratio = float(m["ratio"])
             if file_ratio < 1:
-                raise _unknown(spec, f"file<R> needs R >= 1 (fp16 K/V bytes over file bytes); got {file_ratio:g}")
+                raise unknown_spec(spec, f"file<R> needs R >= 1 (fp16 K/V bytes over file bytes); got {file_ratio:g}")
             continue
         m = _QUANT.match(part)
         if m:
             if quant is not None:
-                raise _unknown(spec, "two quantization parts")
+                raise unknown_spec(spec, "two quantization parts")
             quant = _quant_config(m)
             continue
         m = _POLICY.match(part)
         if m and m["name"] in POLICIES:
             if policy is not None:
-                raise _unknown(spec, "two eviction parts")
+                raise unknown_spec(spec, "two eviction parts")
             policy = _policy(m, originals[n] if len(originals) == len(parts) else part)
             continue
-        raise _unknown(spec, f"cannot parse {part!r}")
+        raise unknown_spec(spec, f"cannot parse {part!r}")
 
     load_quant = None
     if file_ratio is not None and quant is not None:
         # the codec codes full-precision K/V: prefill in full precision, load the file into this layout
         if quant.evicted_bits is not None:
-            raise _unknown(spec, "file<R> stores the kept tokens only: o<bits> (the evicted tier) cannot be loaded")
+            raise unknown_spec(spec, "file<R> stores the kept tokens only: o<bits> (the evicted tier) cannot be loaded")
         load_quant, quant = quant, None
     if quant is not None and quant.evicted_bits is not None and getattr(policy, "decoding", False):
         policy = dataclasses.replace(policy, decoding=False)  # kvzap picks the tiers once, after the prefill
     if quant is not None and quant.evicted_bits is not None and (policy is None or not policy.prefill_only):
-        raise _unknown(spec, "o<bits> (the evicted tier) needs a one-shot policy: add +kvzip@<kept> or +snapkv@<kept>")
+        raise unknown_spec(spec, "o<bits> (the evicted tier) needs a one-shot policy: add +kvzip@<kept> or +snapkv@<kept>")
 
     def make(model):
         if quant is None and policy is None:  # the reference: transformers' own cache and attention
@@ -288,16 +288,16 @@ METHOD_GRAMMAR: tuple[MethodForm, ...] = (
     *(MethodForm("hf", f"hf-{key}-int<{'|'.join(map(str, hf.bits))}>",
                  f"transformers' QuantizedCache, {hf.name} backend (pip install {hf.package})",
                  (f"hf-{key}-int{hf.example_bits}",), re.compile(rf"^hf-{key}-int(?P<bits>\d+)$"),
-                 functools.partial(_hf, key))
+                 functools.partial(hf_method, key))
       for key, hf in HF_BACKENDS.items()),
     MethodForm("hf", "hf-fp8", "transformers' QuantizedCache, fp8 e4m3 backend with a per-tensor scale (on "
                "transformers releases without it, a line-for-line backport)", ("hf-fp8",), re.compile("^hf-fp8$"),
-               _hf_fp8),
+               hf_fp8_method),
     MethodForm("kvpress", f"kvpress-[adakv-]{_choices(KVPRESS_PRESSES)}@<kept>",
                "a kvpress press at prefill, keeping that fraction of the context (pip install kvpress); adakv- wraps "
                "it in kvpress' AdaKVPress (head-wise budget, simulated by masking)",
                ("kvpress-snapkv@0.5", "kvpress-streamingllm@0.75", "kvpress-kvzip@0.5", "kvpress-adakv-snapkv@0.5"),
-               re.compile(r"^kvpress-(?P<press>[a-z]+(?:-[a-z]+)?)@(?P<kept>\d+(?:\.\d+)?|\.\d+)$"), _kvpress),
+               re.compile(r"^kvpress-(?P<press>[a-z]+(?:-[a-z]+)?)@(?P<kept>\d+(?:\.\d+)?|\.\d+)$"), kvpress_method),
 )
 EXAMPLES = tuple(e for form in METHOD_GRAMMAR for e in form.examples)
 _PEER_PREFIXES = tuple(dict.fromkeys(f"{form.family}-" for form in METHOD_GRAMMAR if form.pattern
@@ -319,7 +319,7 @@ def grammar_help(width: int = 100, column: int = 33) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _unknown(spec: str, why: str) -> ValueError:
+def unknown_spec(spec: str, why: str) -> ValueError:
     return ValueError(f"unknown method {spec!r} ({why}); known forms: "
                       f"{', '.join(form.grammar for form in METHOD_GRAMMAR)}; examples: {', '.join(EXAMPLES)}")
 
@@ -353,7 +353,7 @@ def parse_method(spec: str, *, check_packages: bool = True) -> Method:
         A peer whose optional package is not installed.
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise _unknown(str(spec), "empty")
+        raise unknown_spec(str(spec), "empty")
     if len(spec) > MAX_SPEC_CHARS:
         raise ValueError(f"a method spec is at most {MAX_SPEC_CHARS:,} characters; got one of {len(spec):,}")
     s = spec.strip().lower()
@@ -365,7 +365,7 @@ def parse_method(spec: str, *, check_packages: bool = True) -> Method:
                 _require(method.requires[0], spec, method.requires[1])
             return method
     if s.startswith(_PEER_PREFIXES):
-        raise _unknown(spec, "malformed peer spec")
+        raise unknown_spec(spec, "malformed peer spec")
     return _ours(spec, s.split("+"))
 
 
@@ -399,3 +399,5 @@ def parse_methods(specs: list[str]) -> tuple[list[Method], dict[str, str]]:
 __all__ = ["EXAMPLES", "HF_BACKENDS", "KVPRESS_PRESSES", "METHOD_GRAMMAR", "QUANT_OPTIONS", "REFERENCE_SPEC", "Method",
            "MethodForm", "MethodUnavailable", "QuantOption", "grammar_help", "parse_method", "parse_methods",
            "parse_quant"]
+
+_unknown, _hf, _hf_fp8, _kvpress = unknown_spec, hf_method, hf_fp8_method, kvpress_method  # old private names

@@ -12,9 +12,9 @@ from .method import Method
 
 
 def _unknown(spec: str, why: str) -> ValueError:
-    from .grammar import _unknown as unknown  # the message lists every form of the grammar
+    from .grammar import unknown_spec  # the message lists every form of the grammar, which imports this module
 
-    return unknown(spec, why)
+    return unknown_spec(spec, why)
 
 
 KVPRESS_PRESSES = {  # spec name -> kvpress class
@@ -49,7 +49,7 @@ HF_BACKENDS = {  # spec name (hf-<name>-int<bits>) -> backend
 HF_QUANT_KWARGS = {"axis_key": 0, "axis_value": 0, "q_group_size": 64, "residual_length": 128}
 
 
-def _hf(backend: str, spec: str, m: re.Match[str]) -> Method:
+def hf_method(backend: str, spec: str, m: re.Match[str]) -> Method:
     hf = HF_BACKENDS[backend]
     bits = int(m["bits"])
     if bits not in hf.bits:
@@ -65,7 +65,7 @@ def _hf(backend: str, spec: str, m: re.Match[str]) -> Method:
                   f"{settings})", requires=(hf.module, hf.package))
 
 
-def _hf_fp8(spec: str, m: re.Match[str]) -> Method:
+def hf_fp8_method(spec: str, m: re.Match[str]) -> Method:
     def make(model):
         from .hf_fp8 import make_fp8_cache
 
@@ -74,7 +74,7 @@ def _hf_fp8(spec: str, m: re.Match[str]) -> Method:
     return Method(spec, "hf", 8, None, make, resolved="transformers QuantizedCache('fp8') (per-tensor e4m3)")
 
 
-def _kvpress(spec: str, m: re.Match[str]) -> Method:
+def kvpress_method(spec: str, m: re.Match[str]) -> Method:
     press, kept = m["press"], float(m["kept"])
     wrapper = None
     head, _, rest = press.partition("-")

@@ -32,7 +32,7 @@ from .errors import ApiError, bad_param
 from .files import ServedFiles
 from .limits import Limits
 from .schemas import MAX_STOPS, ROLES  # noqa: F401 (importable from here as before)
-from .schemas import ChatCompletionRequest, ContextCreateRequest, TextPart, _shown, validate
+from .schemas import ChatCompletionRequest, ContextCreateRequest, TextPart, shown, validate
 
 DEFAULT_METHOD = "kvzip@0.3"  # `kvcache compress`'s default
 KEEP = ("head", "tail")
@@ -78,7 +78,7 @@ def parse_chat(body: Any, served_model: str, limits: Limits | None = None) -> Ch
     limits = limits or Limits()
     req = validate(ChatCompletionRequest, body)
     if req.model != served_model:
-        raise ApiError("model_not_found", f"the model {_shown(req.model)} is not served here; this server serves "
+        raise ApiError("model_not_found", f"the model {shown(req.model)} is not served here; this server serves "
                                           f"{served_model!r}", param="model")
     messages, total = [], 0
     for i, m in enumerate(req.messages):
@@ -137,7 +137,7 @@ def parse_context(body: Any, limits: Limits | None = None) -> ContextRequest:
         method = DEFAULT_METHOD
     if method is not None and not method.strip():
         raise ApiError("invalid_method", f"method must be a method spec string (e.g. {DEFAULT_METHOD!r}); "
-                                         f"got {_shown(method)}", param="method")
+                                         f"got {shown(method)}", param="method")
     if preset is not None:
         from ...plan import PRESETS, parse_target
 

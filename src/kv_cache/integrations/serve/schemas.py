@@ -125,7 +125,7 @@ ERROR_CODES = {"document": "invalid_document", "method": "invalid_method", "pres
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
-def _shown(v: Any, width: int = 80) -> str:
+def shown(v: Any, width: int = 80) -> str:
     """``repr(v)``, cut to ``width`` characters: an error echoes what it received, never a body."""
     r = repr(v)
     return r if len(r) <= width else r[:width - 3] + "..."
@@ -185,5 +185,5 @@ def validate(model: type[BaseModel], body: Any) -> BaseModel:
         code = ERROR_CODES.get(top, "invalid_parameter")
         if err["type"] == "missing":
             raise ApiError(code, f"{param} is required: {about or err['msg']}", param=param) from None
-        got = type(err["input"]).__name__ if top == "document" else _shown(err["input"])
+        got = type(err["input"]).__name__ if top == "document" else shown(err["input"])
         raise ApiError(code, f"{param} must be {about or err['msg'].lower()}; got {got}", param=param) from None

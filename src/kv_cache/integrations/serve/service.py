@@ -194,14 +194,14 @@ class Service:
 
     def prepare_compress(self, req: ContextRequest, owner: str | None = None) -> PreparedContext:
         """Check and tokenize ``req`` for ``owner``, outside the model lock: the quota (429), the
-        document's tokens (``--max-document-tokens``, the positions), the method."""
+        document's tokens (``--max-document-tokens``, the positions), the method. The server
+        calls :meth:`check_characters` first, before the queue."""
         from ...chat import has_chat_template, split_chat
 
         try:
             self.store.check_room(owner)
         except StoreFull as exc:
             raise ApiError("storage_quota_exceeded", str(exc)) from None
-        self.check_characters(req)
         suffix = None
         with self.tokenizer_lock:
             if has_chat_template(self.tokenizer):
@@ -280,8 +280,8 @@ class Service:
 
     def prepare_chat(self, req: ChatRequest, owner: str | None = None) -> PreparedChat:
         """Check and tokenize ``req`` for ``owner``, outside the model lock: the context (404,
-        422), the prompt's tokens and ``max_tokens`` against the positions."""
-        self.check_characters(req)
+        422), the prompt's tokens and ``max_tokens`` against the positions. The server calls
+        :meth:`check_characters` first, before the queue."""
         if req.context_id is not None:
             try:
                 desc = self.store.describe(req.context_id, owner)
