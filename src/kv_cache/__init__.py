@@ -17,6 +17,7 @@ pyproject.toml; ``tests/test_architecture.py`` fails on an import that climbs). 
                                        blocks and its checks
 ``policies``, ``kernels``              eviction policies; compiled and Triton kernels
 ``compression``, ``models``            the pure formulas; model loading
+``assets``                             shipped data files: codec bases, KVzap scorers (no code)
 =====================================  ==============================================================
 
 Names in one row do not import each other.

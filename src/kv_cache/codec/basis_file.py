@@ -35,8 +35,8 @@ FORMAT_VERSION = 1
 METADATA_KEY = "kv_cache.codec_basis"
 SHA_KEY = "kv_cache.codec_basis_sha256"
 KINDS = ("k", "v")
-CODECS_DIR = Path(__file__).resolve().parent.parent / "codecs"
-"""Bases shipped with the package (``kv_cache/codecs/*.safetensors``), found by fingerprint or model."""
+CODECS_DIR = Path(__file__).resolve().parent.parent / "assets" / "codec_bases"
+"""Bases shipped with the package (``kv_cache/assets/codec_bases/*.safetensors``), found by fingerprint or model."""
 
 
 class CodecBasisError(ValueError):
@@ -212,7 +212,7 @@ def basis_for_model(model: torch.nn.Module, directories: list[Path] | None = Non
 
 
 def search_dirs() -> list[Path]:
-    """Where bases are looked for: the package's ``codecs/``, then ``$KV_CACHE_HOME/codecs``."""
+    """Where bases are looked for: the package's ``assets/codec_bases/``, then ``$KV_CACHE_HOME/codecs``."""
     from ..models.paths import default_cache_dir
 
     return [CODECS_DIR, default_cache_dir() / "codecs"]

@@ -34,8 +34,8 @@ import torch
 from ..compression.scorer_file import Scorer, ScorerFileError, load_scorer, model_identity, read_header
 from .base import EvictionPolicy, ScoreInputs, check_target_ratio
 
-SCORERS_DIR = Path(__file__).resolve().parent.parent / "scorers"
-"""Scorers shipped with the package (``kv_cache/scorers/*.safetensors``), found by model identity."""
+SCORERS_DIR = Path(__file__).resolve().parent.parent / "assets" / "kvzap_scorers"
+"""Scorers shipped with the package (``kv_cache/assets/kvzap_scorers/*.safetensors``), found by model identity."""
 
 STATE_DTYPE = torch.float16
 
@@ -63,7 +63,7 @@ class KVzap(EvictionPolicy):
         not used); None: keep ``budget`` tokens.
     scorer : str or None
         The scorer file (``kvcache calibrate-scorer``); None: the one shipped for this model
-        (``kv_cache/scorers/``), found by the model's identity.
+        (``kv_cache/assets/kvzap_scorers/``), found by the model's identity.
     evict_every : int, default 16
         While decoding, evict every ``evict_every`` tokens (memory: at most ``evict_every - 1``
         tokens per head over the budget).
