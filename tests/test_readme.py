@@ -1,6 +1,7 @@
-"""Every code block of README.md runs, as written or as a stated small variant.
+"""Every code block of README.md and of the docs pages it maps runs, as written or as a stated
+small variant.
 
-The README's fenced blocks are extracted in order and each becomes one test:
+The fenced blocks of each page in :data:`PAGES` are extracted in order and each becomes one test:
 
 * ```python blocks run in a subprocess with this interpreter;
 * ```bash / ```sh blocks run command by command (a ``\\``-continued line is one command) with
@@ -15,7 +16,7 @@ Each block runs in a fresh directory that looks like the repository root (``prof
 
 Commands that take minutes on SmolLM2 run as the small variant in :data:`VARIANTS` (the same
 command on stories260K or with fewer samples), and the blocks and commands this test cannot run
-are named in :data:`NOT_RUN` with the reason. Both tables are checked against the README, so an
+are named in :data:`NOT_RUN` with the reason. Both tables are checked against the pages, so an
 entry that no longer matches anything fails instead of going stale. A block that loads SmolLM2
 is marked ``slow``.
 """
@@ -36,6 +37,8 @@ from kv_cache.models import shared_data_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = (README, *(ROOT / "docs" / f"{name}.md" for name in ("usage", "policies", "models", "compress-once", "serve", "gpu")))
+"""The README and the docs pages that hold its former sections: every code block of each runs here."""
 BIN = Path(sys.executable).parent
 TIMEOUT_S = 600
 
@@ -83,12 +86,14 @@ class Block:
     line: int  # 1-based line of the opening fence
     section: str = ""  # the heading the block sits under
     index: int = 1  # its place among the section's blocks
+    page: str = "README.md"  # the file, relative to the repository root
 
     @property
     def name(self) -> str:
-        """A test id that survives edits elsewhere in the README: section slug, block number, language."""
+        """A test id that survives edits elsewhere in the page: page, section slug, block number, language."""
         slug = re.sub(r"[^a-z0-9]+", "-", self.section.lower()).strip("-") or "top"
-        return f"{slug}-{self.index}-{self.lang}"
+        prefix = "" if self.page == "README.md" else Path(self.page).stem + ":"
+        return f"{prefix}{slug}-{self.index}-{self.lang}"
 
     def commands(self) -> list[str]:
         """The shell commands of a bash block: continuations joined, comments and blank lines dropped."""
@@ -120,9 +125,10 @@ def _strip_comment(line: str) -> str:
     return line.rstrip()
 
 
-def readme_blocks(text: str | None = None) -> list[Block]:
-    """Every fenced block of the README, in order."""
-    text = README.read_text() if text is None else text
+def readme_blocks(text: str | None = None, page: Path = README) -> list[Block]:
+    """Every fenced block of ``page`` (or of ``text``), in order."""
+    text = page.read_text() if text is None else text
+    where = str(page.relative_to(ROOT))
     blocks, lang, start, body, section, count = [], None, 0, [], "", 0
     for i, line in enumerate(text.splitlines(), 1):
         if lang is None:
@@ -133,16 +139,16 @@ def readme_blocks(text: str | None = None) -> list[Block]:
                 lang, start, body = m.group(1), i, []
         elif line.strip() == "```":
             count += 1
-            blocks.append(Block(lang, "\n".join(body) + "\n", start, section, count))
+            blocks.append(Block(lang, "\n".join(body) + "\n", start, section, count, where))
             lang = None
         else:
             body.append(line)
     if lang is not None:
-        raise ValueError(f"README: the block opened at line {start} is not closed")
+        raise ValueError(f"{where}: the block opened at line {start} is not closed")
     return blocks
 
 
-BLOCKS = readme_blocks()
+BLOCKS = [b for page in PAGES for b in readme_blocks(page=page)]
 CODE = [b for b in BLOCKS if b.lang != "text"]
 
 
@@ -193,17 +199,17 @@ def _check(proc: subprocess.CompletedProcess, what: str) -> None:
 
 def test_blocks_are_code_or_output():
     """Every block says what it is: runnable python / bash / sh, or ```text output."""
-    assert CODE, "README.md has no code block"
+    assert {b.page for b in CODE} == {str(p.relative_to(ROOT)) for p in PAGES}, "a page in PAGES has no code block"
     bad = [b.name for b in BLOCKS if b.lang not in ("python", "bash", "sh", "text")]
-    assert not bad, f"README blocks without a known language (python, bash, sh, text): {bad}"
+    assert not bad, f"blocks without a known language (python, bash, sh, text): {bad}"
 
 
 def test_not_run_and_variants_name_readme_commands():
-    """Every entry of NOT_RUN and VARIANTS matches a command (or python block) of the README."""
+    """Every entry of NOT_RUN and VARIANTS matches a command (or python block) of a page."""
     commands = {c for b in CODE if b.lang != "python" for c in b.commands()}
     firsts = {_first_line(b) for b in CODE if b.lang == "python"}
     stale = [k for k in NOT_RUN if k not in commands and k not in firsts] + [k for k in VARIANTS if k not in commands]
-    assert not stale, f"entries naming no README command (update tests/test_readme.py): {stale}"
+    assert not stale, f"entries naming no command of the pages (update tests/test_readme.py): {stale}"
     assert not set(NOT_RUN) & set(VARIANTS)
 
 
@@ -234,7 +240,7 @@ def _run_block(block: Block, workdir: Path) -> None:
         script.write_text(block.code)
         proc = subprocess.run([sys.executable, str(script)], cwd=workdir, env=env, capture_output=True, text=True,
                               timeout=TIMEOUT_S)
-        _check(proc, f"README python block at line {block.line}")
+        _check(proc, f"{block.page} python block at line {block.line}")
         return
     for command in block.commands():
         words = shlex.split(command)
@@ -245,17 +251,17 @@ def _run_block(block: Block, workdir: Path) -> None:
             assert len(words) == 2, f"{command!r}: one make target per line"
             proc = subprocess.run(["make", "-n", words[1]], cwd=ROOT, env=env, capture_output=True, text=True,
                                   timeout=60)
-            _check(proc, f"make -n {words[1]} (README line {block.line})")
+            _check(proc, f"make -n {words[1]} ({block.page} line {block.line})")
             continue
         run = VARIANTS.get(command, command)
         proc = subprocess.run(["bash", "-c", run], cwd=workdir, env=env, capture_output=True, text=True,
                               timeout=TIMEOUT_S)
-        _check(proc, f"README command {run!r} (block at line {block.line})")
+        _check(proc, f"{block.page} command {run!r} (block at line {block.line})")
 
 
-def test_no_placeholders_left():
-    text = README.read_text()
-    assert not re.search(r"\bTBD\b|PRESET_(TABLE|NOTE)|\bTODO\b", text)
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_no_placeholders_left(page: Path):
+    assert not re.search(r"\bTBD\b|PRESET_(TABLE|NOTE)|\bTODO\b", page.read_text())
 
 
 def test_spec_table_lists_every_form_and_letter(monkeypatch):
@@ -264,7 +270,7 @@ def test_spec_table_lists_every_form_and_letter(monkeypatch):
     from kv_cache.spec.grammar import METHOD_GRAMMAR, QUANT_OPTIONS, parse_method
     from kv_cache.policies import POLICIES
 
-    text = README.read_text()
+    text = (ROOT / "docs" / "usage.md").read_text()
     section = text[text.index("## Method specs"):]
     section = section[:section.index("\n## ", 1)]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
