@@ -826,6 +826,39 @@ static inline void scale_row(float* x, int n, float f) {
   for (; c < n; ++c) x[c] *= f;
 }
 
+// One tile of the online softmax (math dictionary §15.5), for one query row:
+// the running max m and sum l take the tile's scores S[0, nt), S becomes exp(S - m), and the
+// return value is alpha = exp(m_old - m_new), the factor the caller rescales its accumulators
+// by (1 when the max did not move; 0 on the first tile, where m_old is -inf). Every attention
+// kernel here (packed, dense, paged) streams its keys through this one function.
+static inline float softmax_tile(float* S, int nt, float& m, float& l) {
+  int t = 0;
+  vf vm = vset1(-std::numeric_limits<float>::infinity());
+  for (; t + W <= nt; t += W) vm = vmax(vm, vload(S + t));
+  float mt = vhmax(vm);
+  for (; t < nt; ++t) mt = std::max(mt, S[t]);
+  float alpha = 1.0f;
+  if (mt > m) {
+    alpha = std::exp(m - mt);
+    m = mt;
+    l *= alpha;
+  }
+  const vf mv = vset1(m);
+  vf lsum = vzero();
+  for (t = 0; t + W <= nt; t += W) {
+    const vf e = vexp(vsub(vload(S + t), mv));
+    vstore(S + t, e);
+    lsum = vadd(lsum, e);
+  }
+  float ls = vhsum(lsum);
+  for (; t < nt; ++t) {
+    S[t] = std::exp(S[t] - m);
+    ls += S[t];
+  }
+  l += ls;
+  return alpha;
+}
+
 static inline float dot_n(const float* a, const float* b, int n) {
   vf acc = vzero();
   int i = 0;
@@ -1041,39 +1074,16 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
       for (int g = 0; g < G; ++g) std::memcpy(a.logits + (r * G + g) * N + t0, S + g * T, sizeof(float) * nt);
     // ---- online softmax: S becomes exp(s - m)
     for (int g = 0; g < G; ++g) {
-      float* Sg = S + g * T;
-      int t = 0;
-      vf vm = vset1(-std::numeric_limits<float>::infinity());
-      for (; t + W <= nt; t += W) vm = vmax(vm, vload(Sg + t));
-      float mt = vhmax(vm);
-      for (; t < nt; ++t) mt = std::max(mt, Sg[t]);
-      if (mt > m[g]) {
-        const float alpha = std::exp(m[g] - mt);  // 0 on the first tile
-        m[g] = mt;
-        l[g] *= alpha;
-        if (alpha != 1.0f) {
-          scale_row(acc + static_cast<size_t>(g) * dvp, dvp, alpha);
-          if (V.grouping == kChannel) {
-            scale_row(accG + static_cast<size_t>(g) * dvp, dvp, alpha);
-            psum[g] *= alpha;
-          } else {
-            scale_row(corr + static_cast<size_t>(g) * Jv, Jv, alpha);
-          }
+      const float alpha = softmax_tile(S + g * T, nt, m[g], l[g]);
+      if (alpha != 1.0f) {
+        scale_row(acc + static_cast<size_t>(g) * dvp, dvp, alpha);
+        if (V.grouping == kChannel) {
+          scale_row(accG + static_cast<size_t>(g) * dvp, dvp, alpha);
+          psum[g] *= alpha;
+        } else {
+          scale_row(corr + static_cast<size_t>(g) * Jv, Jv, alpha);
         }
       }
-      const vf mv = vset1(m[g]);
-      vf lsum = vzero();
-      for (t = 0; t + W <= nt; t += W) {
-        const vf e = vexp(vsub(vload(Sg + t), mv));
-        vstore(Sg + t, e);
-        lsum = vadd(lsum, e);
-      }
-      float ls = vhsum(lsum);
-      for (; t < nt; ++t) {
-        Sg[t] = std::exp(Sg[t] - m[g]);
-        ls += Sg[t];
-      }
-      l[g] += ls;
     }
     // ---- values
     if (V.grouping == kChannel) {
@@ -1178,21 +1188,8 @@ static void attend_dense_item(const AttendArgs& a, int64_t item, Scratch& s) {
     dense_tile(D.k, D.dt, koff + t0 * dk, nt, dk, Kb, dkp);
     dots(qs, dkp, G, Kb, dkp, nt, dkp, S, T);
     for (int g = 0; g < G; ++g) {
-      float* Sg = S + g * T;
-      float mt = m[g];
-      for (int t = 0; t < nt; ++t) mt = std::max(mt, Sg[t]);
-      if (mt > m[g]) {
-        const float alpha = std::exp(m[g] - mt);  // 0 on the first tile
-        m[g] = mt;
-        l[g] *= alpha;
-        if (alpha != 1.0f) scale_row(acc + static_cast<size_t>(g) * dvp, dvp, alpha);
-      }
-      float ls = 0.0f;
-      for (int t = 0; t < nt; ++t) {
-        Sg[t] = std::exp(Sg[t] - m[g]);
-        ls += Sg[t];
-      }
-      l[g] += ls;
+      const float alpha = softmax_tile(S + g * T, nt, m[g], l[g]);
+      if (alpha != 1.0f) scale_row(acc + static_cast<size_t>(g) * dvp, dvp, alpha);
     }
     dense_tile(D.v, D.dt, voff + t0 * dv, nt, dv, Vb, dvp);
     accum(S, T, G, Vb, dvp, nt, dvp, acc, dvp);

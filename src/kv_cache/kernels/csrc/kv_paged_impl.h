@@ -98,29 +98,8 @@ static void attend_paged_item(const PagedArgs& a, int64_t item, Scratch& s) {
     }
     // ---- online softmax: S becomes exp(s - m)
     for (int g = 0; g < M; ++g) {
-      float* Sg = S + g * T;
-      float mt = m[g];
-      for (int t = 0; t < nt; ++t) mt = std::max(mt, Sg[t]);
-      if (mt > m[g]) {
-        const float alpha = std::exp(m[g] - mt);  // 0 on the first tile
-        m[g] = mt;
-        l[g] *= alpha;
-        if (alpha != 1.0f) scale_row(acc + static_cast<size_t>(g) * dp, dp, alpha);
-      }
-      const vf mv = vset1(m[g]);
-      vf lsum = vzero();
-      int t = 0;
-      for (; t + W <= nt; t += W) {
-        const vf e = vexp(vsub(vload(Sg + t), mv));
-        vstore(Sg + t, e);
-        lsum = vadd(lsum, e);
-      }
-      float ls = vhsum(lsum);
-      for (; t < nt; ++t) {
-        Sg[t] = std::exp(Sg[t] - m[g]);
-        ls += Sg[t];
-      }
-      l[g] += ls;
+      const float alpha = softmax_tile(S + g * T, nt, m[g], l[g]);
+      if (alpha != 1.0f) scale_row(acc + static_cast<size_t>(g) * dp, dp, alpha);
     }
     // ---- values
     if (a.v_kind == kPagedValueLevels) {
