@@ -278,3 +278,22 @@ def test_cli_defaults_are_the_config_dataclass(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
     assert "task [2]" in " ".join(capsys.readouterr().out.split())
+
+
+def test_every_calibration_command_reads_its_text_the_same_way(tmp_path, capsys):
+    """calibrate, calibrate-scorer, calibrate-codec, allocate and plan share --model / --text /
+    -o: a missing text file is one error naming --text, before any model is loaded."""
+    from kv_cache.cli.calibration_args import calibration_text, read_text_file
+
+    missing = str(tmp_path / "nope.txt")
+    for argv in (["calibrate", "--text", missing, "-o", str(tmp_path / "r.safetensors")],
+                 ["calibrate-scorer", "--text", missing, "-o", str(tmp_path / "s.safetensors")],
+                 ["calibrate-codec", "--text", missing, "-o", str(tmp_path / "c.safetensors")],
+                 ["allocate", "--text", missing, "--average-bits", "3", "-o", str(tmp_path / "p.json")],
+                 ["plan", "--text", missing, "--ratio", "4", "-o", str(tmp_path / "plan.json")]):
+        assert main(argv[:1] + ["--model", "no-such-model-is-loaded"] + argv[1:]) != 0, argv[0]
+        assert "--text: no file at" in capsys.readouterr().err, argv[0]
+    crlf = tmp_path / "crlf.txt"
+    crlf.write_bytes(b"one\r\ntwo \xff\r\n")
+    assert read_text_file(crlf) == "one\ntwo \ufffd\n"
+    assert calibration_text(str(crlf), "unused.txt") == (crlf, "one\ntwo \ufffd\n")

@@ -13,7 +13,8 @@ test split the evaluation scores on.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+
+from .calibration_args import add_calibration_args, calibration_text
 
 DEFAULT_TEXT = "gutenberg/pg2701.txt"
 
@@ -22,8 +23,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     """Register the ``allocate`` subcommand on ``sub`` (an argparse subparsers object)."""
     p = sub.add_parser("allocate", help="choose key/value bits per layer under an average budget (writes a profile)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="as `kvcache eval --model` (an alias or a path) [smollm2]")
-    p.add_argument("--text", default=None, help=f"calibration text file [shared/data/{DEFAULT_TEXT}]")
+    add_calibration_args(p, default_text=DEFAULT_TEXT, out_help="the JSON profile to write")
     p.add_argument("--layout", default="q3g4r4s4htc64lf",
                    help="our quantization spec whose layout is measured (its bits are replaced by each "
                         "choice) [q3g4r4s4htc64lf]")
@@ -36,7 +36,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--costs-from", default=None,
                    help="reuse the measured costs of an earlier profile (same model, layout and choices) "
                         "instead of measuring again: another budget costs no model run")
-    p.add_argument("--out", required=True, help="the JSON profile to write")
     p.set_defaults(_run=run)
     return p
 
@@ -48,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from ..compression.rotation_file import model_shapes, text_sha256
     from ..plan.sensitivity import measure_bit_costs
     from ..spec import parse_quant
-    from ..models import load_model, shared_data_dir
+    from ..models import load_model
 
     for name in ("windows", "prefix", "continuation"):
         if getattr(args, name) < 1:
@@ -63,10 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if args.costs_from:
         costs, meta = _reuse_costs(args.costs_from, args.layout, choices, args.model)
     else:
-        text_path = Path(args.text) if args.text else shared_data_dir() / DEFAULT_TEXT
-        if not text_path.is_file():
-            raise FileNotFoundError(f"--text: no file at {str(text_path)!r}")
-        text = text_path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
+        text_path, text = calibration_text(args.text, DEFAULT_TEXT)
         model, tok = load_model(args.model)
         span = args.prefix + args.continuation
         ids = tok(text, return_tensors="pt").input_ids[0]

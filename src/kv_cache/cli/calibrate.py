@@ -8,7 +8,8 @@ split the evaluation scores on, so a calibration cannot leak the test text.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+
+from .calibration_args import add_calibration_args, calibration_text
 
 DEFAULT_TEXT = "gutenberg/pg2701.txt"
 DEFAULT_TOKENS = 4096
@@ -19,10 +20,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     """Register the ``calibrate`` subcommand on ``sub`` (an argparse subparsers object)."""
     p = sub.add_parser("calibrate", help="fit calibrated KV rotations (query-covariance eigenvectors x Hadamard)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="as `kvcache eval --model` (an alias or a path) [smollm2]")
-    p.add_argument("--text", default=None, help=f"calibration text file [shared/data/{DEFAULT_TEXT}]")
-    p.add_argument("--out", required=True, help="the safetensors file to write")
-    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens of the text to use [{DEFAULT_TOKENS}]")
+    add_calibration_args(p, default_text=DEFAULT_TEXT, out_help="the safetensors file to write", tokens=DEFAULT_TOKENS)
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
                    help=f"tokens per forward pass (independent windows) [{DEFAULT_WINDOW}]")
     p.add_argument("--block", type=int, default=None,
@@ -36,15 +34,12 @@ def run(args: argparse.Namespace) -> int:
 
     from ..compression.rotation_file import save_calibration
     from ..plan.calibration import calibrate_rotations, calibration_meta
-    from ..models import load_model, shared_data_dir
+    from ..models import load_model
 
     for name in ("tokens", "window"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1; got {getattr(args, name)}")
-    text_path = Path(args.text) if args.text else shared_data_dir() / DEFAULT_TEXT
-    if not text_path.is_file():
-        raise FileNotFoundError(f"--text: no file at {str(text_path)!r}")
-    text = text_path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
+    text_path, text = calibration_text(args.text, DEFAULT_TEXT)
     model, tok = load_model(args.model)
     ids = tok(text, return_tensors="pt").input_ids[:, : args.tokens]
     with torch.no_grad():

@@ -15,12 +15,14 @@ import argparse
 import time
 from pathlib import Path
 
+from .calibration_args import add_model, read_text_file
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``calibrate-codec`` on ``sub`` (an argparse subparsers object)."""
     p = sub.add_parser("calibrate-codec", help="fit the storage codec's per-model basis (PCA of cached K/V)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="as `kvcache eval --model` (an alias or a path) [smollm2]")
+    add_model(p)
     p.add_argument("--text", action="append", default=None,
                    help="calibration text file (repeat for several) [the Gutenberg novels but Moby Dick]")
     p.add_argument("-o", "--out", default=None,
@@ -41,10 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if args.text:
         texts = []
         for t in args.text:
-            p = Path(t)
-            if not p.is_file():
-                raise FileNotFoundError(f"--text: no file at {str(p)!r}")
-            texts.append((p.name, p.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")))
+            texts.append((Path(t).name, read_text_file(t)))
     else:
         texts = default_texts()
     out = Path(args.out) if args.out else default_cache_dir() / "codecs" / f"{Path(str(args.model)).name}.safetensors"

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 
+from .calibration_args import add_model, calibration_text
+
 DEFAULT_TEXT = "gutenberg/pg1342.txt"
 
 
@@ -25,7 +27,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     """Register the ``plan`` subcommand on ``sub`` (an argparse subparsers object)."""
     p = sub.add_parser("plan", help="a cache plan from a byte target (writes a plan file)", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="an alias or a path [smollm2]")
+    add_model(p)
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--ratio", help="bytes target as a ratio vs an fp16 cache, e.g. 8 or 8x")
     target.add_argument("--bytes-per-token", type=float, help="bytes held per context token")
@@ -48,9 +50,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from ..models import load_model, shared_data_dir
+    from ..models import load_model
     from ..plan import plan_for, preset_plan
 
     if args.context is not None and args.context < 1:
@@ -60,12 +60,11 @@ def run(args: argparse.Namespace) -> int:
     if args.preset and args.ratio is None:
         raise ValueError("--preset needs --ratio (presets are ratios, e.g. --ratio 8)")
     target = None if args.ratio is None else (args.ratio if str(args.ratio).lower().endswith("x") else f"{args.ratio}x")
+    text = None if args.preset else calibration_text(args.text, DEFAULT_TEXT)[1]  # before the model loads
     model, tok = load_model(args.model)
     if args.preset:
         plan = preset_plan(model.config, target, context_tokens=args.context, dtype=next(model.parameters()).dtype)
     else:
-        path = Path(args.text) if args.text else shared_data_dir() / DEFAULT_TEXT
-        text = path.read_text(encoding="utf-8").replace("\r\n", "\n")
         plan = plan_for(model, tok, target=target, bytes_per_token=args.bytes_per_token, max_bytes=args.max_bytes,
                         calibration_text=text, context_tokens=args.context, windows=args.windows,
                         scorers=None if args.scorers is None else [x.strip() for x in args.scorers.split(",")],

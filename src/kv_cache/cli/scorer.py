@@ -15,6 +15,8 @@ import argparse
 import time
 from pathlib import Path
 
+from .calibration_args import add_calibration_args, calibration_text
+
 DEFAULT_TEXT = "gutenberg/pg1342.txt"
 DEFAULT_TOKENS = 16384
 DEFAULT_WINDOW = 2048
@@ -26,11 +28,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate-scorer", help="fit a KVzap scorer (KVzip's scores predicted from hidden states)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="as `kvcache eval --model` (an alias or a path) [smollm2]")
-    p.add_argument("--text", default=None, help=f"calibration text file [shared/data/{DEFAULT_TEXT}]")
-    p.add_argument("-o", "--out", required=True, help="the safetensors file to write")
+    add_calibration_args(p, default_text=DEFAULT_TEXT, out_help="the safetensors file to write", tokens=DEFAULT_TOKENS)
     p.add_argument("--kind", default="linear", choices=KINDS, help="scorer per layer [linear]")
-    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens of the text to use [{DEFAULT_TOKENS}]")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
                    help=f"tokens per window (one prefill + KVzip pass each; the last is held out) [{DEFAULT_WINDOW}]")
     p.add_argument("--samples-per-window", type=int, default=1024,
@@ -42,16 +41,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ..compression.scorer_file import save_scorer
-    from ..models import load_model, shared_data_dir
+    from ..models import load_model
     from ..plan.scorer_training import fit_scorer
 
-    text_path = Path(args.text) if args.text else shared_data_dir() / DEFAULT_TEXT
-    if not text_path.is_file():
-        raise FileNotFoundError(f"--text: no file at {str(text_path)!r}")
+    text_path, text = calibration_text(args.text, DEFAULT_TEXT)
     out = Path(args.out)
     if not out.parent.is_dir():
         raise FileNotFoundError(f"--out: no directory {str(out.parent)!r}")
-    text = text_path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
     model, tok = load_model(args.model)
     t0 = time.perf_counter()
     scorer = fit_scorer(model, tok, text, kind=args.kind, tokens=args.tokens, window=args.window,
