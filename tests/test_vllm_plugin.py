@@ -137,14 +137,21 @@ def test_q8_close_to_auto(runs):
 
 
 def test_q4d_prompt_logprobs_close_to_auto(runs):
+    """q4d against vLLM's own cache (float32 weights): perplexity within 3% on 1.4K wikitext
+    tokens (docs/results/vllm_*.md has the 1% figure on more text), and the 4-bit codes are the
+    ones attention reads: q4d's log-probs move from the full cache's by more than 3x what q8's
+    move. A cache that fell back to bf16 or to 8-bit slots would move them about as little as q8
+    does (bf16 keeps 8 significant bits), so this fails on it where comparing with ``auto`` alone
+    (a float32 cache here) would not; the capacity test checks the slots' bytes."""
     auto = [x for row in runs["auto"]["prompt_logprobs"] for x in row]
     q4d = [x for row in runs["q4d"]["prompt_logprobs"] for x in row]
-    assert len(auto) == len(q4d) > 1000
+    q8 = [x for row in runs["q8"]["prompt_logprobs"] for x in row]
+    assert len(auto) == len(q4d) == len(q8) > 1000
     nll_auto, nll_q4d = -sum(auto) / len(auto), -sum(q4d) / len(q4d)
-    # Perplexity within 3% on 1.4K tokens (docs/results/vllm_*.md has the 1% figure on more text).
     assert math.exp(nll_q4d - nll_auto) < 1.03, (nll_auto, nll_q4d)
-    # and the codes are really in use: the log-probs are not bit-identical to the bf16 cache
-    assert auto != q4d
+    shift_q4d = sum(abs(a - b) for a, b in zip(auto, q4d)) / len(auto)
+    shift_q8 = sum(abs(a - b) for a, b in zip(auto, q8)) / len(auto)
+    assert shift_q4d > 3 * shift_q8, (shift_q4d, shift_q8)
 
 
 def test_capacity_reported_matches_codec_bytes(runs, model_dir):
