@@ -1,0 +1,278 @@
+"""Keys quantized before RoPE: what each key code costs, before any kernel is written (issue 45).
+
+For each model, the keys of every attention layer are quantized and dequantized inside one
+teacher-forced forward (an attention function registered in transformers' AttentionInterface;
+nothing is patched), values kept in full precision, so the figure is the keys' code alone. The
+keys of all ``PREFIX + SCORED`` tokens are coded (the first ``SINKS`` kept exact, as the cache
+does); the ``SCORED`` last tokens are scored against the same forward with exact keys (Δppl, mean
+next-token KL). Statistics that a code fits once (static scales, levels, outlier thresholds) are
+fitted on the prompt's keys (the first ``PREFIX`` tokens) and applied to every token; a later
+token that falls outside them is an outlier.
+
+Key codes (``b`` = 2, 3, 4 bits), their bits per key element counted as a cache would hold them
+(codes, float16 scales and int16 zero points, float16 levels, outliers at 48 bits each: a float16
+value, a uint16 token index, a uint8 channel, padding; the sinks at 16 bits):
+
+* ``post-g32``: the default today (math dictionary §25): post-RoPE keys, per channel, a scale
+  and zero point per 32-token group, uniform levels;
+* ``pre-g32``: the same groups on keys with RoPE removed (§29.2), rotated back before attention;
+* ``post-static`` / ``pre-static``: one scale and zero point per layer, KV head and channel,
+  fitted on the prompt (its min / max), uniform levels;
+* ``pre-static-o<f>``: the range fitted on the prompt's ``f`` / 2 and 1 - ``f`` / 2 quantiles per
+  channel, the elements outside it (prompt and later tokens) kept exact as outliers;
+* ``pre-nuq-o<f>``: as above with ``2^b`` non-uniform levels per channel (1-D k-means on the
+  prompt's inliers, float16 levels).
+
+Run: ``python benchmarks/probe_prerope_keys.py --models smollm2,qwen2.5-0.5b --windows 4``.
+Writes ``benchmarks/results/probe_prerope_keys.md`` (and ``.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from kv_cache.compression.rope import apply_rope, remove_rope  # noqa: E402
+from kv_cache.models import load_model, shared_data_dir  # noqa: E402
+
+PREFIX, SCORED, SINKS, GROUP = 1792, 256, 4, 32
+OUTLIER_BITS, META_BITS, LEVEL_BITS = 48, 32, 16
+NAME = "kv_cache_probe_prerope"
+
+
+# ---------------------------------------------------------------- key codes (pure, float32)
+def _uniform(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
+    """Round ``x`` onto ``2^bits`` uniform levels between ``lo`` and ``hi`` (broadcast), clamped."""
+    n = 2 ** bits - 1
+    scale = ((hi - lo) / n).clamp_min(1e-8)
+    return ((x - lo) / scale).round().clamp(0, n) * scale + lo
+
+
+def code_groups(k: torch.Tensor, bits: int) -> tuple[torch.Tensor, float]:
+    """Per channel, one min-max range per 32-token group (the tail group too). ``k`` ``[H, T, D]``."""
+    H, T, D = k.shape
+    out = torch.empty_like(k)
+    for t0 in range(0, T, GROUP):
+        g = k[:, t0:t0 + GROUP]
+        out[:, t0:t0 + GROUP] = _uniform(g, g.amin(1, keepdim=True), g.amax(1, keepdim=True), bits)
+    groups = math.ceil(T / GROUP)
+    return out, bits * H * T * D + META_BITS * groups * H * D
+
+
+def code_static(k: torch.Tensor, bits: int, prompt: int, outliers: float, levels: str) -> tuple[torch.Tensor, float]:
+    """One range per channel fitted on the first ``prompt`` tokens; ``outliers`` (a fraction) of
+    the prompt's elements (split between both tails) and every later element outside the range
+    kept exact; ``levels`` ``uniform`` or ``nuq`` (k-means on the prompt's inliers)."""
+    H, T, D = k.shape
+    fit = k[:, :prompt].permute(0, 2, 1).reshape(H * D, -1)  # [C, prompt]
+    if outliers > 0:
+        lo = torch.quantile(fit, outliers / 2, dim=1, keepdim=True)
+        hi = torch.quantile(fit, 1 - outliers / 2, dim=1, keepdim=True)
+    else:
+        lo, hi = fit.amin(1, keepdim=True), fit.amax(1, keepdim=True)
+    flat = k.permute(0, 2, 1).reshape(H * D, T)
+    if levels == "uniform":
+        coded = _uniform(flat, lo, hi, bits)
+        meta = META_BITS * H * D
+    else:
+        centers = _kmeans_levels(fit.clamp(lo, hi), bits)  # [C, 2^b]
+        idx = (flat.clamp(lo, hi)[..., None] - centers[:, None, :]).abs().argmin(-1)
+        coded = centers.gather(1, idx)
+        meta = LEVEL_BITS * (2 ** bits) * H * D
+    outside = (flat < lo) | (flat > hi) if outliers > 0 else (flat < lo) | (flat > hi)
+    coded = torch.where(outside, flat, coded)
+    n_out = int(outside.sum())
+    out = coded.reshape(H, D, T).permute(0, 2, 1).contiguous()
+    return out, bits * H * T * D + meta + OUTLIER_BITS * n_out
+
+
+def _kmeans_levels(x: torch.Tensor, bits: int, iters: int = 12) -> torch.Tensor:
+    """``2^bits`` 1-D k-means centers per row of ``x`` ``[C, N]`` (Lloyd's iterations from quantiles)."""
+    n = 2 ** bits
+    q = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+    centers = torch.quantile(x, q, dim=1).T.contiguous()  # [C, n]
+    for _ in range(iters):
+        idx = (x[..., None] - centers[:, None, :]).abs().argmin(-1)  # [C, N]
+        sums = torch.zeros_like(centers).scatter_add_(1, idx, x)
+        counts = torch.zeros_like(centers).scatter_add_(1, idx, torch.ones_like(x))
+        centers = torch.where(counts > 0, sums / counts.clamp_min(1), centers)
+    return centers.half().float()
+
+
+@dataclass(frozen=True)
+class Code:
+    name: str
+    bits: int
+    pre_rope: bool
+    kind: str  # groups | static
+    outliers: float = 0.0
+    levels: str = "uniform"
+
+    def apply(self, k: torch.Tensor, prompt: int) -> tuple[torch.Tensor, float]:
+        body = k[:, SINKS:]
+        if self.kind == "groups":
+            coded, bits = code_groups(body, self.bits)
+        else:
+            coded, bits = code_static(body, self.bits, prompt - SINKS, self.outliers, self.levels)
+        H, T, D = k.shape
+        return torch.cat([k[:, :SINKS], coded], 1), bits + 16 * H * SINKS * D
+
+
+def codes(widths: list[int]) -> list[Code]:
+    out = []
+    for b in widths:
+        out += [Code(f"post-g32 {b}b", b, False, "groups"), Code(f"pre-g32 {b}b", b, True, "groups"),
+                Code(f"post-static {b}b", b, False, "static"), Code(f"pre-static {b}b", b, True, "static"),
+                Code(f"pre-static-o0.5% {b}b", b, True, "static", 0.005),
+                Code(f"pre-static-o1% {b}b", b, True, "static", 0.01),
+                Code(f"pre-nuq-o0.5% {b}b", b, True, "static", 0.005, "nuq"),
+                Code(f"pre-nuq-o1% {b}b", b, True, "static", 0.01, "nuq")]
+    return out
+
+
+# ---------------------------------------------------------------- the model side
+class Probe:
+    """The attention function's state: the code in force, the rotary tables per layer, the bits."""
+
+    def __init__(self, model, T: int):
+        self.code: Code | None = None
+        self.bits = 0.0
+        self.elements = 0
+        self.tables = _tables(model, T)
+
+    def attention(self, module, query, key, value, attention_mask, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if self.code is not None:
+            cos, sin = self.tables[module.layer_idx]
+            k = key[0].float()  # [H, T, D]
+            base = remove_rope(k, cos, sin) if self.code.pre_rope else k
+            coded, bits = self.code.apply(base, PREFIX)
+            k = apply_rope(coded, cos, sin) if self.code.pre_rope else coded
+            key = k[None].to(key.dtype)
+            self.bits += bits
+            self.elements += k.numel()
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _tables(model, T: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's ``cos``/``sin`` ``[T, r]`` at positions 0..T-1, from the model's own rotary embeddings
+    (Gemma 3: a local one for sliding layers)."""
+    inner = model.model
+    pos = torch.arange(T)[None]
+    x = torch.zeros(1, T, model.config.hidden_size)
+    out = {}
+    types = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
+    for i, kind in enumerate(types):
+        emb = inner.rotary_emb_local if (kind == "sliding_attention" and hasattr(inner, "rotary_emb_local")) \
+            else inner.rotary_emb
+        try:
+            cos, sin = emb(x, pos, layer_type=kind) if "layer_type" in emb.forward.__code__.co_varnames else emb(x, pos)
+        except TypeError:
+            cos, sin = emb(x, pos)
+        out[i] = (cos[0].float(), sin[0].float())
+    return out
+
+
+def moby_windows(tok, n: int) -> list[torch.Tensor]:
+    text = (shared_data_dir() / "gutenberg" / "pg2701.txt").read_text(encoding="utf-8").replace("\r\n", "\n")
+    out = []
+    for j in range(n):
+        start = int(len(text) * (0.1 + 0.8 * j / max(1, n - 1)))
+        ids = tok(text[start:start + 14000]).input_ids[:PREFIX + SCORED]
+        if len(ids) < PREFIX + SCORED:
+            raise ValueError(f"window {j} holds {len(ids)} tokens, fewer than {PREFIX + SCORED}")
+        out.append(torch.tensor([ids]))
+    return out
+
+
+def run_model(alias: str, widths: list[int], n_windows: int) -> list[dict]:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    model, tok = load_model(alias)
+    model.eval()
+    T = PREFIX + SCORED
+    probe = Probe(model, T)
+    AttentionInterface.register(NAME, probe.attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(NAME)
+    windows = moby_windows(tok, n_windows)
+
+    def logprobs(ids):
+        with torch.no_grad():
+            logits = model(ids).logits[0, PREFIX - 1:-1].float()
+        return logits.log_softmax(-1)
+
+    try:
+        probe.code = None
+        full = [logprobs(w) for w in windows]
+        nll_full = sum(float(-lp.gather(1, w[0, PREFIX:, None]).sum()) for lp, w in zip(full, windows))
+        rows = []
+        for code in codes(widths):
+            probe.code, probe.bits, probe.elements = code, 0.0, 0
+            t0 = time.perf_counter()
+            nll, kl = 0.0, 0.0
+            for w, ref in zip(windows, full):
+                lp = logprobs(w)
+                nll += float(-lp.gather(1, w[0, PREFIX:, None]).sum())
+                kl += float((ref.exp() * (ref - lp)).sum())
+            n = SCORED * len(windows)
+            rows.append({"model": alias, "code": code.name, "bits": code.bits,
+                         "key_bits_per_element": probe.bits / probe.elements,
+                         "delta_ppl": math.exp((nll - nll_full) / n) - 1, "kl": kl / n,
+                         "seconds": time.perf_counter() - t0})
+            r = rows[-1]
+            print(f"{alias:14s} {code.name:24s} {r['key_bits_per_element']:.3f} b/e  "
+                  f"{100 * r['delta_ppl']:+.2f}%  KL {r['kl']:.4f}", flush=True)
+    finally:
+        model.set_attn_implementation(previous)
+    return rows
+
+
+def write(rows: list[dict], out: Path, n_windows: int) -> None:
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    lines = [f"# Keys quantized before RoPE: the key code alone ({n_windows} *Moby Dick* windows, "
+             f"{PREFIX} + {SCORED} tokens, float32, values exact)", "",
+             "`python benchmarks/probe_prerope_keys.py` (see its docstring for each code). Bits per key "
+             "element count codes, scales, zero points, levels, outliers (48 bits each) and sinks.", ""]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        lines += [f"## {model}", "", "| key code | key bits / element | Δppl | KL |", "|---|---|---|---|"]
+        for r in rows:
+            if r["model"] == model:
+                lines.append(f"| `{r['code']}` | {r['key_bits_per_element']:.3f} | {100 * r['delta_ppl']:+.2f}% "
+                             f"| {r['kl']:.4f} |")
+        lines.append("")
+    out.with_suffix(".md").write_text("\n".join(lines))
+
+
+def main() -> None:
+    global PREFIX, SCORED
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2,qwen2.5-0.5b")
+    ap.add_argument("--widths", default="2,3,4")
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--prefix", type=int, default=PREFIX, help=f"prompt tokens per window [{PREFIX}]")
+    ap.add_argument("--scored", type=int, default=SCORED, help=f"scored tokens per window [{SCORED}]")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "probe_prerope_keys"))
+    args = ap.parse_args()
+    PREFIX, SCORED = args.prefix, args.scored
+    rows = []
+    for alias in args.models.split(","):
+        rows += run_model(alias.strip(), [int(b) for b in args.widths.split(",")], args.windows)
+        write(rows, Path(args.out), args.windows)
+
+
+if __name__ == "__main__":
+    main()
