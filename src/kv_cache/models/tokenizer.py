@@ -11,6 +11,15 @@ vocabulary, merges and special-token ids instead. For other GGUF tokenizers (for
 sentencepiece Llama ones, where 5.2 likewise sets EOS to the BOS token ``<s>`` and adds the
 five infill tokens) it keeps the transformers tokenizer and only corrects EOS, BOS and BOS
 insertion from the GGUF metadata.
+
+Gemma 3's GGUF tokenizer is a sentencepiece *BPE* vocabulary (``tokenizer.ggml.model ==
+"llama"``, each normal token's score is minus its merge rank), and transformers 5.2 turns it
+into a Unigram model that reads those ranks as log-probabilities, so a text splits into the
+shortest frequent pieces (``"The capital"`` becomes ``The ▁c ap it al``, not ``The ▁capital``).
+For the architectures in ``_SPM_BPE_ARCHITECTURES`` (and no ``add_space_prefix``, as Gemma 3
+says) this module rebuilds it as a BPE model whose merges are derived from the scores
+(:func:`spm_bpe_merges`), as llama.cpp's sentencepiece tokenizer merges them; on Gemma 3's
+vocabulary it gives sentencepiece's own ids.
 """
 
 from __future__ import annotations
@@ -24,6 +33,13 @@ log = logging.getLogger(__name__)
 # llama.cpp's ``tokenizer.ggml.pre`` names whose pre-tokenization this module can rebuild:
 # True = split digits one by one before the GPT-2 byte-level regex, False = GPT-2 regex only.
 _BYTE_LEVEL_PRE_TOKENIZERS: dict[str, bool] = {"smollm": True, "starcoder": True, "gpt-2": False}
+
+# GGUF architectures whose sentencepiece ("llama") vocabulary is a BPE one that transformers
+# 5.2 rebuilds as a Unigram model (its GGUFGemmaConverter); rebuilt here as BPE instead.
+_SPM_BPE_ARCHITECTURES = frozenset({"gemma3"})
+
+# llama.cpp's token types (LLAMA_TOKEN_TYPE_*).
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 
 
 def _gguf_field(reader: Any, key: str) -> Any:
@@ -41,6 +57,68 @@ def _gguf_field(reader: Any, key: str) -> Any:
         part = field.parts[idx]
         values.append(bytes(part).decode("utf-8") if item_type == GGUFValueType.STRING else part.tolist()[0])
     return values if field.types[0] == GGUFValueType.ARRAY else values[0]
+
+
+def spm_bpe_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """The BPE merges of a sentencepiece BPE vocabulary, from its scores, best first.
+
+    Every split ``(left, right)`` of a normal token into two normal tokens is a merge; merges
+    are ranked by the merged token's score, highest first (in a sentencepiece BPE vocabulary
+    that is the order in which training learnt them), and the splits of one token by the ids
+    of their halves. Applying them lowest rank first is llama.cpp's sentencepiece tokenizer:
+    repeatedly join the adjacent pair whose join is the best-scored token.
+    """
+    vocab = {tok: i for i, (tok, ty) in enumerate(zip(tokens, types)) if int(ty) == _NORMAL}
+    ranked: list[tuple[float, int, int, int, str, str]] = []
+    for tok, idx in vocab.items():
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            li, ri = vocab.get(left), vocab.get(right)
+            if li is not None and ri is not None:
+                ranked.append((-float(scores[idx]), idx, li, ri, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _spm_bpe_tokenizer(reader: Any, tokens: list[str], specials: dict[str, str | None], add_bos: bool,
+                       add_eos: bool, chat_template: str | None) -> Any:
+    """A sentencepiece BPE GGUF vocabulary as a ``PreTrainedTokenizerFast`` (see the module docstring).
+
+    Spaces become ``▁`` (no space is prepended: only a GGUF whose ``add_space_prefix`` is not
+    true comes here), the pieces are joined by :func:`spm_bpe_merges`, a character outside the
+    vocabulary falls back to its ``<0xNN>`` byte tokens, control tokens are special tokens and
+    user-defined ones (Gemma 3's runs of newlines, spaces and tabs) are matched in the raw text
+    first, as llama.cpp does.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    scores = _gguf_field(reader, "tokenizer.ggml.scores")
+    types = _gguf_field(reader, "tokenizer.ggml.token_type")
+    if scores is None or types is None:
+        raise ValueError("a sentencepiece BPE vocabulary needs tokenizer.ggml.scores and tokenizer.ggml.token_type")
+    backend = Tokenizer(models.BPE(
+        vocab={t: i for i, t in enumerate(tokens)}, merges=spm_bpe_merges(tokens, scores, types),
+        unk_token=specials["unk_token"], fuse_unk=True, byte_fallback=True,
+    ))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_tokens([
+        AddedToken(t, special=int(ty) == _CONTROL, normalized=False)
+        for t, ty in zip(tokens, types) if int(ty) in (_CONTROL, _USER_DEFINED)
+    ])
+    bos, eos = specials["bos_token"], specials["eos_token"]
+    prefix = [bos] if add_bos and bos is not None else []
+    suffix = [eos] if add_eos and eos is not None else []
+    if prefix or suffix:
+        backend.post_processor = processors.TemplateProcessing(
+            single=[*prefix, "$A", *suffix], pair=[*prefix, "$A", *suffix, *prefix, "$B:1", *suffix],
+            special_tokens=[(t, tokens.index(t)) for t in dict.fromkeys(prefix + suffix)],
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, chat_template=chat_template, clean_up_tokenization_spaces=False,
+        **{k: v for k, v in specials.items() if v is not None},
+    )
 
 
 def gguf_tokenizer(gguf_path: Path) -> Any:
@@ -66,6 +144,11 @@ def gguf_tokenizer(gguf_path: Path) -> Any:
     add_bos = _gguf_field(reader, "tokenizer.ggml.add_bos_token")
     add_eos = _gguf_field(reader, "tokenizer.ggml.add_eos_token")
     chat_template = _gguf_field(reader, "tokenizer.chat_template")
+
+    if (tok_model == "llama" and _gguf_field(reader, "general.architecture") in _SPM_BPE_ARCHITECTURES
+            and not _gguf_field(reader, "tokenizer.ggml.add_space_prefix")):
+        specials = {"bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": pad}
+        return _spm_bpe_tokenizer(reader, tokens, specials, bool(add_bos), bool(add_eos), chat_template)
 
     if tok_model == "gpt2" and pre in _BYTE_LEVEL_PRE_TOKENIZERS:
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
