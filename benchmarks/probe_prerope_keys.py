@@ -3,13 +3,11 @@
 For each model, the keys of every attention layer are quantized and dequantized inside one
 teacher-forced forward (an attention function registered in transformers' AttentionInterface;
 nothing is patched), values kept in full precision, so the figure is the keys' code alone. The
-keys of all ``PREFIX + SCORED`` tokens are coded (the first ``SINKS`` kept exact, as the cache
-does), and each query reads them coded except those a cache still holds exact when it decodes
-that token: its own key, and for the 32-token group codes the earlier tokens of its unfinished
-group (the float16 residual). The ``SCORED`` last tokens are scored against the same forward with
-exact keys (Δppl, mean next-token KL). Statistics that a code fits once (static scales, levels, outlier thresholds) are
-fitted on the prompt's keys (the first ``PREFIX`` tokens) and applied to every token; a later
-token that falls outside them is an outlier.
+prompt's ``PREFIX`` keys are coded (the first ``SINKS`` kept exact, as the cache does), as the
+evaluation protocol stores them: the prompt's own queries read exact keys (the prefill), the
+``SCORED`` next tokens, fed in one step after it, read the prompt's keys coded and their own
+exact. They are scored against the same forward with exact keys (Δppl, mean next-token KL). Statistics that a code fits once (static scales, levels, outlier thresholds) are
+fitted on the prompt's keys.
 
 Key codes (``b`` = 2, 3, 4 bits), their bits per key element counted as a cache would hold them
 (codes, float16 scales and int16 zero points, float16 levels, outliers at 48 bits each: a float16
@@ -135,9 +133,10 @@ def codes(widths: list[int]) -> list[Code]:
     for b in widths:
         out += [Code(f"post-g32 {b}b", b, False, "groups"), Code(f"pre-g32 {b}b", b, True, "groups"),
                 Code(f"post-static {b}b", b, False, "static"), Code(f"pre-static {b}b", b, True, "static"),
-                Code(f"pre-static-o0.5% {b}b", b, True, "static", 0.005),
+                Code(f"pre-static-o0.2% {b}b", b, True, "static", 0.002),
                 Code(f"pre-static-o1% {b}b", b, True, "static", 0.01),
-                Code(f"pre-nuq-o0.5% {b}b", b, True, "static", 0.005, "nuq"),
+                Code(f"pre-nuq {b}b", b, True, "static", 0.0, "nuq"),
+                Code(f"pre-nuq-o0.2% {b}b", b, True, "static", 0.002, "nuq"),
                 Code(f"pre-nuq-o1% {b}b", b, True, "static", 0.01, "nuq")]
     return out
 
@@ -153,43 +152,30 @@ class Probe:
         self.tables = _tables(model, T)
 
     def attention(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
-        """Causal attention where query ``p`` reads key ``t`` coded, except the keys a cache
-        still holds exact when ``p`` is decoded: ``p``'s own (a step's new token) and, for the
-        32-token group codes, the earlier tokens of ``p``'s unfinished group (the residual)."""
+        """The eval's protocol (``kvcache eval --tasks ppl``): the prompt's queries read the exact
+        keys (the prefill), the scored tokens read the prompt's keys coded and their own exact
+        (they are fed in one step after the compressed prefill)."""
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         if self.code is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         cos, sin = self.tables[module.layer_idx]
-        k = key[0].float()  # [H, T, D]
-        base = remove_rope(k, cos, sin) if self.code.pre_rope else k
+        k = key[0, :, :PREFIX].float()  # [H, PREFIX, D]
+        c, s = cos[:PREFIX], sin[:PREFIX]
+        base = remove_rope(k, c, s) if self.code.pre_rope else k
         coded, bits = self.code.apply(base, PREFIX)
-        k_hat = apply_rope(coded, cos, sin) if self.code.pre_rope else coded
+        k_hat = apply_rope(coded, c, s) if self.code.pre_rope else coded
         self.bits += bits
         self.elements += k.numel()
-        T = k.shape[1]
-        rep = query.shape[1] // k.shape[0]
-        q = query[0].float()
-        exact = torch.repeat_interleave(k, rep, 0)
-        hat = torch.repeat_interleave(k_hat, rep, 0)
-        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        s_hat = (q @ hat.transpose(1, 2)) * scale
-        s_exact = (q @ exact.transpose(1, 2)) * scale
-        p_idx, t_idx = torch.arange(T)[:, None], torch.arange(T)[None, :]
-        keep_exact = t_idx == p_idx
-        if self.code.kind == "groups":
-            keep_exact = keep_exact | ((t_idx // GROUP == p_idx // GROUP) & (p_idx >= PREFIX))
-        keep_exact = keep_exact | (t_idx < SINKS)
-        scores = torch.where(keep_exact, s_exact, s_hat)
-        if attention_mask is not None and attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask[0, :, :, :T], float("-inf"))
-        elif attention_mask is not None:
-            scores = scores + attention_mask[0, :, :, :T].float()
-        else:
-            scores = scores.masked_fill(t_idx > p_idx, float("-inf"))
-        v = torch.repeat_interleave(value[0].float(), rep, 0)
-        out = torch.softmax(scores, -1) @ v  # [Hq, T, D]
-        return out.transpose(0, 1)[None].to(query.dtype), None
+        mixed = torch.cat([k_hat[None].to(key.dtype), key[:, :, PREFIX:]], 2)
+        exact_out, _ = sdpa_attention_forward(module, query[:, :, :PREFIX], key[:, :, :PREFIX], value[:, :, :PREFIX],
+                                              None if attention_mask is None else attention_mask[..., :PREFIX, :PREFIX],
+                                              scaling=scaling, **{**kwargs, "is_causal": True})
+        T = key.shape[2]
+        mask = torch.ones(T - PREFIX, T, dtype=torch.bool).tril(PREFIX)[None, None]
+        coded_out, _ = sdpa_attention_forward(module, query[:, :, PREFIX:], mixed, value, mask, scaling=scaling,
+                                              **{**kwargs, "is_causal": False})
+        return torch.cat([exact_out, coded_out], 1), None
 
 
 def _tables(model, T: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
