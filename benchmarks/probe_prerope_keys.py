@@ -168,11 +168,16 @@ class Probe:
         self.bits += bits
         self.elements += k.numel()
         mixed = torch.cat([k_hat[None].to(key.dtype), key[:, :, PREFIX:]], 2)
-        exact_out, _ = sdpa_attention_forward(module, query[:, :, :PREFIX], key[:, :, :PREFIX], value[:, :, :PREFIX],
-                                              None if attention_mask is None else attention_mask[..., :PREFIX, :PREFIX],
-                                              scaling=scaling, **{**kwargs, "is_causal": True})
         T = key.shape[2]
-        mask = torch.ones(T - PREFIX, T, dtype=torch.bool).tril(PREFIX)[None, None]
+        if attention_mask is None:  # plain causal
+            attention_mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+        elif attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask == 0
+        attention_mask = attention_mask[..., -T:, -T:]  # sliding-window layers come with their window in it
+        exact_out, _ = sdpa_attention_forward(module, query[:, :, :PREFIX], key[:, :, :PREFIX], value[:, :, :PREFIX],
+                                              attention_mask[..., :PREFIX, :PREFIX], scaling=scaling,
+                                              **{**kwargs, "is_causal": False})
+        mask = attention_mask[..., PREFIX:, :]
         coded_out, _ = sdpa_attention_forward(module, query[:, :, PREFIX:], mixed, value, mask, scaling=scaling,
                                               **{**kwargs, "is_causal": False})
         return torch.cat([exact_out, coded_out], 1), None
@@ -189,8 +194,8 @@ def _tables(model, T: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     for i, kind in enumerate(types):
         emb = inner.rotary_emb_local if (kind == "sliding_attention" and hasattr(inner, "rotary_emb_local")) \
             else inner.rotary_emb
-        try:
-            cos, sin = emb(x, pos, layer_type=kind) if "layer_type" in emb.forward.__code__.co_varnames else emb(x, pos)
+        try:  # Gemma 3 (transformers 5): one embedding, a table per layer type
+            cos, sin = emb(x, pos, kind)
         except TypeError:
             cos, sin = emb(x, pos)
         out[i] = (cos[0].float(), sin[0].float())
