@@ -21,7 +21,10 @@ value, a uint16 token index, a uint8 channel, padding; the sinks at 16 bits):
 * ``pre-static-o<f>``: the range fitted on the prompt's ``f`` / 2 and 1 - ``f`` / 2 quantiles per
   channel, the elements outside it (prompt and later tokens) kept exact as outliers;
 * ``pre-nuq-o<f>``: as above with ``2^b`` non-uniform levels per channel (1-D k-means on the
-  prompt's inliers, float16 levels).
+  prompt's inliers, float16 levels);
+* ``post-tok`` / ``post-ctok`` / ``pre-ctok``: per token, the values' layout (randomized
+  Hadamard, Lloyd-Max levels, one 8-bit norm per vector), uncentered or after subtracting the
+  prompt's per-channel mean (``c``), on post- or pre-RoPE keys.
 
 Run: ``python benchmarks/probe_prerope_keys.py --models smollm2,qwen2.5-0.5b --windows 4``.
 Writes ``benchmarks/results/probe_prerope_keys.md`` (and ``.json``).
@@ -96,6 +99,32 @@ def code_static(k: torch.Tensor, bits: int, prompt: int, outliers: float, levels
     return out, bits * H * T * D + meta + OUTLIER_BITS * n_out
 
 
+def code_tokens(k: torch.Tensor, bits: int, prompt: int, center: bool) -> tuple[torch.Tensor, float]:
+    """Per token (the values' layout, §18): with ``center`` the per-channel mean of the prompt's
+    keys subtracted first (float16, one per channel; a constant before RoPE, §29.3), then a
+    randomized Hadamard rotation, Lloyd-Max levels of N(0, 1) scaled by the vector's norm, the
+    norm stored as an 8-bit log code (``2^(c/12 - 13)``)."""
+    from kv_cache.compression import lloyd_max_gaussian
+    from kv_cache.compression.rotation import RandomizedHadamard
+
+    H, T, D = k.shape
+    mu = k[:, :prompt].mean(1, keepdim=True).half().float() if center else torch.zeros(H, 1, D)
+    x = k - mu
+    out = torch.empty_like(k)
+    levels = lloyd_max_gaussian(bits).float()
+    for h in range(H):
+        R = RandomizedHadamard(D, seed=h).matrix()  # diag(s) H, orthonormal
+        y = x[h] @ R  # [T, D]
+        n = y.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        code = torch.round(12 * (torch.log2(n) + 13)).clamp(0, 255)
+        n_hat = torch.exp2(code / 12 - 13)
+        z = y / n * math.sqrt(D)
+        idx = (z[..., None] - levels).abs().argmin(-1)
+        out[h] = (levels[idx] * n_hat / math.sqrt(D)) @ R.T
+    meta = 8 * H * T + (16 * H * D if center else 0)
+    return out + mu, bits * H * T * D + meta
+
+
 def _kmeans_levels(x: torch.Tensor, bits: int, iters: int = 12) -> torch.Tensor:
     """``2^bits`` 1-D k-means centers per row of ``x`` ``[C, N]`` (Lloyd's iterations from quantiles)."""
     n = 2 ** bits
@@ -114,7 +143,7 @@ class Code:
     name: str
     bits: int
     pre_rope: bool
-    kind: str  # groups | static
+    kind: str  # groups | static | tokens | centered-tokens
     outliers: float = 0.0
     levels: str = "uniform"
 
@@ -122,6 +151,8 @@ class Code:
         body = k[:, SINKS:]
         if self.kind == "groups":
             coded, bits = code_groups(body, self.bits)
+        elif self.kind in ("tokens", "centered-tokens"):
+            coded, bits = code_tokens(body, self.bits, prompt - SINKS, self.kind == "centered-tokens")
         else:
             coded, bits = code_static(body, self.bits, prompt - SINKS, self.outliers, self.levels)
         H, T, D = k.shape
@@ -137,7 +168,9 @@ def codes(widths: list[int]) -> list[Code]:
                 Code(f"pre-static-o1% {b}b", b, True, "static", 0.01),
                 Code(f"pre-nuq {b}b", b, True, "static", 0.0, "nuq"),
                 Code(f"pre-nuq-o0.2% {b}b", b, True, "static", 0.002, "nuq"),
-                Code(f"pre-nuq-o1% {b}b", b, True, "static", 0.01, "nuq")]
+                Code(f"pre-nuq-o1% {b}b", b, True, "static", 0.01, "nuq"),
+                Code(f"post-tok {b}b", b, False, "tokens"), Code(f"post-ctok {b}b", b, False, "centered-tokens"),
+                Code(f"pre-ctok {b}b", b, True, "centered-tokens")]
     return out
 
 
