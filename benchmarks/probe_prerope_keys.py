@@ -27,7 +27,8 @@ value, a uint16 token index, a uint8 channel, padding; the sinks at 16 bits):
   prompt's per-channel mean (``c``), on post- or pre-RoPE keys.
 
 Run: ``python benchmarks/probe_prerope_keys.py --models smollm2,qwen2.5-0.5b --windows 4``.
-Writes ``benchmarks/results/probe_prerope_keys.md`` (and ``.json``).
+Writes ``benchmarks/results/probe_prerope_keys.md`` (and ``.json``; rows already there are kept, so
+runs of different models or codes add up).
 """
 
 from __future__ import annotations
@@ -247,7 +248,7 @@ def moby_windows(tok, n: int) -> list[torch.Tensor]:
     return out
 
 
-def run_model(alias: str, widths: list[int], n_windows: int) -> list[dict]:
+def run_model(alias: str, widths: list[int], n_windows: int, only: set[str] | None = None) -> list[dict]:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -272,6 +273,8 @@ def run_model(alias: str, widths: list[int], n_windows: int) -> list[dict]:
         nll_full = sum(float(-lp.gather(1, w[0, PREFIX:, None]).sum()) for lp, w in zip(full, windows))
         rows = []
         for code in codes(widths):
+            if only and code.name.rsplit(" ", 1)[0] not in only:
+                continue
             probe.code, probe.bits, probe.elements = code, 0.0, 0
             t0 = time.perf_counter()
             nll, kl = 0.0, 0.0
@@ -314,15 +317,19 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2,qwen2.5-0.5b")
     ap.add_argument("--widths", default="2,3,4")
     ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--codes", default=None, help="comma-separated code names without the width (e.g. "
+                                                  "post-g32,pre-ctok) [every code]")
     ap.add_argument("--prefix", type=int, default=PREFIX, help=f"prompt tokens per window [{PREFIX}]")
     ap.add_argument("--scored", type=int, default=SCORED, help=f"scored tokens per window [{SCORED}]")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "probe_prerope_keys"))
     args = ap.parse_args()
     PREFIX, SCORED = args.prefix, args.scored
-    rows = []
+    out = Path(args.out)
+    rows = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else []
     for alias in args.models.split(","):
-        rows += run_model(alias.strip(), [int(b) for b in args.widths.split(",")], args.windows)
-        write(rows, Path(args.out), args.windows)
+        only = set(args.codes.split(",")) if args.codes else None
+        rows += run_model(alias.strip(), [int(b) for b in args.widths.split(",")], args.windows, only)
+        write(rows, out, args.windows)
 
 
 if __name__ == "__main__":
