@@ -155,3 +155,35 @@ def test_serve_strict_refuses_a_wrecking_method(stories, tmp_path):
                 warnings.catch_warnings():
             warnings.simplefilter("ignore", FidelityWarning)
             assert create(http, document="Once upon a time there was a cat. " * 12, method="q2dtn")["id"]
+
+
+def test_advice_never_recommends_the_setting_in_use():
+    """The message is built from the broken layers' own settings (issue 45: the demo's q4d warned
+    and recommended q4d): per-token keys are told to go per channel, a width is told the next one
+    up, 8-bit codes are told nothing about bits, an evicting layer is told to keep more tokens."""
+    from kv_cache.attention.fidelity import fidelity_advice
+
+    default4 = fidelity_advice({1: (4, 4, "channel", False), 2: (4, 4, "channel", False)})
+    assert "QuantConfig(bits=b)'s default" not in default4 and "bits=4;" not in default4
+    assert "bits=8; 4 are in use" in default4 and "layer_bits={1: 8, 2: 8}" in default4
+    token4 = fidelity_advice({0: (4, 4, "token", False)})
+    assert "keys per channel" in token4 and "key_grouping='token' is in use" in token4
+    two = fidelity_advice({0: (2, 2, "channel", False)})
+    assert "bits=4; 2 are in use" in two and "bits=8;" not in two
+    eight = fidelity_advice({0: (8, 8, "channel", False)})
+    assert "bits=" not in eight and "layer_bits" not in eight and "report it" in eight
+    evicting = fidelity_advice({0: (8, 8, "channel", True), 3: (16, 16, "", True)})
+    assert "larger eviction budget" in evicting and "bits=" not in evicting
+    many = fidelity_advice({i: (3, 2, "channel", False) for i in range(6)})
+    assert "layer_bits={0: 8, 1: 8, 2: 8, 3: 8, ...}" in many
+
+
+def test_the_cache_warns_with_its_own_settings(stories):
+    """A real warning names what the cache holds: a 2-bit default cache is told 4 bits, never its own layout."""
+    model, tok = stories
+    ids = tok("Lily had a red ball. She played with it in the park every day. " * 6, return_tensors="pt").input_ids
+    cache = CompressedCache(model.config, quant=QuantConfig(bits=2), fidelity_threshold=1e-6)
+    with pytest.warns(FidelityWarning) as record:
+        kv_cache.prefill(model, cache, ids)
+    message = str(record[0].message)
+    assert "bits=4; 2 are in use" in message and "QuantConfig(bits=4) with its default" not in message

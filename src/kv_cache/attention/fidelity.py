@@ -39,6 +39,36 @@ SmolLM2's wikitext windows (+0.25% perplexity); the previous per-token 4-bit lay
 ADVICE = ("use a layout that keeps this model's keys (QuantConfig(bits=4) with its default per-channel keys, "
           "or QuantConfig.kivi(bits=4)), more bits (bits=8), or keep these layers in full precision "
           "(layer_bits={layer: 8})")
+"""The advice when nothing is known of the layers' settings (:func:`fidelity_advice` otherwise)."""
+
+
+def fidelity_advice(settings: dict[int, tuple[int, int, str, bool]]) -> str:
+    """What to do about the broken layers, built from what they hold so that it never recommends
+    the setting already in use. ``settings`` maps each broken layer to ``(key_bits, value_bits,
+    key_grouping, evicts)`` (bits 16 for a layer held in full precision; ``evicts``: the layer's
+    eviction policy dropped tokens during the prefill)."""
+    if not settings:
+        return ADVICE
+    options = []
+    if any(g == "token" and min(k, v) < 16 for k, v, g, _ in settings.values()):
+        options.append("keys per channel instead of per token (QuantConfig(bits=b)'s default, or "
+                       "QuantConfig.kivi(bits=b); key_grouping='token' is in use)")
+    coded = {i: (k, v) for i, (k, v, _, _) in settings.items() if min(k, v) < 16}
+    narrow = min((min(kv) for kv in coded.values()), default=16)
+    if narrow < 4:
+        options.append(f"more bits (bits=4; {narrow} are in use)")
+    elif narrow < 8:
+        options.append(f"more bits (bits=8; {narrow} are in use)")
+    short = [i for i, kv in coded.items() if min(kv) < 8]
+    if short:
+        shown = ", ".join(f"{i}: 8" for i in short[:4]) + (", ..." if len(short) > 4 else "")
+        options.append(f"8 bits for these layers only (layer_bits={{{shown}}})")
+    if any(evicts for *_, evicts in settings.values()):
+        options.append("keep more tokens (a larger eviction budget)")
+    if not options:
+        options.append("report it: these layers hold 8-bit codes or more and no eviction, which the check "
+                       "has never seen break")
+    return ", or ".join([", ".join(options[:-1]), options[-1]] if len(options) > 1 else options)
 
 
 EVICTION_THRESHOLD = 0.25
@@ -176,9 +206,12 @@ def broken_layers(errors: dict[int, float], threshold: float) -> dict[int, float
     return {i: e for i, e in sorted(errors.items()) if not e <= threshold}
 
 
-def fidelity_message(bad: dict[int, float], threshold: float, strict: bool = False) -> str:
-    """The warning / error text naming the broken layers and what to do."""
+def fidelity_message(bad: dict[int, float], threshold: float, strict: bool = False,
+                     settings: dict[int, tuple[int, int, str, bool]] | None = None) -> str:
+    """The warning / error text naming the broken layers and what to do (:func:`fidelity_advice`
+    of ``settings``, the layers' own; the generic :data:`ADVICE` without them)."""
     worst = ", ".join(f"layer {i}: {e:.2f}" for i, e in bad.items())
     return (f"the compressed cache wrecks the attention of {len(bad)} layer(s): relative attention-output error "
-            f"on the prompt's last queries past {threshold} ({worst}). To fix it, {ADVICE}"
+            f"on the prompt's last queries past {threshold} ({worst}). To fix it, "
+            f"{fidelity_advice(settings) if settings else ADVICE}"
             + ("; or pass strict=False to go on with a warning" if strict else ""))

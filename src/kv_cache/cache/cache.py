@@ -188,10 +188,18 @@ class CompressedCache(Cache):
         bad = broken_layers(self.attention_errors(), self.fidelity_threshold)
         if not bad:
             return
-        message = fidelity_message(bad, self.fidelity_threshold, self.strict)
+        message = fidelity_message(bad, self.fidelity_threshold, self.strict,
+                                   {i: self._fidelity_setting(i) for i in bad})
         if self.strict:
             raise FidelityError(message)
         warnings.warn(message, FidelityWarning, stacklevel=2)
+
+    def _fidelity_setting(self, i: int) -> tuple[int, int, str, bool]:
+        """Layer ``i``'s ``(key_bits, value_bits, key_grouping, evicts)`` for the fidelity advice."""
+        layer = self.layers[i]
+        quant = layer.quant
+        k, v = quant.bits_for(i) if quant is not None else (16, 16)
+        return k, v, quant.key_grouping if quant is not None else "", layer.policy is not None
 
     def _share_budget(self, layer: CompressedLayer, scores, valid, forced, budget: int, floor: int,
                       before_attention: bool) -> None:

@@ -143,7 +143,7 @@ class QuantConfig:
         file read by :func:`kv_cache.compression.rotation_file.load_calibration`). It must exist;
         its shapes are checked against the model at first use.
     rotation_seed : int, default 0
-    key_grouping : {"channel", "token"}, default "auto" ("token" at 2-4 bits, "channel" with 8)
+    key_grouping : {"channel", "token"}, default "auto" ("channel": 32-token groups at every width)
         Keys quantized per channel (KIVI) or per token (after a rotation spreads the channel
         outliers that made per-channel grouping necessary).
     channel_group : int, "head" or None, default "auto" ("head" with Lloyd-Max levels; 32 with
