@@ -396,7 +396,7 @@ def test_shipped_smollm2_scorer_predicts_kvzip():
 
     model, tok = load_model("smollm2")
     path = shipped_scorer(model_identity(model))
-    assert path is not None and path.parent.name == "scorers"
+    assert path is not None and path.parent.name == "kvzap_scorers"
     header = read_header(path)
     assert "wiki" not in header["info"]["source"]  # never fitted on the evaluation text
     sc = load_scorer(path)
