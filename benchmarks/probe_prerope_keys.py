@@ -24,7 +24,8 @@ value, a uint16 token index, a uint8 channel, padding; the sinks at 16 bits):
   prompt's inliers, float16 levels);
 * ``post-tok`` / ``post-ctok`` / ``pre-ctok``: per token, the values' layout (randomized
   Hadamard, Lloyd-Max levels, one 8-bit norm per vector), uncentered or after subtracting the
-  prompt's per-channel mean (``c``), on post- or pre-RoPE keys.
+  prompt's per-channel mean (``c``), on post- or pre-RoPE keys; ``-g64``: one norm per 64
+  rotated channels (the same as one per vector at head_dim 64).
 
 Run: ``python benchmarks/probe_prerope_keys.py --models smollm2,qwen2.5-0.5b --windows 4``.
 Writes ``benchmarks/results/probe_prerope_keys.md`` (and ``.json``; rows already there are kept, so
@@ -100,11 +101,12 @@ def code_static(k: torch.Tensor, bits: int, prompt: int, outliers: float, levels
     return out, bits * H * T * D + meta + OUTLIER_BITS * n_out
 
 
-def code_tokens(k: torch.Tensor, bits: int, prompt: int, center: bool) -> tuple[torch.Tensor, float]:
+def code_tokens(k: torch.Tensor, bits: int, prompt: int, center: bool, group: int = 0) -> tuple[torch.Tensor, float]:
     """Per token (the values' layout, §18): with ``center`` the per-channel mean of the prompt's
     keys subtracted first (float16, one per channel; a constant before RoPE, §29.3), then a
     randomized Hadamard rotation, Lloyd-Max levels of N(0, 1) scaled by the vector's norm, the
-    norm stored as an 8-bit log code (``2^(c/12 - 13)``)."""
+    norm stored as an 8-bit log code (``2^(c/12 - 13)``); with ``group`` one norm per ``group``
+    rotated channels instead of one per vector."""
     from kv_cache.compression import lloyd_max_gaussian
     from kv_cache.compression.rotation import RandomizedHadamard
 
@@ -115,14 +117,15 @@ def code_tokens(k: torch.Tensor, bits: int, prompt: int, center: bool) -> tuple[
     levels = lloyd_max_gaussian(bits).float()
     for h in range(H):
         R = RandomizedHadamard(D, seed=h).matrix()  # diag(s) H, orthonormal
-        y = x[h] @ R  # [T, D]
+        g = group or D
+        y = (x[h] @ R).reshape(T, D // g, g)  # [T, D/g, g]
         n = y.norm(dim=-1, keepdim=True).clamp_min(1e-12)
         code = torch.round(12 * (torch.log2(n) + 13)).clamp(0, 255)
         n_hat = torch.exp2(code / 12 - 13)
-        z = y / n * math.sqrt(D)
+        z = y / n * math.sqrt(g)
         idx = (z[..., None] - levels).abs().argmin(-1)
-        out[h] = (levels[idx] * n_hat / math.sqrt(D)) @ R.T
-    meta = 8 * H * T + (16 * H * D if center else 0)
+        out[h] = (levels[idx] * n_hat / math.sqrt(g)).reshape(T, D) @ R.T
+    meta = 8 * H * T * (D // (group or D)) + (16 * H * D if center else 0)
     return out + mu, bits * H * T * D + meta
 
 
@@ -144,7 +147,7 @@ class Code:
     name: str
     bits: int
     pre_rope: bool
-    kind: str  # groups | static | tokens | centered-tokens
+    kind: str  # groups | static | tokens | centered-tokens | centered-tokens-g64
     outliers: float = 0.0
     levels: str = "uniform"
 
@@ -154,6 +157,8 @@ class Code:
             coded, bits = code_groups(body, self.bits)
         elif self.kind in ("tokens", "centered-tokens"):
             coded, bits = code_tokens(body, self.bits, prompt - SINKS, self.kind == "centered-tokens")
+        elif self.kind == "centered-tokens-g64":
+            coded, bits = code_tokens(body, self.bits, prompt - SINKS, True, group=64)
         else:
             coded, bits = code_static(body, self.bits, prompt - SINKS, self.outliers, self.levels)
         H, T, D = k.shape
@@ -171,7 +176,8 @@ def codes(widths: list[int]) -> list[Code]:
                 Code(f"pre-nuq-o0.2% {b}b", b, True, "static", 0.002, "nuq"),
                 Code(f"pre-nuq-o1% {b}b", b, True, "static", 0.01, "nuq"),
                 Code(f"post-tok {b}b", b, False, "tokens"), Code(f"post-ctok {b}b", b, False, "centered-tokens"),
-                Code(f"pre-ctok {b}b", b, True, "centered-tokens")]
+                Code(f"pre-ctok {b}b", b, True, "centered-tokens"),
+                Code(f"pre-ctok-g64 {b}b", b, True, "centered-tokens-g64")]
     return out
 
 
