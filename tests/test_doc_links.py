@@ -16,7 +16,7 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 def slug(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"[`*_]", "", heading.strip().lower()) if "`" in heading or "*" in heading else heading.strip().lower()
+    text = re.sub(r"[`*]", "", heading.strip().lower())  # GitHub keeps underscores (`kv_cache` -> kv_cache)
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
@@ -48,6 +48,7 @@ def test_slugs_follow_github():
     assert slug("Every family (wave 4): SmolLM2 and Qwen2.5-Coder-0.5B") == "every-family-wave-4-smollm2-and-qwen25-coder-05b"
     assert slug("Drop-in cache for `model.generate`") == "drop-in-cache-for-modelgenerate"
     assert slug("Speed, memory, serving, kernels") == "speed-memory-serving-kernels"
+    assert slug("Using `kv_cache` in **vLLM**") == "using-kv_cache-in-vllm"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
