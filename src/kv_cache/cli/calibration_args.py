@@ -16,17 +16,15 @@ def add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help=MODEL_HELP)
 
 
-def add_calibration_args(p: argparse.ArgumentParser, *, default_text: str | None, out_help: str,
-                         out_required: bool = True, tokens: int | None = None, tokens_help: str | None = None) -> None:
-    """``--model``, ``--text`` (one file; ``default_text`` under ``shared/data`` when None is
-    given), ``-o/--out`` and, with ``tokens``, ``--tokens`` (how much of the text is used)."""
+def add_calibration_args(p: argparse.ArgumentParser, *, default_text: str, out_help: str,
+                         tokens: int | None = None) -> None:
+    """``--model``, ``--text`` (one file; ``default_text`` under ``shared/data`` when none is
+    given), a required ``-o/--out`` and, with ``tokens``, ``--tokens`` (how much of the text is used)."""
     add_model(p)
-    if default_text is not None:
-        p.add_argument("--text", default=None, help=f"calibration text file [shared/data/{default_text}]")
-    p.add_argument("-o", "--out", required=out_required, default=None, help=out_help)
+    p.add_argument("--text", default=None, help=f"calibration text file [shared/data/{default_text}]")
+    p.add_argument("-o", "--out", required=True, help=out_help)
     if tokens is not None:
-        p.add_argument("--tokens", type=int, default=tokens,
-                       help=f"{tokens_help or 'tokens of the text to use'} [{tokens}]")
+        p.add_argument("--tokens", type=int, default=tokens, help=f"tokens of the text to use [{tokens}]")
 
 
 def read_text_file(path: str | Path) -> str:
