@@ -80,6 +80,40 @@ def spm_bpe_merges(tokens: list[str], scores: list[float], types: list[int]) -> 
     return [(left, right) for *_, left, right in ranked]
 
 
+def _added_tokens(tokens: list[str], types: list[int]) -> list[Any]:
+    """Control tokens as special ``AddedToken``s and user-defined ones as plain ones, matched in
+    the raw text before the model splits it (llama.cpp's rule)."""
+    from tokenizers import AddedToken
+
+    return [AddedToken(t, special=int(ty) == _CONTROL, normalized=False)
+            for t, ty in zip(tokens, types) if int(ty) in (_CONTROL, _USER_DEFINED)]
+
+
+def _bos_eos_template(tokens: list[str], bos: str | None, eos: str | None, add_bos: bool, add_eos: bool) -> Any:
+    """The post-processor adding BOS / EOS as the GGUF metadata says (None: it adds neither)."""
+    from tokenizers import processors
+
+    prefix = [bos] if add_bos and bos is not None else []
+    suffix = [eos] if add_eos and eos is not None else []
+    if not (prefix or suffix):
+        return None
+
+    def template(seq: str, type_id: int) -> list[str]:
+        return [f"{t}:{type_id}" for t in prefix] + [f"{seq}:{type_id}"] + [f"{t}:{type_id}" for t in suffix]
+
+    return processors.TemplateProcessing(single=template("$A", 0), pair=template("$A", 0) + template("$B", 1),
+                                         special_tokens=[(t, tokens.index(t)) for t in dict.fromkeys(prefix + suffix)])
+
+
+def _fast_tokenizer(backend: Any, specials: dict[str, str | None], chat_template: str | None) -> Any:
+    """``backend`` wrapped as a ``PreTrainedTokenizerFast`` with the GGUF's special tokens."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=chat_template,
+                                   clean_up_tokenization_spaces=False,
+                                   **{k: v for k, v in specials.items() if v is not None})
+
+
 def _spm_bpe_tokenizer(reader: Any, tokens: list[str], specials: dict[str, str | None], add_bos: bool,
                        add_eos: bool, chat_template: str | None) -> Any:
     """A sentencepiece BPE GGUF vocabulary as a ``PreTrainedTokenizerFast`` (see the module docstring).
@@ -90,8 +124,7 @@ def _spm_bpe_tokenizer(reader: Any, tokens: list[str], specials: dict[str, str |
     user-defined ones (Gemma 3's runs of newlines, spaces and tabs) are matched in the raw text
     first, as llama.cpp does.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, normalizers
 
     scores = _gguf_field(reader, "tokenizer.ggml.scores")
     types = _gguf_field(reader, "tokenizer.ggml.token_type")
@@ -103,22 +136,11 @@ def _spm_bpe_tokenizer(reader: Any, tokens: list[str], specials: dict[str, str |
     ))
     backend.normalizer = normalizers.Replace(" ", "▁")
     backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
-    backend.add_tokens([
-        AddedToken(t, special=int(ty) == _CONTROL, normalized=False)
-        for t, ty in zip(tokens, types) if int(ty) in (_CONTROL, _USER_DEFINED)
-    ])
-    bos, eos = specials["bos_token"], specials["eos_token"]
-    prefix = [bos] if add_bos and bos is not None else []
-    suffix = [eos] if add_eos and eos is not None else []
-    if prefix or suffix:
-        backend.post_processor = processors.TemplateProcessing(
-            single=[*prefix, "$A", *suffix], pair=[*prefix, "$A", *suffix, *prefix, "$B:1", *suffix],
-            special_tokens=[(t, tokens.index(t)) for t in dict.fromkeys(prefix + suffix)],
-        )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, chat_template=chat_template, clean_up_tokenization_spaces=False,
-        **{k: v for k, v in specials.items() if v is not None},
-    )
+    backend.add_tokens(_added_tokens(tokens, types))
+    template = _bos_eos_template(tokens, specials["bos_token"], specials["eos_token"], add_bos, add_eos)
+    if template is not None:
+        backend.post_processor = template
+    return _fast_tokenizer(backend, specials, chat_template)
 
 
 def gguf_tokenizer(gguf_path: Path) -> Any:
@@ -145,14 +167,13 @@ def gguf_tokenizer(gguf_path: Path) -> Any:
     add_eos = _gguf_field(reader, "tokenizer.ggml.add_eos_token")
     chat_template = _gguf_field(reader, "tokenizer.chat_template")
 
+    specials = {"bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": pad}
     if (tok_model == "llama" and _gguf_field(reader, "general.architecture") in _SPM_BPE_ARCHITECTURES
             and not _gguf_field(reader, "tokenizer.ggml.add_space_prefix")):
-        specials = {"bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": pad}
         return _spm_bpe_tokenizer(reader, tokens, specials, bool(add_bos), bool(add_eos), chat_template)
 
     if tok_model == "gpt2" and pre in _BYTE_LEVEL_PRE_TOKENIZERS:
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-        from transformers import PreTrainedTokenizerFast
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
         merges = [tuple(m.split(" ", 1)) for m in _gguf_field(reader, "tokenizer.ggml.merges") or []]
         types = _gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -163,31 +184,10 @@ def gguf_tokenizer(gguf_path: Path) -> Any:
         else:
             backend.pre_tokenizer = byte_level
         backend.decoder = decoders.ByteLevel()
-        # token_type 3 = CONTROL, 4 = USER_DEFINED (llama.cpp's LLAMA_TOKEN_TYPE_*).
-        backend.add_tokens(
-            [AddedToken(t, special=int(ty) == 3, normalized=False) for t, ty in zip(tokens, types) if int(ty) in (3, 4)]
-        )
-        prefix = [bos] if add_bos and bos is not None else []
-        suffix = [eos] if add_eos and eos is not None else []
-        if prefix or suffix:
-            def template(seq: str, type_id: int) -> list[str]:
-                return [f"{t}:{type_id}" for t in prefix] + [f"{seq}:{type_id}"] + [f"{t}:{type_id}" for t in suffix]
-
-            backend.post_processor = processors.TemplateProcessing(
-                single=template("$A", 0),
-                pair=template("$A", 0) + template("$B", 1),
-                special_tokens=[(t, tokens.index(t)) for t in dict.fromkeys(prefix + suffix)],
-            )
-        else:
-            backend.post_processor = processors.ByteLevel(trim_offsets=False)
-        kwargs = {"bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": pad}
-        tokenizer = PreTrainedTokenizerFast(
-            tokenizer_object=backend,
-            chat_template=chat_template,
-            clean_up_tokenization_spaces=False,
-            **{k: v for k, v in kwargs.items() if v is not None},
-        )
-        return tokenizer
+        backend.add_tokens(_added_tokens(tokens, types))
+        template = _bos_eos_template(tokens, bos, eos, bool(add_bos), bool(add_eos))
+        backend.post_processor = template if template is not None else processors.ByteLevel(trim_offsets=False)
+        return _fast_tokenizer(backend, specials, chat_template)
 
     log.info(
         "GGUF tokenizer %r (pre %r) is not rebuilt here; using transformers' conversion with "
