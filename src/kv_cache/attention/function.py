@@ -122,8 +122,8 @@ def compressed_attention(
             out, lse = _positional(layer, view, q, key, value, scaling, G, L, starts, new_valid, softcap)
         else:
             out, lse = _blocks(layer, view, q, key, value, scaling, G, L, starts, new_valid, sinks is not None)
-            if sinks is not None and layer.key_offset is not None:  # learned sinks see true logits (§25)
-                lse = lse + lse_shift(q, layer.key_offset, scaling)
+            if sinks is not None and layer.view_offset is not None:  # learned sinks see true logits (§25)
+                lse = lse + lse_shift(q, layer.view_offset, scaling)
         if layer.checks_fidelity(view, L):
             if layer.checks_eviction:
                 layer.record_query_attention(_last_queries_attention(layer, q, key, scaling, G, L, softcap, new_valid))
@@ -142,7 +142,7 @@ def _prefill_error(layer, q, key, value, scaling, G, L, softcap, new_valid) -> f
     cannot be read densely under soft-capping (heads of different lengths)."""
     m = min(FIDELITY_QUERIES, L)
     qs = q[:, :, checked_rows(G, L, m, q.device)]
-    blocks = layer.storage.blocks() + layer.demoted_blocks()
+    blocks = layer.stored_blocks() + layer.demoted_blocks()
     starts = layer._starts  # [B, Hkv] leading padding slots of the stored rows, or None
     valid = None if new_valid is None else new_valid[:, None, :].expand(-1, key.shape[1], -1)
     if softcap is None:
@@ -158,13 +158,13 @@ def _prefill_error(layer, q, key, value, scaling, G, L, softcap, new_valid) -> f
             dense = materialize(blocks)
         except ValueError:
             return float("nan")
-        k_hat, v_hat = unshift_keys(dense[0], layer.key_offset), dense[1]
+        k_hat, v_hat = unshift_keys(dense[0], layer.view_offset), dense[1]
         approx_valid = dense[2] if len(dense) > 2 else None  # ragged heads: their virtual padding
         if starts is not None:
             after = torch.arange(k_hat.shape[2], device=k_hat.device) >= starts.unsqueeze(-1)
             approx_valid = after if approx_valid is None else approx_valid & after
         approx = masked_attention(qs, k_hat, v_hat, scaling, softcap, approx_valid)
-        key = unshift_keys(key, layer.key_offset)
+        key = unshift_keys(key, layer.view_offset)
     exact_key = key if valid is None else key.masked_fill(~valid[..., None], 0)
     err = attention_output_error(qs, exact_key, value, approx, scaling, softcap, key_valid=valid)
     return float(err.max())
@@ -176,7 +176,7 @@ def _last_queries_attention(layer, q, key, scaling, G, L, softcap, new_valid) ->
     m = min(FIDELITY_QUERIES, L)
     qs = q[:, :, checked_rows(G, L, m, q.device)]
     valid = None if new_valid is None else new_valid[:, None, :].expand(-1, key.shape[1], -1)
-    k = key if softcap is None else unshift_keys(key, layer.key_offset)  # a constant shift leaves softmax as is
+    k = key if softcap is None else unshift_keys(key, layer.view_offset)  # a constant shift leaves softmax as is
     return query_attention(qs, k, scaling, softcap, valid)
 
 
@@ -203,7 +203,7 @@ def _positional(layer, view, q, key, value, scaling, G, L, starts, new_valid, so
         S = 0 if stored is None else stored[0].shape[2]
         keys = key.float() if stored is None else torch.cat([stored[0], key.float()], 2)
         values = value.float() if stored is None else torch.cat([stored[1], value.float()], 2)
-    keys = unshift_keys(keys, layer.key_offset)  # soft-capping is not shift-invariant: true keys (§25)
+    keys = unshift_keys(keys, layer.view_offset)  # soft-capping is not shift-invariant: true keys (§25)
     B, H = keys.shape[:2]
     T = keys.shape[2]
     end = layer.position_end(L)  # one past the last query's position
@@ -285,7 +285,7 @@ def _reconstruction_pass(layer, query, q, key, value, scaling: float, G: int,
     B, Hq, L, d = query.shape
     sinks, start, end = layer.reconstructing
     keys, values = layer.reconstruction_states()  # [B, Hkv, T, d], dequantized when packed, offset added back
-    key = unshift_keys(key, layer.key_offset)
+    key = unshift_keys(key, layer.view_offset)
     T = keys.shape[2]
     all_k, all_v = torch.cat([keys, key.to(keys.dtype)], 2), torch.cat([values, value.to(values.dtype)], 2)
     if learned is None and softcap is None:

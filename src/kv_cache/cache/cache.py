@@ -11,6 +11,7 @@ from transformers.cache_utils import Cache
 from ..compression.global_budget import select_global
 from ..policies.base import EvictionPolicy
 from .architecture import check_decoder, layer_windows
+from .rope_frame import check_pre_rope_policy, rope_frames
 from .config import QuantConfig
 from .budgets import fixed_parts
 import warnings
@@ -168,6 +169,10 @@ class CompressedCache(Cache):
         layers = [CompressedLayer(i, quant if w is None or quant is None else quant.sliding_config(),
                                   eviction if w is None else None, w)
                   for i, w in enumerate(windows)]
+        if quant is not None and quant.pre_rope:  # keys stored before RoPE (§29)
+            check_pre_rope_policy(eviction)
+            for layer, frame in zip(layers, rope_frames(config, geometry.head_dim)):
+                layer.rope_frame = frame
         super().__init__(layers=layers)
         self._shared: dict[int, tuple] = {}
         for layer in self.layers:

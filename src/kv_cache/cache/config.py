@@ -51,6 +51,15 @@ PER_TOKEN_LAYOUT: dict[str, Any] = {
 one 8-bit norm per key, flush blocks of 4 tokens, and the per-channel key offset subtracted
 (§25). Fewer bytes (4.2 bits at 4 bits), but on Qwen2.5 +60% perplexity even so."""
 
+PRE_ROPE_LAYOUT: dict[str, Any] = {
+    **PER_TOKEN_LAYOUT, "group_size": 1, "residual_length": 0, "pre_rope": True,
+}
+"""Keys stored before RoPE (``QuantConfig(bits, pre_rope=True)``, math dictionary §29): the
+per-token layout (a randomized Hadamard rotation, Lloyd-Max levels, one 8-bit norm per key and
+value vector) on keys with RoPE removed and the prompt's per-channel mean subtracted, which is a
+constant before RoPE (Qwen2's key bias included), so the offset that broke per-token keys on
+Qwen2.5 is gone. Every token is quantized on arrival (no residual); 4 float16 sinks."""
+
 _KIVI_FIELDS = ("bits", "group_size", "residual_length", "sink_tokens", "symmetric", "scale_dtype")
 """Fields shown by ``repr`` always (the original layout); the others only when they differ from
 :data:`KIVI_LAYOUT` (or their default), so a KIVI configuration prints exactly as before
@@ -182,6 +191,16 @@ class QuantConfig:
         a per-token layout from spending its range on a channel offset (Qwen2's key bias:
         +62% perplexity at 4 bits without it). Per-channel key groups absorb such an offset
         in their zero points already. Costs ``4 * head_dim`` bytes per batch row and KV head.
+    pre_rope : bool, default False
+        Store keys before RoPE (math dictionary §29): each key the model hands over rotated is
+        turned back (``k = R(p)^T k' / s``, the layer's own frequencies read from the config,
+        :mod:`kv_cache.cache.rope_frame`) before it is centered and quantized, and rotated again
+        at read time with its position, which every stored token keeps (after eviction too).
+        Before RoPE a channel's offset is a constant, so per-channel statistics and the key
+        offset (``center_keys``) stay still. With the other layout fields at "auto" it selects
+        :data:`PRE_ROPE_LAYOUT`: per-token keys quantized on arrival, one 8-bit norm per vector.
+        Read by the reference attention path and the native one; eviction policies with a
+        per-head scope. Models without RoPE and multimodal RoPE are refused.
     evicted_layer_bits : mapping or tuple of pairs, default ()
         Per-layer widths of the evicted tier, in the form of ``layer_bits`` (e.g. a
         ``kvcache allocate`` profile at a low mean width): the sensitive layers' evicted keys at
@@ -210,6 +229,7 @@ class QuantConfig:
     evicted_bits: int | None = None
     evicted_layer_bits: Any = ()
     center_keys: Any = AUTO
+    pre_rope: bool = False
 
     @classmethod
     def kivi(cls, **kwargs: Any) -> "QuantConfig":
@@ -232,14 +252,15 @@ class QuantConfig:
 
         layout = BEST_LAYOUT if best else KIVI_LAYOUT
         put("rotation", layout["rotation"])
-        put("key_grouping", layout["key_grouping"])
+        put("key_grouping", "token" if best and self.pre_rope is True else layout["key_grouping"])
         per_token = self.key_grouping == "token"
         put("levels", "lloyd_max" if best else "uniform")
         norm_only = self.levels == "lloyd_max"
         put("channel_group", "head" if norm_only else 32 if best and per_token else None)
         put("scale_dtype", torch.uint8 if norm_only else torch.float16)
+        token_layout = PRE_ROPE_LAYOUT if self.pre_rope is True else PER_TOKEN_LAYOUT
         for name in ("group_size", "residual_length"):
-            put(name, PER_TOKEN_LAYOUT[name] if best and per_token else KIVI_LAYOUT[name])
+            put(name, token_layout[name] if best and per_token else KIVI_LAYOUT[name])
         put("sink_tokens", layout["sink_tokens"])
         put("residual_dtype", layout["residual_dtype"])
         put("center_keys", per_token)
@@ -282,6 +303,11 @@ class QuantConfig:
                 raise ValueError(f"QuantConfig.{name} applies to uniform levels only; got levels={self.levels!r}")
         if not isinstance(self.center_keys, bool):
             raise ValueError(f"QuantConfig.center_keys must be True, False or 'auto'; got {self.center_keys!r}")
+        if not isinstance(self.pre_rope, bool):
+            raise ValueError(f"QuantConfig.pre_rope must be True or False; got {self.pre_rope!r}")
+        if self.pre_rope and self.evicted_bits is not None:
+            raise ValueError("QuantConfig.pre_rope=True does not hold an evicted tier yet (evicted_bits="
+                             f"{self.evicted_bits}): drop evicted_bits, or use pre_rope=False")
         self._check_rotation_path()
         self._check_metadata_dtypes()
         if self.levels == "lloyd_max":

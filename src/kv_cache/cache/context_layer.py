@@ -72,12 +72,12 @@ class CompressOnceLayer:
     def _session_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         self.seen += key_states.shape[2]
         if self.native:
-            self._view = (self.storage.blocks() + self._tail.attention_update(key_states, value_states)
+            self._view = (self.stored_blocks() + self._tail.attention_update(key_states, value_states)
                           + self.demoted_blocks())
             return key_states, value_states
         if self.demoted is not None:
             raise RuntimeError(TIERS_NEED_NATIVE)
-        k, v = self.storage.read()
+        k, v = self.stored_states()
         tk, tv = self._tail.update(key_states, value_states)
         return torch.cat([k, tk], dim=2), torch.cat([v, tv], dim=2)
 
@@ -97,8 +97,8 @@ class CompressOnceLayer:
     def reconstruction_states(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored keys and values in full precision ``[batch, kv_heads, T, d]`` (keys as the
         model computed them, the offset added back): what the repeat chunks attend."""
-        keys, values = self.storage.read()
-        return unshift_keys(keys, self.key_offset), values
+        keys, values = self.stored_states()
+        return unshift_keys(keys, self.view_offset), values
 
     def observe_reconstruction(self, scores: torch.Tensor) -> None:
         """``scores`` ``[batch, kv_heads, end - start]``: this chunk's max probabilities; kept as the max."""

@@ -42,11 +42,19 @@ from .keep import keep_slots
 from .ragged import ragged_state
 from ..attention.key_offset import key_offset, shift_keys, unshift_keys
 from .report import layer_nbytes, layer_tensors
+from .rope_frame import RopeFrame
 from .tiers import TIERS_NEED_NATIVE, TiersLayer
 from .window import slide
 from .storage import FullPrecisionStorage, LayerStorage, gather_tokens, make_storage
+from ..attention.blocks import FullBlock
 
 _FORCE = torch.finfo(torch.float32).max
+
+PRE_ROPE_RAGGED = (
+    "QuantConfig(pre_rope=True) keeps every token's position through per-head evictions (scope='head'); "
+    "heads holding different numbers of tokens (scope='layer' or 'model', a threshold) are not supported "
+    "with it yet: use scope='head' or QuantConfig(pre_rope=False)"
+)
 
 
 class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
@@ -98,6 +106,9 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
         self.attention_error: float | None = None  # the fidelity check at prefill (§26)
         self.evicted_attention: float | None = None  # the eviction check after KVzip's pass (§26.1)
         self.on_fidelity = None  # the cache's callback once this layer's check is recorded
+        self.rope_frame: RopeFrame | None = None  # keys stored before RoPE (§29), set by the cache
+        self.positions: torch.Tensor | None = None  # [b, h, n] int32 arrival index per stored slot, after eviction
+        self._arrived = 0  # tokens appended to the storage so far (implicit positions: the last n of them)
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -126,12 +137,19 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        given = key_states
+        # Keys before RoPE (§29): what is stored loses its rotation; a repeat chunk or a session's
+        # tail is never quantized, and is kept and attended as the model computed it.
+        stores = self._reconstruct is None and self._tail is None
+        if self.rope_frame is not None and stores:
+            key_states = self.rope_frame.remove(key_states, self._new_positions(key_states.shape[2]))
         if self.seen == 0 and self.key_offset is None and self.quant is not None and self.quant.center_keys:
             self.key_offset = key_offset(key_states, self.quant.sink_tokens)  # from the prompt, once
-        key_states = shift_keys(key_states, self.key_offset)
+        if self.rope_frame is None or stores:
+            key_states = shift_keys(key_states, self.key_offset)
         hidden, self.hidden_in = self.hidden_in, None
         if self._reconstruct is not None:  # KVzip's repeat pass: attend, never store, positions unchanged
-            self._view = self.storage.blocks()
+            self._view = self.stored_blocks()
             return key_states, value_states
         if self._tail is not None:
             return self._session_update(key_states, value_states)
@@ -145,19 +163,33 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
         self._since_evict += q_len
         if self.native:
             # The attention function reads the stored blocks in place (a decoded token included).
+            if self.rope_frame is not None:  # the stored keys rotated back, this call's as given
+                view = self.stored_blocks()
+                self._append(key_states, value_states)
+                self._view = view + ([FullBlock(given, value_states)] if q_len == 1 else [])
+                self._pending = True if acts else None
+                return given, value_states
             self._view = self.storage.attention_update(key_states, value_states) + self.demoted_blocks()
+            self._arrived += q_len
             self._pending = True if acts else None
             return key_states, value_states
         if self.demoted is not None:
             raise RuntimeError(TIERS_NEED_NATIVE)
-        keys, values = self.storage.update(key_states, value_states)
+        if self.rope_frame is not None:
+            stored, values = self.stored_states()
+            self._append(key_states, value_states)
+            keys = torch.cat([stored, given.to(stored.dtype)], dim=2)
+            values = torch.cat([values, value_states.to(values.dtype)], dim=2)
+        else:
+            keys, values = self.storage.update(key_states, value_states)
+            self._arrived += q_len
         self._slide()  # the returned states are materialized: the window's oldest tokens can go now
         if acts:
             if self.observed:
                 self._pending = keys
             else:  # a policy that needs no attention (checked above) evicts here; attention still sees all
                 self._evict(self._score_inputs(keys.shape[:3], keys=keys), None, before_attention=True)
-        return unshift_keys(keys, self.key_offset), values  # the model's own attention may soft-cap
+        return unshift_keys(keys, self.view_offset), values  # the model's own attention may soft-cap
 
     def get_seq_length(self) -> int:
         """Tokens seen (absolute length), not tokens kept: positions stay absolute after eviction."""
@@ -176,9 +208,9 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        observed, native, share, on_fidelity = self.observed, self.native, self.share, self.on_fidelity
+        kept = (self.observed, self.native, self.share, self.on_fidelity, self.rope_frame)
         self.__init__(self.layer_idx, self.quant, self.policy, self.window)
-        self.observed, self.native, self.share, self.on_fidelity = observed, native, share, on_fidelity
+        self.observed, self.native, self.share, self.on_fidelity, self.rope_frame = kept
 
     def crop(self, max_length: int) -> None:
         raise RuntimeError(
@@ -203,9 +235,68 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
             self.demoted.map_tensors(fn)
         if self.key_offset is not None:
             self.key_offset = fn(self.key_offset)
+        if self.positions is not None:
+            self.positions = fn(self.positions)
         self.state = {name: fn(t) for name, t in self.state.items()}
         if self._starts is not None:
             self._starts = fn(self._starts)
+
+    # ------------------------------------------------------------------ keys before RoPE (§29)
+    @property
+    def view_offset(self) -> torch.Tensor | None:
+        """The key offset the attention readers add back (§25): None when the stored blocks
+        they read already hold the model's keys (a layer storing keys before RoPE adds the
+        offset back before rotating, since a rotated offset is no longer a constant logit)."""
+        return None if self.rope_frame is not None else self.key_offset
+
+    def _new_positions(self, q_len: int) -> torch.Tensor:
+        """``[q_len]`` int64: the arrival indices of this call's tokens (the positions the stored
+        keys are rotated by; any fixed frame is exact, the model's keeps the channels still)."""
+        return torch.arange(self._arrived, self._arrived + q_len, device=self.device)
+
+    def stored_positions(self) -> torch.Tensor:
+        """``[n]`` (no eviction yet: the last ``n`` arrivals) or ``[batch, kv_heads, n]`` int32:
+        the arrival index of every stored slot."""
+        if self.positions is not None:
+            return self.positions
+        n = 0 if self.storage is None else self.storage.length
+        return torch.arange(self._arrived - n, self._arrived, device=self.device)
+
+    def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store this call's keys (before RoPE) and values; explicit positions grow with them."""
+        q_len = keys.shape[2]
+        if self.positions is not None:
+            new = self._new_positions(q_len).to(torch.int32).expand(*self.positions.shape[:2], q_len)
+            self.positions = torch.cat([self.positions, new], dim=2)
+        self.storage.append(keys, values)
+        self._arrived += q_len
+
+    def stored_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored keys and values in full precision ``[batch, kv_heads, n, d]``, keys as the
+        attention readers take them: rotated back at their positions (the offset added first)
+        in a layer storing keys before RoPE, else as stored."""
+        keys, values = self.storage.read()
+        if self.rope_frame is not None and keys.shape[2]:
+            keys = self.rope_frame.apply(unshift_keys(keys, self.key_offset), self.stored_positions())
+        return keys, values
+
+    def stored_blocks(self) -> list:
+        """The stored tokens as attention blocks in token order: the storage's own blocks, or
+        one full-precision block of the keys rotated back (:meth:`stored_states`)."""
+        if self.rope_frame is None:
+            return self.storage.blocks()
+        if self.storage.length == 0:
+            return []
+        return [FullBlock(*self.stored_states())]
+
+    def _gather_positions(self, keep: torch.Tensor) -> None:
+        """Eviction keeps slots ``keep`` ``[batch, kv_heads, K]``: their positions go with them."""
+        if self.rope_frame is None:
+            return
+        pos = self.stored_positions()
+        if pos.dim() == 1:
+            pos = pos.to(torch.int32).expand(*keep.shape[:2], pos.shape[0])
+        self.positions = pos.gather(2, keep.to(pos.device))
 
     def kept_length(self) -> int:
         """Tokens currently stored (sinks + quantized + residual, and a session's tail); the
@@ -406,6 +497,7 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
                 self._demote(masks)
         self.state = {name: gather_tokens(t, keep) for name, t in self.state.items()}
         self._starts = starts_after(self._starts, keep)
+        self._gather_positions(keep)
         self.storage.gather(keep, in_place=not before_attention)
 
     def _evict_shared(self, scores, valid, budget: int, lead: int, trail: int, window: int,
@@ -436,6 +528,8 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
     def apply_keep_masks(self, masks: torch.Tensor, in_place: bool = True) -> None:
         """Keep the slots ``masks`` (bool ``[batch, kv_heads, T]``, every protected slot set):
         heads keeping different numbers of tokens become ragged rows that hold only those."""
+        if self.rope_frame is not None:
+            raise RuntimeError(PRE_ROPE_RAGGED)
         self._record_eviction(masks)
         if self.tiered:
             self._demote(masks)
@@ -445,8 +539,10 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
     # ------------------------------------------------------------------ accounting
     def held_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor this layer holds, by slot name (:func:`.report.layer_tensors`)."""
-        return layer_tensors(self.storage, self.demoted, self._tail, self.state, self._starts, self.key_offset)
+        return layer_tensors(self.storage, self.demoted, self._tail, self.state, self._starts, self.key_offset,
+                             self.positions, self.rope_frame)
 
     def nbytes_by_category(self) -> dict[str, int]:
         """Bytes held by category (:func:`.report.layer_nbytes`)."""
-        return layer_nbytes(self.storage, self.demoted, self._tail, self.state, self._starts, self.key_offset)
+        return layer_nbytes(self.storage, self.demoted, self._tail, self.state, self._starts, self.key_offset,
+                            self.positions, self.rope_frame)

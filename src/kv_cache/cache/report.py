@@ -142,11 +142,12 @@ class MemoryReport:
                    if self.evicted_attention else ""))
 
 
-def layer_tensors(storage, demoted, tail, state: dict, starts, key_offset=None) -> dict:
+def layer_tensors(storage, demoted, tail, state: dict, starts, key_offset=None, positions=None, rope=None) -> dict:
     """Every tensor a :class:`~kv_cache.cache.layer.CompressedLayer` holds, by slot name: its
     storage's, ``demoted.*`` (the evicted tier), ``tail.*`` (a session's tokens), ``state.*``
     (the policy's per-token state), ``starts`` (each head's first valid slot) and
-    ``key_offset`` (the per-channel key offset, §25)."""
+    ``key_offset`` (the per-channel key offset, §25), ``positions`` (the kept slots' positions
+    under keys stored before RoPE, after an eviction) and ``rope.inv_freq`` (their frequencies, §29)."""
     out = {} if storage is None else dict(storage.named_tensors())
     for prefix, part in (("demoted", demoted), ("tail", tail)):
         if part is not None:
@@ -156,12 +157,18 @@ def layer_tensors(storage, demoted, tail, state: dict, starts, key_offset=None) 
         out["starts"] = starts
     if key_offset is not None:
         out["key_offset"] = key_offset
+    if positions is not None:
+        out["positions"] = positions
+    if rope is not None:
+        out["rope.inv_freq"] = rope.inv_freq
     return out
 
 
-def layer_nbytes(storage, demoted, tail, state: dict, starts, key_offset=None) -> dict[str, int]:
+def layer_nbytes(storage, demoted, tail, state: dict, starts, key_offset=None, positions=None,
+                 rope=None) -> dict[str, int]:
     """Bytes of :func:`layer_tensors` by category: the storages' categories, ``scores`` (the
-    policy's state), ``indices`` (the starts included) and ``tables`` (the key offset)."""
+    policy's state), ``indices`` (the starts and positions included) and ``tables`` (the key
+    offset, the RoPE frequencies)."""
     out = {} if storage is None else storage.nbytes_by_category()
     for part in (demoted, tail):
         if part is not None:
@@ -172,4 +179,8 @@ def layer_nbytes(storage, demoted, tail, state: dict, starts, key_offset=None) -
         out["indices"] = out.get("indices", 0) + starts.nbytes
     if key_offset is not None:
         out["tables"] = out.get("tables", 0) + key_offset.nbytes
+    if positions is not None:  # the kept slots' positions (keys before RoPE, §29)
+        out["indices"] = out.get("indices", 0) + positions.nbytes
+    if rope is not None:
+        out["tables"] = out.get("tables", 0) + rope.inv_freq.nbytes
     return out

@@ -19,7 +19,8 @@ Two pair layouts exist in transformers:
 Partial rotary (``r < head_dim``, e.g. Phi, StableLM) rotates the first ``r`` channels and
 passes the rest through. Shapes: ``x`` is ``[..., T, D]`` (``[batch, kv_heads, T, head_dim]`` in
 the cache), ``cos``/``sin`` are ``[T, r]`` or ``[batch, T, r]`` (transformers' own), broadcast
-over the heads. Computation is float32; the output has ``x``'s dtype.
+over the heads, or ``[batch, heads, T, r]`` (one position per head and slot: the kept tokens of
+an evicting cache). Computation is float32; the output has ``x``'s dtype.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -
         raise ValueError(f"x must be [..., T, D] (at least 2 dims); got shape {tuple(x.shape)}")
     if cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have the same shape; got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    if cos.dim() not in (2, 3):
-        raise ValueError(f"cos/sin must be [T, r] or [batch, T, r]; got shape {tuple(cos.shape)}")
+    if cos.dim() not in (2, 3, 4):
+        raise ValueError(f"cos/sin must be [T, r], [batch, T, r] or [batch, heads, T, r]; got shape {tuple(cos.shape)}")
     r, d = cos.shape[-1], x.shape[-1]
     if r % 2 or r > d or r == 0:
         raise ValueError(f"the rotary width (cos.shape[-1]) must be even, > 0 and <= head_dim {d}; got {r}")
@@ -53,7 +54,8 @@ def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -
 
 
 def _broadcast(c: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``[T, r]`` or ``[B, T, r]`` -> broadcastable against ``x`` ``[B, H, T, D]`` (or ``[T, D]``)."""
+    """``[T, r]``, ``[B, T, r]`` or ``[B, H, T, r]`` -> broadcastable against ``x`` ``[B, H, T, D]``
+    (or ``[T, D]``)."""
     c = c.float()
     if c.dim() == 3 and x.dim() == 4:
         return c[:, None]

@@ -78,6 +78,7 @@ QUANT_OPTIONS: tuple[QuantOption, ...] = (
                 "`kvcache allocate` JSON file", r"\[[^\],+\s]+\]", lambda v: load_bit_profile(v[1:-1])),
     QuantOption("n", "center_keys", "", "no per-channel key offset (keys stored as computed, not k - mu; §25)", "",
                 lambda _: False),
+    QuantOption("b", "pre_rope", "", "keys stored before RoPE, rotated back at read (§29)", "", lambda _: True),
 )
 
 

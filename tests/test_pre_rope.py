@@ -1,0 +1,212 @@
+"""Keys stored before RoPE (``QuantConfig(pre_rope=True)``, math dictionary §29).
+
+Model-free: each layer's frame read from the config (rope types, partial rotary, per-layer-type
+bases, layers without RoPE) equals the model's own rotary embedding, and the configs it cannot
+serve are refused. On tiny random models: an 8-bit pre-RoPE cache gives the full cache's logits
+on both attention paths, for every rope type (dynamic NTK past its original context included);
+positions travel through eviction; every byte is counted; what is not supported yet says so.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+import kv_cache
+from kv_cache import H2O, CompressedCache, QuantConfig, SnapKV, StreamingLLM
+from kv_cache.cache.rope_frame import rope_frames
+from kv_cache.spec import parse_ours
+
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
+ROPE_TYPES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+}
+
+
+def _config(model_type: str = "llama", **kw):
+    return AutoConfig.for_model(model_type, **{**BASE, **kw})
+
+
+def _model(model_type: str = "llama", **kw):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(model_type, **kw), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(2.5)
+    return model
+
+
+def _q8() -> QuantConfig:
+    """Pre-RoPE keys at 8 bits: the frame's round trip is what is left to see."""
+    return QuantConfig(bits=8, pre_rope=True, key_grouping="token", rotation="hadamard", center_keys=True,
+                       group_size=1, residual_length=0, channel_group=None)
+
+
+def _own_tables(model, positions: torch.Tensor, layer_type: str | None = None):
+    rotary = model.model.rotary_emb
+    x = torch.zeros(1, 1, dtype=torch.float32)
+    kw = {} if layer_type is None else {"layer_type": layer_type}
+    return rotary(x, positions[None], **kw)
+
+
+# ---------------------------------------------------------------------- the frame, model-free
+@pytest.mark.parametrize("rope", list(ROPE_TYPES))
+def test_the_frame_is_the_models_own(rope):
+    model = _model(rope_parameters=ROPE_TYPES[rope])
+    frame = rope_frames(model.config, 32)[0]
+    pos = torch.arange(0, 48)
+    cos, sin = frame.tables(pos, torch.device("cpu"))
+    own_cos, own_sin = _own_tables(model, pos)
+    torch.testing.assert_close(cos, own_cos[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, own_sin[0], rtol=0, atol=1e-6)
+
+
+def test_partial_rotary_rotates_its_channels_only():
+    cfg = _config("phi", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": 0.5})
+    frame = rope_frames(cfg, 32)[0]
+    assert frame.inv_freq.numel() == 8  # 16 of 32 channels turn
+    k = torch.randn(1, 2, 5, 32)
+    pos = torch.arange(5)
+    stored = frame.remove(k, pos)
+    torch.testing.assert_close(stored[..., 16:], k[..., 16:])
+    torch.testing.assert_close(frame.apply(stored, pos), k, rtol=0, atol=1e-5)
+
+
+def test_per_layer_type_bases_and_layers_without_rope():
+    model = _model("gemma3_text", sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    frames = rope_frames(model.config, 32)
+    pos = torch.arange(40)
+    for frame, kind in zip(frames, ["sliding_attention", "full_attention"]):
+        torch.testing.assert_close(frame.tables(pos, torch.device("cpu"))[0], _own_tables(model, pos, kind)[0][0],
+                                   rtol=0, atol=1e-6)
+    assert not torch.equal(frames[0].inv_freq, frames[1].inv_freq)  # local 10K, global 1M bases
+    cfg = _config("smollm3", no_rope_layers=[1, 0])
+    assert [f is None for f in rope_frames(cfg, 32)] == [False, True]
+    assert rope_frames(_config("cohere2"), 32)[0].layout == "interleaved"
+
+
+@pytest.mark.parametrize("kind,kw,match", [
+    ("no rope", dict(model_type="gpt2"), "has none"),
+    ("mrope", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]}),
+     "multimodal RoPE"),
+    ("unknown type", dict(rope_parameters={"rope_type": "spiral", "rope_theta": 1e4}), "spiral"),
+])
+def test_models_the_frame_cannot_serve_are_refused(kind, kw, match):
+    model_type = kw.pop("model_type", "llama")
+    cfg = AutoConfig.for_model(model_type, **({**BASE, **kw} if model_type == "llama" else
+                                              dict(n_layer=2, n_head=2, n_embd=64)))
+    with pytest.raises(ValueError, match=match) as err:
+        CompressedCache(cfg, quant=QuantConfig(bits=4, pre_rope=True))
+    assert "pre_rope=False" in str(err.value)
+
+
+# ---------------------------------------------------------------------- exact on tiny models
+def _run(model, cache, ids, split: int, native: bool):
+    ctx = kv_cache.compress(model, cache) if native else torch.no_grad()
+    with torch.no_grad(), ctx:
+        out = [model(ids[:, :split], past_key_values=cache).logits]
+        out += [model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(split, ids.shape[1])]
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["reference", "native"])
+@pytest.mark.parametrize("rope", list(ROPE_TYPES))
+def test_eight_bit_pre_rope_matches_the_full_cache(rope, native):
+    """Past ``max_position_embeddings`` (64) too: dynamic NTK changes the model's frequencies
+    there, the frame keeps its own, and the keys read back are still the model's."""
+    model = _model(rope_parameters=ROPE_TYPES[rope])
+    ids = torch.randint(3, 256, (1, 90), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = _run(model, DynamicCache(config=model.config), ids, 50, False)
+    got = _run(model, CompressedCache(model.config, quant=_q8(), fidelity_threshold=1e9), ids, 50, native)
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_pre_rope_codes_beat_post_rope_codes_on_an_offset_channel():
+    """A key bias (Qwen2) is a constant before RoPE and turns with position after it: centering
+    removes it only before RoPE, so 2-bit per-token codes err less there."""
+    model = _model("qwen2")
+    ids = torch.randint(3, 256, (1, 96), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.bias.copy_(torch.linspace(-8, 8, layer.self_attn.k_proj.bias.numel()))
+        ref = _run(model, DynamicCache(config=model.config), ids, 64, False)
+    errs = {}
+    for pre in (False, True):
+        cache = CompressedCache(model.config, quant=QuantConfig(bits=2, key_grouping="token", pre_rope=pre),
+                                fidelity_threshold=1e9)
+        errs[pre] = float((_run(model, cache, ids, 64, True) - ref)[:, 64:].abs().mean())
+    assert errs[True] < errs[False]
+
+
+@pytest.mark.parametrize("policy", [StreamingLLM(budget=40), H2O(budget=40, recent_window=8),
+                                    SnapKV(budget=40, recent_window=8)], ids=["streaming", "h2o", "snapkv"])
+def test_positions_travel_through_eviction(policy):
+    """The same tokens are kept with keys stored before or after RoPE; the pre-RoPE cache
+    rotates each kept key by its own position, so both give the same logits."""
+    model = _model()
+    ids = torch.randint(3, 256, (1, 80), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for pre in (False, True):
+        q = _q8() if pre else QuantConfig(bits=8, key_grouping="token", rotation="hadamard", center_keys=True,
+                                          group_size=1, residual_length=0, channel_group=None)
+        cache = CompressedCache(model.config, quant=q, eviction=policy, fidelity_threshold=1e9)
+        outs.append(_run(model, cache, ids, 60, True))
+        layer = cache.layers[0]
+        if pre:
+            assert layer.positions is not None and layer.positions.dtype == torch.int32
+            assert layer.positions.shape[2] == layer.storage.length
+            assert bool((layer.positions.diff(dim=2) > 0).all())  # kept in order, each its own position
+    assert (outs[0] - outs[1]).abs().max() < 0.05 * outs[0].abs().max()
+
+
+def test_every_byte_is_counted():
+    model = _model()
+    ids = torch.randint(3, 256, (1, 80), generator=torch.Generator().manual_seed(3))
+    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, pre_rope=True),
+                            eviction=StreamingLLM(budget=40), fidelity_threshold=1e9)
+    _run(model, cache, ids, 60, True)
+    layer = cache.layers[0]
+    held = layer.held_tensors()
+    assert "positions" in held and "rope.inv_freq" in held
+    assert sum(layer.nbytes_by_category().values()) == sum(t.nbytes for t in held.values())
+
+
+def test_quantized_on_arrival_with_one_norm_per_vector():
+    q = QuantConfig(bits=3, pre_rope=True)
+    assert (q.key_grouping, q.residual_length, q.group_size, q.center_keys) == ("token", 0, 1, True)
+    assert q.scale_dtype == torch.uint8 and q.channel_group == "head"
+    cache, _ = parse_ours("q3db", None)[0].make(_model())
+    assert cache.quant == q
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda cfg: QuantConfig(bits=4, pre_rope=True, evicted_bits=2), "evicted tier"),
+    (lambda cfg: CompressedCache(cfg, quant=QuantConfig(bits=4, pre_rope=True),
+                                 eviction=SnapKV(budget=0.5, scope="layer")), "scope='head'"),
+    (lambda cfg: QuantConfig(bits=4, pre_rope="yes"), "True or False"),
+])
+def test_what_is_not_supported_yet_says_so(make, match):
+    with pytest.raises(ValueError, match=match):
+        make(_config())
+
+
+def test_a_pre_rope_cache_is_not_saved_silently(tmp_path):
+    from kv_cache.cache.serialize import save_cache
+
+    model = _model()
+    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, pre_rope=True))
+    _run(model, cache, torch.randint(3, 256, (1, 20)), 20, False)
+    with pytest.raises(ValueError, match="pre_rope=False"):
+        save_cache(cache, tmp_path / "c.kvc")
+    assert not (tmp_path / "c.kvc").exists()
