@@ -110,6 +110,33 @@ def test_models_the_frame_cannot_serve_are_refused(kind, kw, match):
     assert "pre_rope=False" in str(err.value)
 
 
+# ---------------------------------------------------------------------- the kept arrivals' bitmap
+def test_the_bitmap_round_trips_and_reads_right_aligned():
+    from kv_cache.cache.positions import kept_mask, pack_mask, slot_positions, unpack_mask
+
+    mask = torch.rand(2, 3, 21, generator=torch.Generator().manual_seed(0)) < 0.4
+    packed = pack_mask(mask)
+    assert packed.shape == (2, 3, 3) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_mask(packed, 21), mask)
+    L = int(mask.sum(-1).max())
+    pos = slot_positions(mask, L)
+    for b in range(2):
+        for h in range(3):
+            kept = mask[b, h].nonzero().squeeze(1)
+            assert torch.equal(pos[b, h, L - kept.numel():], kept)
+    # keeping slots by index (rectangular) or by mask (ragged) gives back the arrivals they held
+    rect = torch.arange(8).expand(2, 3, 8)
+    assert torch.equal(kept_mask(rect, torch.tensor([1, 5]).expand(2, 3, 2), 10).nonzero()[:, 2].unique(),
+                       torch.tensor([1, 5]))
+    slots = torch.zeros(2, 3, 8, dtype=torch.bool)
+    slots[0, 0, 7] = True
+    assert kept_mask(rect + 2, slots, 10).nonzero().tolist() == [[0, 0, 9]]
+    with pytest.raises(TypeError, match="bool"):
+        pack_mask(mask.int())
+    with pytest.raises(ValueError, match="more than its"):
+        slot_positions(mask, 1)
+
+
 # ---------------------------------------------------------------------- exact on tiny models
 def _run(model, cache, ids, split: int, native: bool):
     ctx = kv_cache.compress(model, cache) if native else torch.no_grad()
@@ -150,7 +177,10 @@ def test_pre_rope_codes_beat_post_rope_codes_on_an_offset_channel():
 
 
 @pytest.mark.parametrize("policy", [StreamingLLM(budget=40), H2O(budget=40, recent_window=8),
-                                    SnapKV(budget=40, recent_window=8)], ids=["streaming", "h2o", "snapkv"])
+                                    SnapKV(budget=40, recent_window=8),
+                                    SnapKV(budget=0.3, recent_window=4, scope="layer"),
+                                    SnapKV(budget=0.3, recent_window=4, scope="model")],
+                         ids=["streaming", "h2o", "snapkv", "snapkv-layer", "snapkv-model"])
 def test_positions_travel_through_eviction(policy):
     """The same tokens are kept with keys stored before or after RoPE; the pre-RoPE cache
     rotates each kept key by its own position, so both give the same logits."""
@@ -164,9 +194,16 @@ def test_positions_travel_through_eviction(policy):
         outs.append(_run(model, cache, ids, 60, True))
         layer = cache.layers[0]
         if pre:
-            assert layer.positions is not None and layer.positions.dtype == torch.int32
-            assert layer.positions.shape[2] == layer.storage.length
-            assert bool((layer.positions.diff(dim=2) > 0).all())  # kept in order, each its own position
+            if policy.scope != "head":
+                assert any(lay.storage.ragged for lay in cache.layers)  # heads hold different numbers
+            assert layer.kept_arrivals is not None and layer.kept_arrivals.dtype == torch.uint8
+            pos = layer.stored_positions()
+            assert pos.shape[2] == layer.storage.length
+            lengths = layer.storage.head_lengths()
+            for b in range(pos.shape[0]):
+                for h in range(pos.shape[1]):  # each head's kept arrivals in order, right-aligned
+                    row = pos[b, h, pos.shape[2] - int(lengths[b, h]):]
+                    assert bool((row.diff() > 0).all())
     assert (outs[0] - outs[1]).abs().max() < 0.05 * outs[0].abs().max()
 
 
@@ -178,7 +215,8 @@ def test_every_byte_is_counted():
     _run(model, cache, ids, 60, True)
     layer = cache.layers[0]
     held = layer.held_tensors()
-    assert "positions" in held and "rope.inv_freq" in held
+    assert "kept_arrivals" in held and "rope.inv_freq" in held
+    assert held["kept_arrivals"].shape == (1, 2, 10)  # one bit per token seen (80) and KV head
     assert sum(layer.nbytes_by_category().values()) == sum(t.nbytes for t in held.values())
 
 
@@ -192,8 +230,6 @@ def test_quantized_on_arrival_with_one_norm_per_vector():
 
 @pytest.mark.parametrize("make,match", [
     (lambda cfg: QuantConfig(bits=4, pre_rope=True, evicted_bits=2), "evicted tier"),
-    (lambda cfg: CompressedCache(cfg, quant=QuantConfig(bits=4, pre_rope=True),
-                                 eviction=SnapKV(budget=0.5, scope="layer")), "scope='head'"),
     (lambda cfg: QuantConfig(bits=4, pre_rope="yes"), "True or False"),
 ])
 def test_what_is_not_supported_yet_says_so(make, match):

@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache
 from ..compression.global_budget import select_global
 from ..policies.base import EvictionPolicy
 from .architecture import check_decoder, layer_windows
-from .rope_frame import check_pre_rope_policy, rope_frames
+from .rope_frame import rope_frames
 from .config import QuantConfig
 from .budgets import fixed_parts
 import warnings
@@ -170,7 +170,6 @@ class CompressedCache(Cache):
                                   eviction if w is None else None, w)
                   for i, w in enumerate(windows)]
         if quant is not None and quant.pre_rope:  # keys stored before RoPE (§29)
-            check_pre_rope_policy(eviction)
             for layer, frame in zip(layers, rope_frames(config, geometry.head_dim)):
                 layer.rope_frame = frame
         super().__init__(layers=layers)
@@ -254,8 +253,8 @@ class CompressedCache(Cache):
         for i, layer in enumerate(self.layers):
             evicted = i in pending_set
             parts = layer_nbytes(None if evicted else layer.storage, layer.demoted, layer._tail, {},
-                                 None if evicted else layer._starts, layer.key_offset)
-            fixed += sum(parts.values())
+                                 None if evicted else layer._starts, layer.key_offset, None, layer.rope_frame)
+            fixed += sum(parts.values()) + layer.arrival_bitmap_bytes(after_eviction=evicted)
 
         def held(k: int) -> int:
             masks = select(k)

@@ -39,9 +39,10 @@ from .checks import check_policy_can_act
 from .context_layer import CompressOnceLayer
 from ..attention.fidelity import RECENT_ATTENTION, evicted_share
 from .keep import keep_slots
-from .ragged import ragged_state
+from .ragged import dense_read, ragged_state
 from ..attention.key_offset import key_offset, shift_keys, unshift_keys
 from .report import layer_nbytes, layer_tensors
+from .positions import kept_mask, pack_mask, slot_positions, unpack_mask
 from .rope_frame import RopeFrame
 from .tiers import TIERS_NEED_NATIVE, TiersLayer
 from .window import slide
@@ -49,13 +50,6 @@ from .storage import FullPrecisionStorage, LayerStorage, gather_tokens, make_sto
 from ..attention.blocks import FullBlock
 
 _FORCE = torch.finfo(torch.float32).max
-
-PRE_ROPE_RAGGED = (
-    "QuantConfig(pre_rope=True) keeps every token's position through per-head evictions (scope='head'); "
-    "heads holding different numbers of tokens (scope='layer' or 'model', a threshold) are not supported "
-    "with it yet: use scope='head' or QuantConfig(pre_rope=False)"
-)
-
 
 class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
     """Cache layer with quantized storage (``quant``) and eviction (``policy``), both optional.
@@ -107,7 +101,7 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
         self.evicted_attention: float | None = None  # the eviction check after KVzip's pass (§26.1)
         self.on_fidelity = None  # the cache's callback once this layer's check is recorded
         self.rope_frame: RopeFrame | None = None  # keys stored before RoPE (§29), set by the cache
-        self.positions: torch.Tensor | None = None  # [b, h, n] int32 arrival index per stored slot, after eviction
+        self.kept_arrivals: torch.Tensor | None = None  # [b, h, ceil(A / 8)] uint8 bitmap, after an eviction (§29.6)
         self._arrived = 0  # tokens appended to the storage so far (implicit positions: the last n of them)
 
     # ------------------------------------------------------------------ transformers API
@@ -235,8 +229,8 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
             self.demoted.map_tensors(fn)
         if self.key_offset is not None:
             self.key_offset = fn(self.key_offset)
-        if self.positions is not None:
-            self.positions = fn(self.positions)
+        if self.kept_arrivals is not None:
+            self.kept_arrivals = fn(self.kept_arrivals)
         self.state = {name: fn(t) for name, t in self.state.items()}
         if self._starts is not None:
             self._starts = fn(self._starts)
@@ -255,30 +249,42 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
         return torch.arange(self._arrived, self._arrived + q_len, device=self.device)
 
     def stored_positions(self) -> torch.Tensor:
-        """``[n]`` (no eviction yet: the last ``n`` arrivals) or ``[batch, kv_heads, n]`` int32:
-        the arrival index of every stored slot."""
-        if self.positions is not None:
-            return self.positions
+        """``[n]`` (no eviction yet: the last ``n`` arrivals) or ``[batch, kv_heads, n]`` int64
+        (each head's kept arrivals, right-aligned in a ragged layout's slots): the arrival index
+        of every stored slot (:mod:`.positions`)."""
         n = 0 if self.storage is None else self.storage.length
-        return torch.arange(self._arrived - n, self._arrived, device=self.device)
+        if self.kept_arrivals is None:
+            return torch.arange(self._arrived - n, self._arrived, device=self.device)
+        return slot_positions(unpack_mask(self.kept_arrivals, self._arrived), n)
 
     def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store this call's keys (before RoPE) and values; explicit positions grow with them."""
+        """Store this call's keys (before RoPE) and values; the kept arrivals grow with them."""
         q_len = keys.shape[2]
-        if self.positions is not None:
-            new = self._new_positions(q_len).to(torch.int32).expand(*self.positions.shape[:2], q_len)
-            self.positions = torch.cat([self.positions, new], dim=2)
+        if self.kept_arrivals is not None:
+            mask = unpack_mask(self.kept_arrivals, self._arrived)
+            mask = torch.cat([mask, mask.new_ones(*mask.shape[:2], q_len)], dim=2)
+            self.kept_arrivals = pack_mask(mask)
         self.storage.append(keys, values)
         self._arrived += q_len
 
     def stored_states(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored keys and values in full precision ``[batch, kv_heads, n, d]``, keys as the
         attention readers take them: rotated back at their positions (the offset added first)
-        in a layer storing keys before RoPE, else as stored."""
-        keys, values = self.storage.read()
+        in a layer storing keys before RoPE, else as stored. Heads holding different numbers of
+        tokens are read right-aligned, zeros in their virtual padding (masked by the starts)."""
+        keys, values = dense_read(self.storage)
         if self.rope_frame is not None and keys.shape[2]:
             keys = self.rope_frame.apply(unshift_keys(keys, self.key_offset), self.stored_positions())
         return keys, values
+
+    def arrival_bitmap_bytes(self, after_eviction: bool = False) -> int:
+        """Bytes of the kept arrivals' bitmap (§29.6): held now, or (``after_eviction``) once an
+        eviction about to run has made one: ``batch * kv_heads * ceil(arrivals / 8)``."""
+        if self.kept_arrivals is not None:
+            return self.kept_arrivals.nbytes
+        if not after_eviction or self.rope_frame is None or self.storage is None:
+            return 0
+        return self.storage.batch * self.storage.heads * -(-self._arrived // 8)
 
     def stored_blocks(self) -> list:
         """The stored tokens as attention blocks in token order: the storage's own blocks, or
@@ -289,14 +295,15 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
             return []
         return [FullBlock(*self.stored_states())]
 
-    def _gather_positions(self, keep: torch.Tensor) -> None:
-        """Eviction keeps slots ``keep`` ``[batch, kv_heads, K]``: their positions go with them."""
+    def _keep_positions(self, keep: torch.Tensor) -> None:
+        """Eviction keeps slots ``keep`` (int64 ``[batch, kv_heads, K]`` or bool masks ``[batch,
+        kv_heads, T]``): the kept arrivals' bitmap follows (§29.6)."""
         if self.rope_frame is None:
             return
         pos = self.stored_positions()
         if pos.dim() == 1:
-            pos = pos.to(torch.int32).expand(*keep.shape[:2], pos.shape[0])
-        self.positions = pos.gather(2, keep.to(pos.device))
+            pos = pos.expand(*keep.shape[:2], pos.shape[0])
+        self.kept_arrivals = pack_mask(kept_mask(pos, keep, self._arrived))
 
     def kept_length(self) -> int:
         """Tokens currently stored (sinks + quantized + residual, and a session's tail); the
@@ -497,7 +504,7 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
                 self._demote(masks)
         self.state = {name: gather_tokens(t, keep) for name, t in self.state.items()}
         self._starts = starts_after(self._starts, keep)
-        self._gather_positions(keep)
+        self._keep_positions(keep)
         self.storage.gather(keep, in_place=not before_attention)
 
     def _evict_shared(self, scores, valid, budget: int, lead: int, trail: int, window: int,
@@ -528,8 +535,7 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
     def apply_keep_masks(self, masks: torch.Tensor, in_place: bool = True) -> None:
         """Keep the slots ``masks`` (bool ``[batch, kv_heads, T]``, every protected slot set):
         heads keeping different numbers of tokens become ragged rows that hold only those."""
-        if self.rope_frame is not None:
-            raise RuntimeError(PRE_ROPE_RAGGED)
+        self._keep_positions(masks)
         self._record_eviction(masks)
         if self.tiered:
             self._demote(masks)
@@ -540,9 +546,9 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
     def held_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor this layer holds, by slot name (:func:`.report.layer_tensors`)."""
         return layer_tensors(self.storage, self.demoted, self._tail, self.state, self._starts, self.key_offset,
-                             self.positions, self.rope_frame)
+                             self.kept_arrivals, self.rope_frame)
 
     def nbytes_by_category(self) -> dict[str, int]:
         """Bytes held by category (:func:`.report.layer_nbytes`)."""
         return layer_nbytes(self.storage, self.demoted, self._tail, self.state, self._starts, self.key_offset,
-                            self.positions, self.rope_frame)
+                            self.kept_arrivals, self.rope_frame)

@@ -169,6 +169,21 @@ def row_local(keep: torch.Tensor, lengths: list[int], heads: int) -> list[torch.
     return rows
 
 
+def dense_read(storage: LayerStorage) -> tuple[torch.Tensor, torch.Tensor]:
+    """``storage``'s tokens in full precision ``[batch, heads, length, d]``: :meth:`LayerStorage.read`,
+    or for heads holding different numbers of tokens the stored blocks dequantized, each row
+    right-aligned after zeros in its virtual padding (what the layer's starts mask; float32). The
+    reader of a layer storing keys before RoPE, which rotates every key back (math dictionary §29.6)."""
+    if not storage.ragged:
+        return storage.read()
+    from ..attention.dense import materialize
+
+    dense = materialize(storage.blocks())
+    if dense is None:
+        raise ValueError("a ragged storage holding no token has nothing to read")
+    return dense[0], dense[1]
+
+
 def ragged_state(t: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
     """A policy's per-slot state ``[B, H, T]`` after row ``(b, h)`` keeps the slots ``masks[b, h]``
     (bool ``[B, H, T]``): ``[B, H, K_max]``, each row's kept entries right-aligned, 0 before them."""

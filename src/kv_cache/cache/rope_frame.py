@@ -139,17 +139,3 @@ def rope_frames(config: Any, head_dim: int) -> list[RopeFrame | None]:
         frames.append(frame)
     return frames
 
-
-def check_pre_rope_policy(policy: Any) -> None:
-    """Raise unless ``policy`` (an eviction policy or None) keeps every head rectangular: a
-    layer storing keys before RoPE carries its kept slots' positions through per-head
-    evictions only."""
-    if policy is None:
-        return
-    if getattr(policy, "scope", "head") != "head" or getattr(policy, "threshold", None) is not None:
-        raise ValueError(
-            f"QuantConfig(pre_rope=True) keeps every token's position through per-head evictions (scope='head'); "
-            f"{type(policy).__name__} with scope={getattr(policy, 'scope', None)!r}"
-            f"{'' if getattr(policy, 'threshold', None) is None else ' and a threshold'} leaves heads holding "
-            "different numbers of tokens, not supported with it yet: use scope='head' or pre_rope=False"
-        )
