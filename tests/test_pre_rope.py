@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import kv_cache
 from kv_cache import H2O, CompressedCache, QuantConfig, SnapKV, StreamingLLM
+from kv_cache.cache.positions import unpack_mask
 from kv_cache.cache.rope_frame import rope_frames
 from kv_cache.spec import parse_ours
 
@@ -207,6 +208,34 @@ def test_positions_travel_through_eviction(policy):
     assert (outs[0] - outs[1]).abs().max() < 0.05 * outs[0].abs().max()
 
 
+@pytest.mark.parametrize("scope", ["head", "layer"])
+def test_the_evicted_tier_keeps_its_positions(scope):
+    """Tokens a one-shot policy does not keep are demoted (``evicted_bits``), rotated back at
+    their own positions: the same logits as the post-RoPE tiers."""
+    model = _model()
+    ids = torch.randint(3, 256, (1, 80), generator=torch.Generator().manual_seed(4))
+    outs = []
+    for pre in (False, True):
+        base = _q8() if pre else QuantConfig(bits=8, key_grouping="token", rotation="hadamard", center_keys=True,
+                                             group_size=1, residual_length=0, channel_group=None)
+        q = QuantConfig(**{**{f: getattr(base, f) for f in ("bits", "key_grouping", "rotation", "center_keys",
+                                                             "group_size", "residual_length", "channel_group",
+                                                             "pre_rope")}, "evicted_bits": 8})
+        cache = CompressedCache(model.config, quant=q, eviction=SnapKV(budget=0.3, recent_window=4, scope=scope),
+                                fidelity_threshold=1e9)
+        outs.append(_run(model, cache, ids, 60, True))
+        assert all(layer.demoted is not None for layer in cache.layers)
+        if pre:
+            layer = cache.layers[0]
+            held = layer.held_tensors()
+            assert "demoted_arrivals" in held
+            kept = unpack_mask(layer.kept_arrivals, layer._arrived)
+            demoted = unpack_mask(layer.demoted_arrivals, 8 * layer.demoted_arrivals.shape[-1])[..., :layer._arrived]
+            demoted = torch.nn.functional.pad(demoted, (0, kept.shape[-1] - demoted.shape[-1]))
+            assert not bool((kept & demoted).any()) and bool((kept | demoted)[..., :60].all())
+    assert (outs[0] - outs[1]).abs().max() < 0.05 * outs[0].abs().max()
+
+
 def test_every_byte_is_counted():
     model = _model()
     ids = torch.randint(3, 256, (1, 80), generator=torch.Generator().manual_seed(3))
@@ -229,7 +258,6 @@ def test_quantized_on_arrival_with_one_norm_per_vector():
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda cfg: QuantConfig(bits=4, pre_rope=True, evicted_bits=2), "evicted tier"),
     (lambda cfg: QuantConfig(bits=4, pre_rope="yes"), "True or False"),
 ])
 def test_what_is_not_supported_yet_says_so(make, match):

@@ -199,8 +199,9 @@ class QuantConfig:
         Before RoPE a channel's offset is a constant, so per-channel statistics and the key
         offset (``center_keys``) stay still. With the other layout fields at "auto" it selects
         :data:`PRE_ROPE_LAYOUT`: per-token keys quantized on arrival, one 8-bit norm per vector.
-        Read by the reference attention path and the native one; eviction policies with a
-        per-head scope. Models without RoPE and multimodal RoPE are refused.
+        Read by the reference attention path and the native one; positions travel through every
+        eviction (shared budgets and the evicted tier included). Models without RoPE and
+        multimodal RoPE are refused.
     evicted_layer_bits : mapping or tuple of pairs, default ()
         Per-layer widths of the evicted tier, in the form of ``layer_bits`` (e.g. a
         ``kvcache allocate`` profile at a low mean width): the sensitive layers' evicted keys at
@@ -305,9 +306,6 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.center_keys must be True, False or 'auto'; got {self.center_keys!r}")
         if not isinstance(self.pre_rope, bool):
             raise ValueError(f"QuantConfig.pre_rope must be True or False; got {self.pre_rope!r}")
-        if self.pre_rope and self.evicted_bits is not None:
-            raise ValueError("QuantConfig.pre_rope=True does not hold an evicted tier yet (evicted_bits="
-                             f"{self.evicted_bits}): drop evicted_bits, or use pre_rope=False")
         self._check_rotation_path()
         self._check_metadata_dtypes()
         if self.levels == "lloyd_max":

@@ -102,6 +102,7 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
         self.on_fidelity = None  # the cache's callback once this layer's check is recorded
         self.rope_frame: RopeFrame | None = None  # keys stored before RoPE (§29), set by the cache
         self.kept_arrivals: torch.Tensor | None = None  # [b, h, ceil(A / 8)] uint8 bitmap, after an eviction (§29.6)
+        self.demoted_arrivals: torch.Tensor | None = None  # the same for the evicted tier's tokens
         self._arrived = 0  # tokens appended to the storage so far (implicit positions: the last n of them)
 
     # ------------------------------------------------------------------ transformers API
@@ -160,7 +161,7 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
             if self.rope_frame is not None:  # the stored keys rotated back, this call's as given
                 view = self.stored_blocks()
                 self._append(key_states, value_states)
-                self._view = view + ([FullBlock(given, value_states)] if q_len == 1 else [])
+                self._view = view + ([FullBlock(given, value_states)] if q_len == 1 else []) + self.demoted_blocks()
                 self._pending = True if acts else None
                 return given, value_states
             self._view = self.storage.attention_update(key_states, value_states) + self.demoted_blocks()
@@ -231,6 +232,8 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
             self.key_offset = fn(self.key_offset)
         if self.kept_arrivals is not None:
             self.kept_arrivals = fn(self.kept_arrivals)
+        if self.demoted_arrivals is not None:
+            self.demoted_arrivals = fn(self.demoted_arrivals)
         self.state = {name: fn(t) for name, t in self.state.items()}
         if self._starts is not None:
             self._starts = fn(self._starts)
@@ -276,6 +279,10 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
         if self.rope_frame is not None and keys.shape[2]:
             keys = self.rope_frame.apply(unshift_keys(keys, self.key_offset), self.stored_positions())
         return keys, values
+
+    def _arrival_bitmaps(self) -> dict[str, torch.Tensor]:
+        return {name: t for name, t in (("kept_arrivals", self.kept_arrivals),
+                                        ("demoted_arrivals", self.demoted_arrivals)) if t is not None}
 
     def arrival_bitmap_bytes(self, after_eviction: bool = False) -> int:
         """Bytes of the kept arrivals' bitmap (§29.6): held now, or (``after_eviction``) once an
@@ -535,10 +542,10 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
     def apply_keep_masks(self, masks: torch.Tensor, in_place: bool = True) -> None:
         """Keep the slots ``masks`` (bool ``[batch, kv_heads, T]``, every protected slot set):
         heads keeping different numbers of tokens become ragged rows that hold only those."""
-        self._keep_positions(masks)
         self._record_eviction(masks)
         if self.tiered:
             self._demote(masks)
+        self._keep_positions(masks)
         self.state = {name: ragged_state(t, masks) for name, t in self.state.items()}
         self.storage, self._starts = keep_slots(self.storage, masks, self._starts, in_place)
 
@@ -546,9 +553,9 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
     def held_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor this layer holds, by slot name (:func:`.report.layer_tensors`)."""
         return layer_tensors(self.storage, self.demoted, self._tail, self.state, self._starts, self.key_offset,
-                             self.kept_arrivals, self.rope_frame)
+                             self._arrival_bitmaps(), self.rope_frame)
 
     def nbytes_by_category(self) -> dict[str, int]:
         """Bytes held by category (:func:`.report.layer_nbytes`)."""
         return layer_nbytes(self.storage, self.demoted, self._tail, self.state, self._starts, self.key_offset,
-                            self.kept_arrivals, self.rope_frame)
+                            self._arrival_bitmaps(), self.rope_frame)

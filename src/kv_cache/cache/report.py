@@ -146,8 +146,8 @@ def layer_tensors(storage, demoted, tail, state: dict, starts, key_offset=None, 
     """Every tensor a :class:`~kv_cache.cache.layer.CompressedLayer` holds, by slot name: its
     storage's, ``demoted.*`` (the evicted tier), ``tail.*`` (a session's tokens), ``state.*``
     (the policy's per-token state), ``starts`` (each head's first valid slot) and
-    ``key_offset`` (the per-channel key offset, §25), ``kept_arrivals`` (the bitmap of the
-    arrivals each head keeps under keys stored before RoPE, after an eviction, §29.6) and
+    ``key_offset`` (the per-channel key offset, §25), ``positions`` (by name, the bitmaps of the
+    arrivals each head keeps and demoted under keys stored before RoPE, after an eviction, §29.6) and
     ``rope.inv_freq`` (their frequencies, §29)."""
     out = {} if storage is None else dict(storage.named_tensors())
     for prefix, part in (("demoted", demoted), ("tail", tail)):
@@ -158,8 +158,7 @@ def layer_tensors(storage, demoted, tail, state: dict, starts, key_offset=None, 
         out["starts"] = starts
     if key_offset is not None:
         out["key_offset"] = key_offset
-    if positions is not None:
-        out["kept_arrivals"] = positions
+    out.update(positions or {})
     if rope is not None:
         out["rope.inv_freq"] = rope.inv_freq
     return out
@@ -180,8 +179,8 @@ def layer_nbytes(storage, demoted, tail, state: dict, starts, key_offset=None, p
         out["indices"] = out.get("indices", 0) + starts.nbytes
     if key_offset is not None:
         out["tables"] = out.get("tables", 0) + key_offset.nbytes
-    if positions is not None:  # the kept arrivals' bitmap (keys before RoPE, §29.6)
-        out["indices"] = out.get("indices", 0) + positions.nbytes
+    for bitmap in (positions or {}).values():  # the arrivals' bitmaps (keys before RoPE, §29.6)
+        out["indices"] = out.get("indices", 0) + bitmap.nbytes
     if rope is not None:
         out["tables"] = out.get("tables", 0) + rope.inv_freq.nbytes
     return out

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from ..attention.blocks import FullBlock, RaggedBlock
+from ..attention.key_offset import unshift_keys
 from .packed import gather_tokens
 from .packed_ragged import PackedRaggedStorage
+from .positions import kept_mask, pack_mask, slot_positions, unpack_mask
+from .ragged import dense_read
 from .storage import LayerStorage, make_storage
 
 TIERS_NEED_NATIVE = (
@@ -77,11 +81,37 @@ class TiersLayer:
         return self.quant is not None and self.quant.evicted_bits is not None
 
     def demoted_blocks(self) -> list:
-        """The evicted tier's blocks (read after the kept ones; [] when there is none)."""
-        return [] if self.demoted is None else self.demoted.blocks()
+        """The evicted tier's blocks (read after the kept ones; [] when there is none). A layer
+        storing keys before RoPE reads them rotated back at their positions (§29.6): one
+        full-precision block, or one per row when heads demoted different numbers of tokens."""
+        if self.demoted is None:
+            return []
+        if self.rope_frame is None:
+            return self.demoted.blocks()
+        keys, values = dense_read(self.demoted)
+        n = self.demoted.length
+        pos = slot_positions(unpack_mask(self.demoted_arrivals, 8 * self.demoted_arrivals.shape[-1]), n)
+        keys = self.rope_frame.apply(unshift_keys(keys, self.key_offset), pos)
+        if not self.demoted.ragged:
+            return [FullBlock(keys, values)]
+        H = self.demoted.heads
+        lengths = self.demoted.row_lengths
+        rows = [[FullBlock(keys[r // H:r // H + 1, r % H:r % H + 1, n - m:],
+                           values[r // H:r // H + 1, r % H:r % H + 1, n - m:])] if m else []
+                for r, m in enumerate(lengths)]
+        return [RaggedBlock(rows, self.demoted.batch, H, list(lengths))]
 
     def _demote(self, masks: torch.Tensor) -> None:
         if self.demoted is not None:
             raise RuntimeError(f"layer {self.layer_idx} already demoted its evicted tokens: QuantConfig.evicted_bits "
                                "demotes once, after the prefill (a policy with prefill_only)")
+        if self.rope_frame is not None:  # the demoted tokens keep their positions (§29.6)
+            T = masks.shape[2]
+            drop = ~masks
+            if self._starts is not None:
+                drop &= torch.arange(T, device=masks.device) >= self._starts.unsqueeze(-1).to(masks.device)
+            pos = self.stored_positions()
+            if pos.dim() == 1:
+                pos = pos.expand(*masks.shape[:2], T)
+            self.demoted_arrivals = pack_mask(kept_mask(pos, drop, self._arrived))
         self.demoted = demote(self.storage, masks, self._starts, self.quant, self.layer_idx)
