@@ -265,12 +265,45 @@ def test_what_is_not_supported_yet_says_so(make, match):
         make(_config())
 
 
-def test_a_pre_rope_cache_is_not_saved_silently(tmp_path):
-    from kv_cache.cache.serialize import save_cache
+@pytest.mark.parametrize("policy,evicted", [(None, None), (SnapKV(budget=0.3, recent_window=4), None),
+                                            (SnapKV(budget=0.3, recent_window=4, scope="layer"), 2)],
+                         ids=["no-eviction", "snapkv", "tiers-ragged"])
+def test_a_saved_cache_keeps_its_positions(tmp_path, policy, evicted):
+    from kv_cache.cache.serialize import load_cache, save_cache
 
     model = _model()
-    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, pre_rope=True))
-    _run(model, cache, torch.randint(3, 256, (1, 20)), 20, False)
-    with pytest.raises(ValueError, match="pre_rope=False"):
-        save_cache(cache, tmp_path / "c.kvc")
-    assert not (tmp_path / "c.kvc").exists()
+    ids = torch.randint(3, 256, (1, 80), generator=torch.Generator().manual_seed(5))
+    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, pre_rope=True, evicted_bits=evicted),
+                            eviction=policy, fidelity_threshold=1e9)
+    _run(model, cache, ids[:, :70], 60, True)
+    save_cache(cache, tmp_path / "c.kvc")
+    loaded, _ = load_cache(tmp_path / "c.kvc", model_config=model.config)
+    for a, b in zip(cache.layers, loaded.layers):
+        assert a._arrived == b._arrived and b.rope_frame is not None
+        assert torch.equal(a.stored_positions().expand(b.stored_positions().shape), b.stored_positions())
+    with torch.no_grad(), kv_cache.compress(model, cache):
+        want = model(ids[:, 70:], past_key_values=cache).logits
+    with torch.no_grad(), kv_cache.compress(model, loaded):
+        got = model(ids[:, 70:], past_key_values=loaded).logits
+    torch.testing.assert_close(got, want)
+
+
+def test_a_damaged_bitmap_is_refused(tmp_path):
+    from kv_cache.cache.serialize import load_cache, save_cache
+    from kv_cache.cache.serialize_state import _decode_positions
+
+    model = _model()
+    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, pre_rope=True),
+                            eviction=SnapKV(budget=0.3, recent_window=4), fidelity_threshold=1e9)
+    _run(model, cache, torch.randint(3, 256, (1, 70), generator=torch.Generator().manual_seed(6)), 60, True)
+    save_cache(cache, tmp_path / "ok.kvc")  # an intact file loads
+    load_cache(tmp_path / "ok.kvc", model_config=model.config)
+    layer = cache.layers[0]
+
+    class Reader:
+        def tensor(self, name):
+            return torch.zeros_like(layer.kept_arrivals)  # no arrival kept: the heads hold tokens
+    with pytest.raises(ValueError, match="kept_arrivals does not match"):
+        _decode_positions(layer, {"arrived": layer._arrived, "kept_arrivals": "x"}, Reader())
+    with pytest.raises(ValueError, match="needs its arrivals"):
+        _decode_positions(layer, {"arrived": 3}, Reader())

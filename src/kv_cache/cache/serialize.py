@@ -165,9 +165,9 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike, *, model_config:
 
     if not isinstance(cache, CompressedCache):
         raise TypeError(f"save_cache needs a CompressedCache; got {type(cache).__name__}")
-    if any(layer.rope_frame is not None for layer in cache.layers):
-        raise ValueError("save_cache: a cache storing keys before RoPE (QuantConfig(pre_rope=True)) cannot be "
-                         "saved yet (its files do not hold the positions); save one made with pre_rope=False")
+    if codec is not None and any(layer.rope_frame is not None for layer in cache.layers):
+        raise ValueError("save_cache: the transform codec (codec=) does not read a cache storing keys before RoPE "
+                         "(QuantConfig(pre_rope=True)) yet; save it without codec=, or prefill with pre_rope=False")
     config = cache.config if model_config is None else model_config
     w = _Writer(cache.quant, None)
     layers = [_encode_layer(layer, i, w) for i, layer in enumerate(cache.layers)]

@@ -28,6 +28,7 @@ from ..policies.base import LATER_FIELDS, at_hidden_default
 from .config import QuantConfig
 from .layer import CompressedLayer
 from .packed import PackedKV, Rotation
+from .positions import unpack_mask
 from . import packed_ragged as _packed_ragged  # noqa: F401  (registers the ragged layouts)
 from . import ragged as _ragged  # noqa: F401
 from .storage import LAYOUTS
@@ -260,6 +261,12 @@ def _encode_layer(layer: CompressedLayer, i: int, w: _Writer) -> dict[str, Any]:
     out["_starts"] = None if layer._starts is None else w.tensor(f"layer{i}._starts", layer._starts)["tensor"]
     if layer.key_offset is not None:
         out["key_offset"] = w.tensor(f"layer{i}.key_offset", layer.key_offset)["tensor"]
+    if layer.rope_frame is not None:  # keys stored before RoPE: the arrivals and their bitmaps (§29.6)
+        out["arrived"] = int(layer._arrived)
+        for name in ("kept_arrivals", "demoted_arrivals"):
+            t = getattr(layer, name)
+            if t is not None:
+                out[name] = w.tensor(f"layer{i}.{name}", t)["tensor"]
     err = layer.attention_error  # the fidelity check at prefill (§26): a figure of the stored context
     out["attention_error"] = None if err is None or err != err else float(err)
     if layer.evicted_attention is not None:  # the eviction check (§26.1)
@@ -278,6 +285,7 @@ def _decode_layer(layer: CompressedLayer, d: dict[str, Any], r: _Reader) -> None
     layer.state = {k: r.tensor(name) for k, name in d["state"].items()}
     layer._starts = None if d["_starts"] is None else r.tensor(d["_starts"])
     layer.key_offset = r.tensor(d["key_offset"]) if d.get("key_offset") is not None else None
+    _decode_positions(layer, d, r)
     err = d.get("attention_error")  # absent from files written before the check existed
     if err is not None and (isinstance(err, bool) or not isinstance(err, (int, float))):
         raise ValueError(f"kv_cache file is corrupted: layer attention_error must be a number; got {err!r}")
@@ -287,6 +295,31 @@ def _decode_layer(layer: CompressedLayer, d: dict[str, Any], r: _Reader) -> None
         raise ValueError(f"kv_cache file is corrupted: layer evicted_attention must be a share in [0, 1]; got {x!r}")
     layer.evicted_attention = None if x is None else float(x)
     layer.is_initialized = True
+
+
+def _decode_positions(layer: CompressedLayer, d: dict[str, Any], r: _Reader) -> None:
+    """A layer storing keys before RoPE: its arrivals and bitmaps (§29.6), checked against what
+    it holds, since a wrong position would rotate a key by the wrong angle without a sign."""
+    layer._arrived = layer.seen  # files of layers without RoPE removed: their arrivals are their tokens
+    if layer.rope_frame is None:
+        if any(d.get(k) is not None for k in ("arrived", "kept_arrivals", "demoted_arrivals")):
+            raise ValueError("kv_cache file is corrupted: positions saved for a layer that stores keys after RoPE")
+        return
+    arrived = d.get("arrived")
+    n = 0 if layer.storage is None else layer.storage.length
+    if isinstance(arrived, bool) or not isinstance(arrived, int) or arrived < n:
+        raise ValueError(f"kv_cache file is corrupted: a layer storing keys before RoPE needs its arrivals "
+                         f"(an int >= the {n} tokens it holds); got {arrived!r}")
+    layer._arrived = arrived
+    for name, part in (("kept_arrivals", layer.storage), ("demoted_arrivals", layer.demoted)):
+        t = r.tensor(d[name]) if d.get(name) is not None else None
+        setattr(layer, name, t)
+        if t is None or part is None:
+            continue
+        bits = unpack_mask(t, 8 * t.shape[-1]) if t.dtype == torch.uint8 else None
+        if bits is None or t.dim() != 3 or (name == "kept_arrivals" and t.shape[-1] != -(-arrived // 8)) \
+                or not torch.equal(bits.sum(-1).cpu(), part.head_lengths()):
+            raise ValueError(f"kv_cache file is corrupted: {name} does not match the tokens the layer holds")
 
 
 # Public names of the settings codecs (the plan layer writes the same JSON for its layout and policy).
