@@ -107,7 +107,7 @@ def test_models_the_frame_cannot_serve_are_refused(kind, kw, match):
     cfg = AutoConfig.for_model(model_type, **({**BASE, **kw} if model_type == "llama" else
                                               dict(n_layer=2, n_head=2, n_embd=64)))
     with pytest.raises(ValueError, match=match) as err:
-        CompressedCache(cfg, quant=QuantConfig(bits=4, pre_rope=True))
+        CompressedCache(cfg, quant=QuantConfig(bits=4, pre_rope=True, key_grouping="token"))
     assert "pre_rope=False" in str(err.value)
 
 
@@ -157,6 +157,20 @@ def test_eight_bit_pre_rope_matches_the_full_cache(rope, native):
     with torch.no_grad():
         ref = _run(model, DynamicCache(config=model.config), ids, 50, False)
     got = _run(model, CompressedCache(model.config, quant=_q8(), fidelity_threshold=1e9), ids, 50, native)
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["reference", "native"])
+def test_per_channel_groups_before_rope_match_the_full_cache(native):
+    """The default layout's per-channel key groups (KIVI at 8 bits: a 32-token residual, groups
+    flushed 32 at a time) stored before RoPE: the keys read back are the model's."""
+    model = _model(rope_parameters=ROPE_TYPES["yarn"])
+    ids = torch.randint(3, 256, (1, 90), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = _run(model, DynamicCache(config=model.config), ids, 50, False)
+    q = QuantConfig(bits=8, pre_rope=True)
+    assert q.key_grouping == "channel"
+    got = _run(model, CompressedCache(model.config, quant=q, fidelity_threshold=1e9), ids, 50, native)
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
@@ -239,7 +253,7 @@ def test_the_evicted_tier_keeps_its_positions(scope):
 def test_every_byte_is_counted():
     model = _model()
     ids = torch.randint(3, 256, (1, 80), generator=torch.Generator().manual_seed(3))
-    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, pre_rope=True),
+    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, pre_rope=True, key_grouping="token"),
                             eviction=StreamingLLM(budget=40), fidelity_threshold=1e9)
     _run(model, cache, ids, 60, True)
     layer = cache.layers[0]
@@ -250,11 +264,14 @@ def test_every_byte_is_counted():
 
 
 def test_quantized_on_arrival_with_one_norm_per_vector():
-    q = QuantConfig(bits=3, pre_rope=True)
+    q = QuantConfig(bits=3, pre_rope=True, key_grouping="token")
     assert (q.key_grouping, q.residual_length, q.group_size, q.center_keys) == ("token", 0, 1, True)
     assert q.scale_dtype == torch.uint8 and q.channel_group == "head"
-    cache, _ = parse_ours("q3db", None)[0].make(_model())
+    cache, _ = parse_ours("q3dtb", None)[0].make(_model())
     assert cache.quant == q
+    channel = QuantConfig(bits=3, pre_rope=True)  # the default layout, keys before RoPE
+    assert (channel.key_grouping, channel.group_size, channel.residual_length) == ("channel", 32, 32)
+    assert parse_ours("q3db", None)[0].make(_model())[0].quant == channel
 
 
 @pytest.mark.parametrize("make,match", [
@@ -293,7 +310,7 @@ def test_a_damaged_bitmap_is_refused(tmp_path):
     from kv_cache.cache.serialize_state import _decode_positions
 
     model = _model()
-    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, pre_rope=True),
+    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, pre_rope=True, key_grouping="token"),
                             eviction=SnapKV(budget=0.3, recent_window=4), fidelity_threshold=1e9)
     _run(model, cache, torch.randint(3, 256, (1, 70), generator=torch.Generator().manual_seed(6)), 60, True)
     save_cache(cache, tmp_path / "ok.kvc")  # an intact file loads

@@ -54,8 +54,8 @@ one 8-bit norm per key, flush blocks of 4 tokens, and the per-channel key offset
 PRE_ROPE_LAYOUT: dict[str, Any] = {
     **PER_TOKEN_LAYOUT, "group_size": 1, "residual_length": 0, "pre_rope": True,
 }
-"""Keys stored before RoPE (``QuantConfig(bits, pre_rope=True)``, math dictionary §29): the
-per-token layout (a randomized Hadamard rotation, Lloyd-Max levels, one 8-bit norm per key and
+"""Per-token keys stored before RoPE (``QuantConfig(bits, pre_rope=True, key_grouping="token")``,
+math dictionary §29.5): the per-token layout (a randomized Hadamard rotation, Lloyd-Max levels, one 8-bit norm per key and
 value vector) on keys with RoPE removed and the prompt's per-channel mean subtracted, which is a
 constant before RoPE (Qwen2's key bias included), so the offset that broke per-token keys on
 Qwen2.5 is gone. Every token is quantized on arrival (no residual); 4 float16 sinks."""
@@ -197,7 +197,8 @@ class QuantConfig:
         :mod:`kv_cache.cache.rope_frame`) before it is centered and quantized, and rotated again
         at read time with its position, which every stored token keeps (after eviction too).
         Before RoPE a channel's offset is a constant, so per-channel statistics and the key
-        offset (``center_keys``) stay still. With the other layout fields at "auto" it selects
+        offset (``center_keys``) stay still. The layout is otherwise unchanged (per-channel key
+        groups by default); with ``key_grouping="token"`` and the other fields at "auto" it is
         :data:`PRE_ROPE_LAYOUT`: per-token keys quantized on arrival, one 8-bit norm per vector.
         Read by the reference attention path and the native one; positions travel through every
         eviction (shared budgets and the evicted tier included). Models without RoPE and
@@ -253,7 +254,7 @@ class QuantConfig:
 
         layout = BEST_LAYOUT if best else KIVI_LAYOUT
         put("rotation", layout["rotation"])
-        put("key_grouping", "token" if best and self.pre_rope is True else layout["key_grouping"])
+        put("key_grouping", layout["key_grouping"])
         per_token = self.key_grouping == "token"
         put("levels", "lloyd_max" if best else "uniform")
         norm_only = self.levels == "lloyd_max"
