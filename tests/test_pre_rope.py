@@ -174,6 +174,24 @@ def test_per_channel_groups_before_rope_match_the_full_cache(native):
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["reference", "native"])
+def test_scaled_channels_are_scaled_back(native):
+    """``scale_keys``: keys held as ``(k - mu) / sigma`` come back as the model's."""
+    model = _model("qwen2")
+    ids = torch.randint(3, 256, (1, 80), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = _run(model, DynamicCache(config=model.config), ids, 60, False)
+    q = QuantConfig(**{**{f: getattr(_q8(), f) for f in ("bits", "key_grouping", "rotation", "center_keys",
+                                                           "group_size", "residual_length", "channel_group")},
+                       "pre_rope": True, "scale_keys": True})
+    cache = CompressedCache(model.config, quant=q, fidelity_threshold=1e9)
+    got = _run(model, cache, ids, 60, native)
+    assert cache.layers[0].key_offset.shape[2] == 2  # the mean and the scale, counted in the bytes
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    with pytest.raises(ValueError, match="pre_rope=True and center_keys=True"):
+        QuantConfig(bits=4, scale_keys=True)
+
+
 def test_pre_rope_codes_beat_post_rope_codes_on_an_offset_channel():
     """A key bias (Qwen2) is a constant before RoPE and turns with position after it: centering
     removes it only before RoPE, so 2-bit per-token codes err less there."""

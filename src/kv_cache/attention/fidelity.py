@@ -150,6 +150,27 @@ def attention_output_error(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return torch.where(ref > 0, err / ref.clamp_min(torch.finfo(torch.float32).tiny), err)
 
 
+def layer_output_error(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       approx_out: torch.Tensor, scaling: float, softcap: float | None = None,
+                       key_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's figure of the fidelity check and the per-head one, from one attention pass.
+
+    Same arguments as :func:`attention_output_error`. Returns float32 ``(layer [B], heads [B, Hkv])``:
+    ``layer = ||O_hat - O||_F / ||O||_F`` over every KV head of a batch row together (a head
+    whose output is small, e.g. one that reads an attention sink with a small value, weighs as
+    little in the figure as in the layer's output), and ``heads`` the per-head ratios of
+    :func:`attention_output_error`.
+    """
+    attention_output_error(q[:, :, :0], keys, values, approx_out[:, :, :0], scaling, softcap, key_valid)  # checks
+    exact = masked_attention(q, keys, values, scaling, softcap, key_valid)
+    diff = (approx_out.float() - exact).flatten(2)
+    err, ref = diff.norm(dim=-1), exact.flatten(2).norm(dim=-1)  # [B, Hkv]
+    tiny = torch.finfo(torch.float32).tiny
+    heads = torch.where(ref > 0, err / ref.clamp_min(tiny), err)
+    e, r = err.square().sum(-1).sqrt(), ref.square().sum(-1).sqrt()
+    return torch.where(r > 0, e / r.clamp_min(tiny), e), heads
+
+
 def query_attention(q: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float | None = None,
                     key_valid: torch.Tensor | None = None) -> torch.Tensor:
     """The mean attention of the checked queries over the prompt: ``q`` ``[B, Hkv, M, d]`` (the

@@ -35,7 +35,7 @@ from typing import Any, Iterator
 import torch
 
 from .blocks import attend_new, fused_decode, join_new_token, merge, reconstruction_scores
-from .fidelity import (FIDELITY_QUERIES, attention_output_error, checked_rows, masked_attention,
+from .fidelity import (FIDELITY_QUERIES, checked_rows, layer_output_error, masked_attention,
                               query_attention)
 from .key_offset import lse_shift, unshift_keys
 from .dense import apply_learned_sinks, attend_positions, attend_positions_observed, materialize
@@ -166,7 +166,8 @@ def _prefill_error(layer, q, key, value, scaling, G, L, softcap, new_valid) -> f
         approx = masked_attention(qs, k_hat, v_hat, scaling, softcap, approx_valid)
         key = unshift_keys(key, layer.view_offset)
     exact_key = key if valid is None else key.masked_fill(~valid[..., None], 0)
-    err = attention_output_error(qs, exact_key, value, approx, scaling, softcap, key_valid=valid)
+    err, heads = layer_output_error(qs, exact_key, value, approx, scaling, softcap, key_valid=valid)
+    layer.head_attention_error = float(heads.max())  # the per-head figure, a diagnostic (§26)
     return float(err.max())
 
 

@@ -19,8 +19,16 @@ from __future__ import annotations
 import torch
 
 
-def key_offset(keys: torch.Tensor, skip: int = 0) -> torch.Tensor:
-    """The per-channel mean of ``keys`` ``[b, h, n, d]`` over tokens ``skip..n-1``, float32 ``[b, h, 1, d]``.
+SCALE_FLOOR = 0.01
+"""A channel's scale (``scale=True``) is at least this fraction of the row's mean channel scale:
+a constant channel (scale 0 after centering) is divided by a finite number."""
+
+
+def key_offset(keys: torch.Tensor, skip: int = 0, scale: bool = False) -> torch.Tensor:
+    """The per-channel mean of ``keys`` ``[b, h, n, d]`` over tokens ``skip..n-1``, float32 ``[b, h, 1, d]``;
+    with ``scale`` also the per-channel RMS of ``keys - mean`` over the same tokens (floored at
+    :data:`SCALE_FLOOR` of the row's mean), as ``[b, h, 2, d]``: row 0 the mean, row 1 the scale
+    (keys stored before RoPE are held as ``(k - mu) / sigma``, math dictionary §29.7).
 
     ``skip``: the leading tokens left out of the mean (the attention-sink tokens, whose keys
     are unlike the rest; they are stored in full precision anyway). When the call holds no
@@ -40,20 +48,35 @@ def key_offset(keys: torch.Tensor, skip: int = 0) -> torch.Tensor:
     mu = body.float().mean(dim=2, keepdim=True)
     if not bool(torch.isfinite(mu).all()):
         raise ValueError("the keys hold NaN or Inf: the per-channel key offset cannot be taken from them")
-    return mu
+    if not scale:
+        return mu
+    sigma = (body.float() - mu).square().mean(dim=2, keepdim=True).sqrt()
+    floor = SCALE_FLOOR * sigma.mean(dim=-1, keepdim=True)
+    sigma = torch.maximum(sigma, floor).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.cat([mu, sigma], dim=2)
 
 
 def shift_keys(keys: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
-    """``keys - offset`` in the keys' dtype (``offset`` None: ``keys`` unchanged)."""
-    return keys if offset is None else keys - offset.to(keys.dtype)
+    """``keys - offset`` in the keys' dtype (``offset`` None: ``keys`` unchanged); an offset with a
+    scale row (``[b, h, 2, d]``): ``(keys - mean) / scale``."""
+    if offset is None:
+        return keys
+    if offset.shape[2] == 2:
+        return ((keys.float() - offset[:, :, :1]) / offset[:, :, 1:]).to(keys.dtype)
+    return keys - offset.to(keys.dtype)
 
 
 def unshift_keys(keys: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
-    """``keys + offset`` in the keys' dtype: the keys the model computed (``offset`` None: unchanged)."""
-    return keys if offset is None else keys + offset.to(keys.dtype)
+    """``keys + offset`` in the keys' dtype: the keys the model computed (``offset`` None: unchanged);
+    an offset with a scale row: ``keys * scale + mean``."""
+    if offset is None:
+        return keys
+    if offset.shape[2] == 2:
+        return (keys.float() * offset[:, :, 1:] + offset[:, :, :1]).to(keys.dtype)
+    return keys + offset.to(keys.dtype)
 
 
 def lse_shift(q: torch.Tensor, offset: torch.Tensor, scaling: float) -> torch.Tensor:
     """``scaling * q . mu`` ``[B, Hkv, M]`` float32 for grouped queries ``q`` ``[B, Hkv, M, d]`` and
     ``offset`` ``[B, Hkv, 1, d]``: what every logit over shifted keys lacks."""
-    return (q.float() @ offset.float().transpose(-1, -2)).squeeze(-1) * scaling
+    return (q.float() @ offset[:, :, :1].float().transpose(-1, -2)).squeeze(-1) * scaling

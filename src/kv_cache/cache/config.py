@@ -203,6 +203,11 @@ class QuantConfig:
         Read by the reference attention path and the native one; positions travel through every
         eviction (shared budgets and the evicted tier included). Models without RoPE and
         multimodal RoPE are refused.
+    scale_keys : bool, default False
+        With ``pre_rope`` and ``center_keys``: also divide each centered key channel by its RMS
+        over the prompt (one per batch row, KV head and channel, taken with the mean; floored at
+        1% of the row's mean), so that a per-token code spends its error on each channel in
+        proportion to the channel's own spread (math dictionary §29.7); multiplied back at read.
     evicted_layer_bits : mapping or tuple of pairs, default ()
         Per-layer widths of the evicted tier, in the form of ``layer_bits`` (e.g. a
         ``kvcache allocate`` profile at a low mean width): the sensitive layers' evicted keys at
@@ -232,6 +237,7 @@ class QuantConfig:
     evicted_layer_bits: Any = ()
     center_keys: Any = AUTO
     pre_rope: bool = False
+    scale_keys: bool = False
 
     @classmethod
     def kivi(cls, **kwargs: Any) -> "QuantConfig":
@@ -307,6 +313,13 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.center_keys must be True, False or 'auto'; got {self.center_keys!r}")
         if not isinstance(self.pre_rope, bool):
             raise ValueError(f"QuantConfig.pre_rope must be True or False; got {self.pre_rope!r}")
+        if not isinstance(self.scale_keys, bool):
+            raise ValueError(f"QuantConfig.scale_keys must be True or False; got {self.scale_keys!r}")
+        if self.scale_keys and not (self.pre_rope and self.center_keys):
+            raise ValueError("QuantConfig.scale_keys divides each centered key channel by its scale, which only a "
+                             "layer storing keys before RoPE and centering them undoes at read: it needs "
+                             f"pre_rope=True and center_keys=True; got pre_rope={self.pre_rope!r}, "
+                             f"center_keys={self.center_keys!r}")
         self._check_rotation_path()
         self._check_metadata_dtypes()
         if self.levels == "lloyd_max":

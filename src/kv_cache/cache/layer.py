@@ -98,6 +98,7 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
         self._since_evict = 0  # tokens appended since the last eviction (decode-time evict_every)
         self.key_offset: torch.Tensor | None = None  # [b, h, 1, d] float32: keys are held as k - mu (§25)
         self.attention_error: float | None = None  # the fidelity check at prefill (§26)
+        self.head_attention_error: float | None = None  # its largest per-head ratio (a diagnostic)
         self.evicted_attention: float | None = None  # the eviction check after KVzip's pass (§26.1)
         self.on_fidelity = None  # the cache's callback once this layer's check is recorded
         self.rope_frame: RopeFrame | None = None  # keys stored before RoPE (§29), set by the cache
@@ -139,7 +140,7 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
         if self.rope_frame is not None and stores:
             key_states = self.rope_frame.remove(key_states, self._new_positions(key_states.shape[2]))
         if self.seen == 0 and self.key_offset is None and self.quant is not None and self.quant.center_keys:
-            self.key_offset = key_offset(key_states, self.quant.sink_tokens)  # from the prompt, once
+            self.key_offset = key_offset(key_states, self.quant.sink_tokens, self.quant.scale_keys)  # from the prompt
         if self.rope_frame is None or stores:
             key_states = shift_keys(key_states, self.key_offset)
         hidden, self.hidden_in = self.hidden_in, None

@@ -79,6 +79,8 @@ QUANT_OPTIONS: tuple[QuantOption, ...] = (
     QuantOption("n", "center_keys", "", "no per-channel key offset (keys stored as computed, not k - mu; §25)", "",
                 lambda _: False),
     QuantOption("b", "pre_rope", "", "keys stored before RoPE, rotated back at read (§29)", "", lambda _: True),
+    QuantOption("w", "scale_keys", "", "centered key channels divided by their prompt scale (with b; §29.7)", "",
+                lambda _: True),
 )
 
 
