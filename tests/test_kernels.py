@@ -385,6 +385,21 @@ def test_quantize_unrepresentable_scale_raises(compiled):
             fn(x, 4, "channel", 8, False, torch.float16)
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_a_near_constant_group_codes_on_the_finest_float16_grid(paths, symmetric):
+    """A group whose range is below float16's smallest scale (a pre-RoPE key channel a QK-norm
+    gain nearly zeroes) is coded with scale 2**-24, the same on every path, not refused."""
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0))
+    x[:, :, 5] = 1e-9 * torch.randn(2, 32, generator=torch.Generator().manual_seed(1))
+    want = reference.quantize_block(x, 4, "channel", 32, symmetric, torch.float16)
+    assert float(want.scale[:, :, 5].float().min()) == 2.0**-24
+    back = reference.dequantize_block(want)
+    assert float((back[:, :, 5] - x[:, :, 5]).abs().max()) <= 2.0**-24
+    for path in paths():
+        got = ops.quantize_block(x, 4, "channel", 32, symmetric, torch.float16)
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.scale, want.scale), path
+
+
 # ----------------------------------------------------------------------------- attention
 def _attend_case(R, N, G, kspec, vspec, seed):
     gen = torch.Generator().manual_seed(seed)

@@ -45,6 +45,11 @@ SCALE_FLOOR = 1e-8
 ZERO_POINT_GUARD = 2.0**-14
 """Asymmetric scales are at least ``max|x| * ZERO_POINT_GUARD`` so ``|zero_point| < 2**15``."""
 
+FP16_SCALE_MIN = 2.0**-24
+"""Uniform scales stored in float16 are at least its smallest positive value: a group whose range
+is below ``SCALE_FLOOR``'s grid in float16 (a near-constant channel, e.g. a pre-RoPE key channel
+a QK-norm gain nearly zeroes) is coded on the finest float16 grid instead of being refused."""
+
 _TORCH_BY_NUMPY = {
     np.dtype(np.float16): torch.float16,
     np.dtype(np.float32): torch.float32,
@@ -279,6 +284,8 @@ def quantize(
         scale = torch.where(constant, amax, scale)
         # An all-zero group: any scale codes it exactly (code = zero point); 1 fits every scale dtype.
         scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+        if store_dtype == torch.float16:  # float16's smallest, 2**-24: a tiny group's scale stays nonzero
+            scale = scale.clamp_min(FP16_SCALE_MIN)
         # Quantize with the scale exactly as stored, so dequantize reproduces this grid.
         stored = scale.to(store_dtype)
         if store_dtype != stat_dtype:

@@ -485,6 +485,7 @@ static inline bool uniform_scale(const QuantArgs& a, float mn, float mx, int64_t
   }
   if (constant) s = amax;
   if (amax == 0.0f) s = 1.0f;  // an all-zero group: any scale codes it exactly; 1 fits every scale dtype
+  if (a.sdt == DT_F16) s = std::max(s, 0x1p-24f);  // float16's smallest: a tiny group's scale stays nonzero
   const float back = store_scale(a, off, s);
   if (a.sdt != DT_F32 && (!std::isfinite(back) || back == 0.0f)) {
     a.status->store(kScaleUnrepresentable);

@@ -60,8 +60,10 @@ def _reduce(v, TOKEN: tl.constexpr, MAX: tl.constexpr):
 
 
 @triton.jit
-def _group_scale(x, m, GS, MODE: tl.constexpr, QMAX: tl.constexpr, QMIN: tl.constexpr, TOKEN: tl.constexpr):
-    """``(scale, minimum)`` of the elements ``m`` of each group of ``x`` (formulas §1, §2, §15.2)."""
+def _group_scale(x, m, GS, MODE: tl.constexpr, QMAX: tl.constexpr, QMIN: tl.constexpr, TOKEN: tl.constexpr,
+                 SCALE_KIND: tl.constexpr):
+    """``(scale, minimum)`` of the elements ``m`` of each group of ``x`` (formulas §1, §2, §15.2);
+    a float16-stored uniform scale is at least 2**-24, float16's smallest (§15.2)."""
     if MODE == 2:  # codebook: the RMS, sum of squares in float64
         w = tl.where(m, x, 0.0).to(tl.float64)
         ss = _reduce(w * w, TOKEN, False)
@@ -77,6 +79,8 @@ def _group_scale(x, m, GS, MODE: tl.constexpr, QMAX: tl.constexpr, QMIN: tl.cons
             scale = tl.maximum(scale, amax * 0.00006103515625)  # 2**-14: the zero-point guard
         scale = tl.where((mn == mx) & (amax > 0), amax, scale)
         scale = tl.where(amax == 0, 1.0, scale)
+        if SCALE_KIND == 1:
+            scale = tl.maximum(scale, 5.9604644775390625e-08)  # 2**-24: a tiny group's scale stays nonzero
         return scale, mn
 
 
@@ -153,7 +157,7 @@ def _quantize_token(x_ptr, x_s0, x_s1, codes_ptr, scale_ptr, zero_ptr, mids_ptr,
     tm = t < N
     for g in range(NG):
         gm = m & (grp == g)
-        scale, mn = _group_scale(x, gm, GS, MODE, QMAX, QMIN, True)
+        scale, mn = _group_scale(x, gm, GS, MODE, QMAX, QMIN, True, SCALE_KIND)
         scale, mn = tl.where(tm, scale, 1.0), tl.where(tm, mn, 0.0)  # no inf/NaN in padding lanes
         val, out = _stored(scale, SCALE_KIND)
         unrep = _unrepresentable(val, MODE, SCALE_KIND)
@@ -193,7 +197,7 @@ def _quantize_channel(x_ptr, x_s0, x_s1, codes_ptr, scale_ptr, zero_ptr, mids_pt
     x = tl.load(x_ptr + r * x_s0 + t3 * x_s1 + c, mask=m, other=0.0).to(tl.float32)
     bad = m & ((x != x) | (tl.abs(x) == float("inf")))
     status = tl.max(tl.max(tl.max(tl.where(bad, 2, 0), axis=2), axis=1))
-    scale, mn = _group_scale(x, m, GS, MODE, QMAX, QMIN, False)  # [BW, K]: one per channel
+    scale, mn = _group_scale(x, m, GS, MODE, QMAX, QMIN, False, SCALE_KIND)  # [BW, K]: one per channel
     c2 = w[:, None] * K + k[None, :]
     cm = c2 < d
     scale, mn = tl.where(cm, scale, 1.0), tl.where(cm, mn, 0.0)  # no inf/NaN in padding lanes
