@@ -111,3 +111,27 @@ def test_bf16_in_bf16_out_float32_inside():
     out = apply_rope(k, cos, sin)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(remove_rope(out, cos, sin).float(), k.float(), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("r", [64, 32])
+def test_rotate_equals_the_table_functions(layout, r):
+    """The read path's rotation (one cosine and sine per pair, no table) against apply_rope and
+    remove_rope with rope_tables, per-head positions and a YaRN-like scaling included."""
+    from kv_cache.compression.rope import rotate
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 7, 64, generator=g)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, r, 2).float() / r))
+    pos = torch.randint(0, 5000, (2, 3, 7), generator=g)
+    cos, sin = rope_tables(inv_freq, pos, 1.2, layout)
+    torch.testing.assert_close(rotate(x, pos, inv_freq, 1.2, layout), apply_rope(x, cos, sin, layout),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rotate(x, pos, inv_freq, 1.2, layout, inverse=True), remove_rope(x, cos, sin, layout),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rotate(rotate(x, pos, inv_freq, 1.2, layout), pos, inv_freq, 1.2, layout,
+                                      inverse=True), x, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="integers"):
+        rotate(x, pos.float(), inv_freq)
+    with pytest.raises(ValueError, match="scaling"):
+        rotate(x, pos, inv_freq, 0.0)

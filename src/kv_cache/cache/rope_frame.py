@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..compression.rope import apply_rope, remove_rope, rope_tables
+from ..compression.rope import rope_tables, rotate
 
 INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen", "cohere", "cohere2", "glm", "glm4", "ernie4_5",
                                      "ernie4_5_moe", "helium"})
@@ -55,13 +55,11 @@ class RopeFrame:
     def remove(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``keys`` ``[b, h, n, d]`` as the model rotated them at ``positions`` (``[n]`` or
         ``[b, h, n]``) -> the keys before RoPE, in ``keys``' dtype."""
-        cos, sin = self.tables(positions, keys.device)
-        return remove_rope(keys, cos, sin, layout=self.layout)
+        return rotate(keys, positions.to(keys.device), self.inv_freq, self.scaling, self.layout, inverse=True)
 
     def apply(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Keys before RoPE ``[b, h, n, d]`` -> rotated at ``positions`` (``[n]`` or ``[b, h, n]``)."""
-        cos, sin = self.tables(positions, keys.device)
-        return apply_rope(keys, cos, sin, layout=self.layout)
+        return rotate(keys, positions.to(keys.device), self.inv_freq, self.scaling, self.layout)
 
 
 def _text_config(config: Any) -> Any:

@@ -119,4 +119,38 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, scaling: float 
     return angles.cos() * scaling, angles.sin() * scaling
 
 
-__all__ = ["LAYOUTS", "apply_rope", "remove_rope", "rope_tables"]
+def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0,
+           layout: str = "half", inverse: bool = False) -> torch.Tensor:
+    """:func:`apply_rope` (``inverse``: :func:`remove_rope`) with the tables of :func:`rope_tables`
+    built on the fly, each pair rotated once: ``x`` ``[..., T, D]``, ``positions`` integer
+    ``[T]`` or broadcastable to ``x.shape[:-1]`` (``[B, H, T]``), ``inv_freq`` ``[r/2]``.
+
+    The angles are the same float32 products ``p * w`` (one cosine and sine per pair, not per
+    channel), so the result equals the table functions' up to float32 rounding order; no
+    ``[T, r]`` table or swapped copy is made. Output: ``x``'s dtype."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    if positions.is_floating_point():
+        raise TypeError(f"positions must be integers; got {positions.dtype}")
+    half = inv_freq.numel()
+    r, d = 2 * half, x.shape[-1]
+    if half == 0 or r > d:
+        raise ValueError(f"2 * inv_freq.numel() must be in [2, head_dim {d}]; got {r}")
+    if not scaling > 0:
+        raise ValueError(f"scaling must be > 0 (a zero attention scaling cannot be undone); got {scaling!r}")
+    angles = positions.float()[..., None] * inv_freq.float().to(x.device)
+    c, s = angles.cos(), angles.sin()
+    xf = x.float()
+    if layout == "half":
+        a, b = xf[..., :half], xf[..., half:r]
+    else:
+        a, b = xf[..., 0:r:2], xf[..., 1:r:2]
+    if inverse:
+        oa, ob = (a * c + b * s) / scaling, (b * c - a * s) / scaling
+    else:
+        oa, ob = (a * c - b * s) * scaling, (a * s + b * c) * scaling
+    pairs = torch.cat((oa, ob), dim=-1) if layout == "half" else torch.stack((oa, ob), dim=-1).flatten(-2)
+    return (torch.cat((pairs, xf[..., r:]), dim=-1) if r < d else pairs).to(x.dtype)
+
+
+__all__ = ["LAYOUTS", "apply_rope", "remove_rope", "rope_tables", "rotate"]
