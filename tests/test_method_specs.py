@@ -83,7 +83,8 @@ def test_every_quantization_option_sets_its_field(tmp_path):
     # All at once: clipping applies to uniform levels only, so with `l` the ratios are 1, and
     # Lloyd-Max levels have no zero point, so `z` is left out.
     every = {**text, "clip_keys": "1.0", "clip_values": "1.0"}
-    together = [o for o in suffixes if o.field != "zero_dtype"]
+    # `w` (scale_keys) needs centered keys, which `n` turns off: it is checked alone, below
+    together = [o for o in suffixes if o.field not in ("zero_dtype", "scale_keys")]
     # the evicted tier (o, u) needs a one-shot policy
     policy = "+snapkv@0.5"
     evicts = parse_method(policy[1:]).resolved.split(" eviction=")[1]
@@ -91,6 +92,11 @@ def test_every_quantization_option_sets_its_field(tmp_path):
     combined = {o.field: o.convert(every[o.field]) for o in together}
     assert parse_method(spec).resolved == f"kv_cache quant={QuantConfig.kivi(bits=4, **combined)!r} eviction={evicts}"
     for o in suffixes:  # each alone, the others at QuantConfig's defaults (flags that need others get them)
+        if o.field == "scale_keys":  # needs pre-RoPE centered keys: per-token keys from the defaults
+            assert parse_method("q2dtbw").resolved == (
+                f"kv_cache quant={QuantConfig(bits=2, key_grouping='token', pre_rope=True, scale_keys=True)!r} "
+                "eviction=None")
+            continue
         kw = {o.field: values[o.field]}
         extra = ""
         if o.field == "levels":

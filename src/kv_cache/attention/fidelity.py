@@ -5,11 +5,13 @@ has just stored their compressed form. For the last :data:`FIDELITY_QUERIES` que
 prompt (each query head), the check compares the attention output over the stored tokens
 with the output over the full-precision ones:
 
-``e = ||o_hat - o||_F / ||o||_F`` per batch row and KV head (the ``G`` query heads of the KV
-head and the ``m`` queries together), where ``o = softmax(s q K^T) V`` over every prompt token
-and ``o_hat`` the same over what the cache holds (quantized, and after any eviction done in the
+``e = ||O_hat - O||_F / ||O||_F`` per batch row, over its KV heads together (each head's ``G``
+query heads and ``m`` queries), where ``O = softmax(s q K^T) V`` over every prompt token and
+``O_hat`` the same over what the cache holds (quantized, and after any eviction done in the
 same call). Both sides let every checked query see the whole prompt. The layer keeps the
-largest ``e`` over rows and heads. A value past :data:`FIDELITY_THRESHOLD` means the cache
+largest ``e`` over batch rows (:func:`layer_output_error`); the largest per-head ratio is kept
+as a diagnostic (a head with a small output, e.g. one reading an attention sink, made that
+figure cry wolf on the 4-bit default). A value past :data:`FIDELITY_THRESHOLD` means the cache
 wrecks that layer's attention: the cache warns, and with ``strict=True`` raises.
 
 A few queries against the stored tokens: one small matmul per layer at prefill, never during

@@ -60,6 +60,12 @@ value vector) on keys with RoPE removed and the prompt's per-channel mean subtra
 constant before RoPE (Qwen2's key bias included), so the offset that broke per-token keys on
 Qwen2.5 is gone. Every token is quantized on arrival (no residual); 4 float16 sinks."""
 
+LATER_FIELDS: dict[str, Any] = {"pre_rope": False, "scale_keys": False}
+"""Fields added after layouts were first saved, at the value that means "as before": left out of
+saved files and plan fingerprints when equal (``encode_quant``), so a plan or ``.kvc`` file
+written before them loads with the same fingerprint (and ``repr`` hides them, like every field
+at its default)."""
+
 _KIVI_FIELDS = ("bits", "group_size", "residual_length", "sink_tokens", "symmetric", "scale_dtype")
 """Fields shown by ``repr`` always (the original layout); the others only when they differ from
 :data:`KIVI_LAYOUT` (or their default), so a KIVI configuration prints exactly as before

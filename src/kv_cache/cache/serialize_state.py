@@ -25,7 +25,7 @@ import torch
 
 from ..policies import POLICIES, EvictionPolicy
 from ..policies.base import LATER_FIELDS, at_hidden_default
-from .config import QuantConfig
+from .config import LATER_FIELDS as QUANT_LATER_FIELDS, QuantConfig
 from .layer import CompressedLayer
 from .packed import PackedKV, Rotation
 from .positions import unpack_mask
@@ -79,7 +79,8 @@ def _decode_value(v: Any) -> Any:
 def _encode_quant(quant: QuantConfig | None) -> dict[str, Any] | None:
     if quant is None:
         return None
-    return {f.name: _encode_value(getattr(quant, f.name)) for f in dataclasses.fields(quant)}
+    return {f.name: _encode_value(getattr(quant, f.name)) for f in dataclasses.fields(quant)
+            if not at_hidden_default(f.name, getattr(quant, f.name), QUANT_LATER_FIELDS)}
 
 
 def _decode_quant(d: dict[str, Any] | None) -> QuantConfig | None:
