@@ -33,10 +33,11 @@ FIDELITY_QUERIES = 8
 """Queries per layer the check reads (the prompt's last ones)."""
 
 FIDELITY_THRESHOLD = 0.5
-"""Relative attention-output error past which a layer is reported as broken. Measured
-(``docs/results/README.md``, "Every family"): the 4-bit default reaches at most 0.23 on
-SmolLM2's wikitext windows (+0.25% perplexity); the previous per-token 4-bit layout reaches
-1.0-1.3 in Qwen2.5's first layers (+70% perplexity)."""
+"""Relative attention-output error (a layer's heads together) past which a layer is reported as
+broken. Measured (``docs/results/README.md``, "Keys before RoPE: the whole cache"): the 4-bit
+default reaches 0.11-0.22 on the three families' *Moby Dick* windows and SmolLM2's needles;
+per-token keys after RoPE reach 1.16 on Qwen2.5 (+48% perplexity), ``q2d`` 0.72 on SmolLM2
+(+19.7%)."""
 
 ADVICE = ("use a layout that keeps this model's keys (QuantConfig(bits=4) with its default per-channel keys, "
           "or QuantConfig.kivi(bits=4)), more bits (bits=8), or keep these layers in full precision "
