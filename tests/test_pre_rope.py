@@ -46,10 +46,11 @@ def _model(model_type: str = "llama", **kw):
     return model
 
 
-def _q8() -> QuantConfig:
-    """Pre-RoPE keys at 8 bits: the frame's round trip is what is left to see."""
-    return QuantConfig(bits=8, pre_rope=True, key_grouping="token", rotation="hadamard", center_keys=True,
-                       group_size=1, residual_length=0, channel_group=None)
+def _q8(pre_rope: bool = True, **more) -> QuantConfig:
+    """Per-token keys at 8 bits, before RoPE (or after: the same layout, to compare with); the
+    frame's round trip is what is left to see."""
+    return QuantConfig(bits=8, pre_rope=pre_rope, key_grouping="token", rotation="hadamard", center_keys=True,
+                       group_size=1, residual_length=0, channel_group=None, **more)
 
 
 def _own_tables(model, positions: torch.Tensor, layer_type: str | None = None):
@@ -181,9 +182,7 @@ def test_scaled_channels_are_scaled_back(native):
     ids = torch.randint(3, 256, (1, 80), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         ref = _run(model, DynamicCache(config=model.config), ids, 60, False)
-    q = QuantConfig(**{**{f: getattr(_q8(), f) for f in ("bits", "key_grouping", "rotation", "center_keys",
-                                                           "group_size", "residual_length", "channel_group")},
-                       "pre_rope": True, "scale_keys": True})
+    q = _q8(scale_keys=True)
     cache = CompressedCache(model.config, quant=q, fidelity_threshold=1e9)
     got = _run(model, cache, ids, 60, native)
     assert cache.layers[0].key_offset.shape[2] == 2  # the mean and the scale, counted in the bytes
@@ -221,9 +220,7 @@ def test_positions_travel_through_eviction(policy):
     ids = torch.randint(3, 256, (1, 80), generator=torch.Generator().manual_seed(2))
     outs = []
     for pre in (False, True):
-        q = _q8() if pre else QuantConfig(bits=8, key_grouping="token", rotation="hadamard", center_keys=True,
-                                          group_size=1, residual_length=0, channel_group=None)
-        cache = CompressedCache(model.config, quant=q, eviction=policy, fidelity_threshold=1e9)
+        cache = CompressedCache(model.config, quant=_q8(pre), eviction=policy, fidelity_threshold=1e9)
         outs.append(_run(model, cache, ids, 60, True))
         layer = cache.layers[0]
         if pre:
@@ -248,11 +245,7 @@ def test_the_evicted_tier_keeps_its_positions(scope):
     ids = torch.randint(3, 256, (1, 80), generator=torch.Generator().manual_seed(4))
     outs = []
     for pre in (False, True):
-        base = _q8() if pre else QuantConfig(bits=8, key_grouping="token", rotation="hadamard", center_keys=True,
-                                             group_size=1, residual_length=0, channel_group=None)
-        q = QuantConfig(**{**{f: getattr(base, f) for f in ("bits", "key_grouping", "rotation", "center_keys",
-                                                             "group_size", "residual_length", "channel_group",
-                                                             "pre_rope")}, "evicted_bits": 8})
+        q = _q8(pre, evicted_bits=8)
         cache = CompressedCache(model.config, quant=q, eviction=SnapKV(budget=0.3, recent_window=4, scope=scope),
                                 fidelity_threshold=1e9)
         outs.append(_run(model, cache, ids, 60, True))
