@@ -141,6 +141,12 @@ def attention_output_error(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     ValueError
         Mismatched ranks or shapes.
     """
+    return _ratio(*_error_norms(q, keys, values, approx_out, scaling, softcap, key_valid))
+
+
+def _error_norms(q, keys, values, approx_out, scaling, softcap, key_valid) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(||approx_out - o||, ||o||)`` per batch row and KV head, float32 ``[B, Hkv]``, after the
+    shape checks of :func:`attention_output_error`."""
     if q.dim() != 4 or keys.dim() != 4 or values.dim() != 4 or approx_out.dim() != 4:
         raise ValueError("q, keys, values and approx_out must be 4-D [B, Hkv, *, d]; got "
                          f"{[tuple(t.shape) for t in (q, keys, values, approx_out)]}")
@@ -148,8 +154,11 @@ def attention_output_error(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         raise ValueError(f"shapes do not match: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values "
                          f"{tuple(values.shape)}, approx_out {tuple(approx_out.shape)}")
     exact = masked_attention(q, keys, values, scaling, softcap, key_valid)
-    err = (approx_out.float() - exact).flatten(2).norm(dim=-1)
-    ref = exact.flatten(2).norm(dim=-1)
+    return (approx_out.float() - exact).flatten(2).norm(dim=-1), exact.flatten(2).norm(dim=-1)
+
+
+def _ratio(err: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``err / ref``, and ``err`` where ``ref`` is 0 (0 when both are)."""
     return torch.where(ref > 0, err / ref.clamp_min(torch.finfo(torch.float32).tiny), err)
 
 
@@ -164,14 +173,8 @@ def layer_output_error(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     little in the figure as in the layer's output), and ``heads`` the per-head ratios of
     :func:`attention_output_error`.
     """
-    attention_output_error(q[:, :, :0], keys, values, approx_out[:, :, :0], scaling, softcap, key_valid)  # checks
-    exact = masked_attention(q, keys, values, scaling, softcap, key_valid)
-    diff = (approx_out.float() - exact).flatten(2)
-    err, ref = diff.norm(dim=-1), exact.flatten(2).norm(dim=-1)  # [B, Hkv]
-    tiny = torch.finfo(torch.float32).tiny
-    heads = torch.where(ref > 0, err / ref.clamp_min(tiny), err)
-    e, r = err.square().sum(-1).sqrt(), ref.square().sum(-1).sqrt()
-    return torch.where(r > 0, e / r.clamp_min(tiny), e), heads
+    err, ref = _error_norms(q, keys, values, approx_out, scaling, softcap, key_valid)  # [B, Hkv]
+    return _ratio(err.square().sum(-1).sqrt(), ref.square().sum(-1).sqrt()), _ratio(err, ref)
 
 
 def query_attention(q: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float | None = None,

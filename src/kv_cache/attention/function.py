@@ -127,7 +127,7 @@ def compressed_attention(
         if layer.checks_fidelity(view, L):
             if layer.checks_eviction:
                 layer.record_query_attention(_last_queries_attention(layer, q, key, scaling, G, L, softcap, new_valid))
-            layer.record_fidelity(_prefill_error(layer, q, key, value, scaling, G, L, softcap, new_valid))
+            layer.record_fidelity(*_prefill_error(layer, q, key, value, scaling, G, L, softcap, new_valid))
     finally:
         layer.attention_done()
     if sinks is not None:
@@ -135,11 +135,12 @@ def compressed_attention(
     return out.reshape(B, Hkv * G, L, -1).transpose(1, 2).to(query.dtype), None
 
 
-def _prefill_error(layer, q, key, value, scaling, G, L, softcap, new_valid) -> float:
-    """The fidelity check (:mod:`kv_cache.attention.fidelity`, §26): the largest relative error, over
-    rows and KV heads, of the last queries' attention output over the stored (compressed)
-    prompt against the full-precision prompt of this first prefill. NaN when the stored blocks
-    cannot be read densely under soft-capping (heads of different lengths)."""
+def _prefill_error(layer, q, key, value, scaling, G, L, softcap, new_valid) -> tuple[float, float]:
+    """The fidelity check (:mod:`kv_cache.attention.fidelity`, §26): ``(layer, head)``, the largest
+    relative error over batch rows (the KV heads together) and over rows and heads, of the last
+    queries' attention output over the stored (compressed) prompt against the full-precision
+    prompt of this first prefill. NaN when the stored blocks cannot be read densely under
+    soft-capping (heads of different lengths)."""
     m = min(FIDELITY_QUERIES, L)
     qs = q[:, :, checked_rows(G, L, m, q.device)]
     blocks = layer.stored_blocks() + layer.demoted_blocks()
@@ -157,7 +158,7 @@ def _prefill_error(layer, q, key, value, scaling, G, L, softcap, new_valid) -> f
         try:
             dense = materialize(blocks)
         except ValueError:
-            return float("nan")
+            return float("nan"), float("nan")
         k_hat, v_hat = unshift_keys(dense[0], layer.view_offset), dense[1]
         approx_valid = dense[2] if len(dense) > 2 else None  # ragged heads: their virtual padding
         if starts is not None:
@@ -167,8 +168,7 @@ def _prefill_error(layer, q, key, value, scaling, G, L, softcap, new_valid) -> f
         key = unshift_keys(key, layer.view_offset)
     exact_key = key if valid is None else key.masked_fill(~valid[..., None], 0)
     err, heads = layer_output_error(qs, exact_key, value, approx, scaling, softcap, key_valid=valid)
-    layer.head_attention_error = float(heads.max())  # the per-head figure, a diagnostic (§26)
-    return float(err.max())
+    return float(err.max()), float(heads.max())
 
 
 def _last_queries_attention(layer, q, key, scaling, G, L, softcap, new_valid) -> torch.Tensor:

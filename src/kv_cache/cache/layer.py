@@ -15,7 +15,9 @@ The layer knows the order of operations; its :mod:`~kv_cache.cache.storage` know
 This module holds the transformers layer contract and eviction. The compress-once methods
 (sessions, KVzip's pass, §19.3-§19.4) are :class:`~kv_cache.cache.context_layer.CompressOnceLayer`
 and the precision tiers' (``QuantConfig.evicted_bits``, §21)
-:class:`~kv_cache.cache.tiers.TiersLayer`, both mixed into :class:`CompressedLayer`; a
+:class:`~kv_cache.cache.tiers.TiersLayer`; keys stored before RoPE (their frame, positions and
+rotated reads, §29) :class:`~kv_cache.cache.pre_rope_layer.PreRopeLayer`; all mixed into
+:class:`CompressedLayer`; a
 sliding-window layer's trim (§22), the budgets and the checks are pure helpers in
 :mod:`~kv_cache.cache.window`, :mod:`~kv_cache.cache.budgets` and :mod:`~kv_cache.cache.checks`.
 
@@ -39,10 +41,10 @@ from .checks import check_policy_can_act
 from .context_layer import CompressOnceLayer
 from ..attention.fidelity import RECENT_ATTENTION, evicted_share
 from .keep import keep_slots
-from .ragged import dense_read, ragged_state
+from .ragged import ragged_state
 from ..attention.key_offset import key_offset, shift_keys, unshift_keys
 from .report import layer_nbytes, layer_tensors
-from .positions import kept_mask, pack_mask, slot_positions, unpack_mask
+from .pre_rope_layer import PreRopeLayer
 from .rope_frame import RopeFrame
 from .tiers import TIERS_NEED_NATIVE, TiersLayer
 from .window import slide
@@ -51,7 +53,8 @@ from ..attention.blocks import FullBlock
 
 _FORCE = torch.finfo(torch.float32).max
 
-class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
+
+class CompressedLayer(PreRopeLayer, CompressOnceLayer, TiersLayer, CacheLayerMixin):
     """Cache layer with quantized storage (``quant``) and eviction (``policy``), both optional.
 
     Attributes
@@ -239,80 +242,6 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
         if self._starts is not None:
             self._starts = fn(self._starts)
 
-    # ------------------------------------------------------------------ keys before RoPE (§29)
-    @property
-    def view_offset(self) -> torch.Tensor | None:
-        """The key offset the attention readers add back (§25): None when the stored blocks
-        they read already hold the model's keys (a layer storing keys before RoPE adds the
-        offset back before rotating, since a rotated offset is no longer a constant logit)."""
-        return None if self.rope_frame is not None else self.key_offset
-
-    def _new_positions(self, q_len: int) -> torch.Tensor:
-        """``[q_len]`` int64: the arrival indices of this call's tokens (the positions the stored
-        keys are rotated by; any fixed frame is exact, the model's keeps the channels still)."""
-        return torch.arange(self._arrived, self._arrived + q_len, device=self.device)
-
-    def stored_positions(self) -> torch.Tensor:
-        """``[n]`` (no eviction yet: the last ``n`` arrivals) or ``[batch, kv_heads, n]`` int64
-        (each head's kept arrivals, right-aligned in a ragged layout's slots): the arrival index
-        of every stored slot (:mod:`.positions`)."""
-        n = 0 if self.storage is None else self.storage.length
-        if self.kept_arrivals is None:
-            return torch.arange(self._arrived - n, self._arrived, device=self.device)
-        return slot_positions(unpack_mask(self.kept_arrivals, self._arrived), n)
-
-    def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store this call's keys (before RoPE) and values; the kept arrivals grow with them."""
-        q_len = keys.shape[2]
-        if self.kept_arrivals is not None:
-            mask = unpack_mask(self.kept_arrivals, self._arrived)
-            mask = torch.cat([mask, mask.new_ones(*mask.shape[:2], q_len)], dim=2)
-            self.kept_arrivals = pack_mask(mask)
-        self.storage.append(keys, values)
-        self._arrived += q_len
-
-    def stored_states(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored keys and values in full precision ``[batch, kv_heads, n, d]``, keys as the
-        attention readers take them: rotated back at their positions (the offset added first)
-        in a layer storing keys before RoPE, else as stored. Heads holding different numbers of
-        tokens are read right-aligned, zeros in their virtual padding (masked by the starts)."""
-        keys, values = dense_read(self.storage)
-        if self.rope_frame is not None and keys.shape[2]:
-            keys = self.rope_frame.apply(unshift_keys(keys, self.key_offset), self.stored_positions())
-        return keys, values
-
-    def _arrival_bitmaps(self) -> dict[str, torch.Tensor]:
-        return {name: t for name, t in (("kept_arrivals", self.kept_arrivals),
-                                        ("demoted_arrivals", self.demoted_arrivals)) if t is not None}
-
-    def arrival_bitmap_bytes(self, after_eviction: bool = False) -> int:
-        """Bytes of the kept arrivals' bitmap (§29.6): held now, or (``after_eviction``) once an
-        eviction about to run has made one: ``batch * kv_heads * ceil(arrivals / 8)``."""
-        if self.kept_arrivals is not None:
-            return self.kept_arrivals.nbytes
-        if not after_eviction or self.rope_frame is None or self.storage is None:
-            return 0
-        return self.storage.batch * self.storage.heads * -(-self._arrived // 8)
-
-    def stored_blocks(self) -> list:
-        """The stored tokens as attention blocks in token order: the storage's own blocks, or
-        one full-precision block of the keys rotated back (:meth:`stored_states`)."""
-        if self.rope_frame is None:
-            return self.storage.blocks()
-        if self.storage.length == 0:
-            return []
-        return [FullBlock(*self.stored_states())]
-
-    def _keep_positions(self, keep: torch.Tensor) -> None:
-        """Eviction keeps slots ``keep`` (int64 ``[batch, kv_heads, K]`` or bool masks ``[batch,
-        kv_heads, T]``): the kept arrivals' bitmap follows (§29.6)."""
-        if self.rope_frame is None:
-            return
-        pos = self.stored_positions()
-        if pos.dim() == 1:
-            pos = pos.expand(*keep.shape[:2], pos.shape[0])
-        self.kept_arrivals = pack_mask(kept_mask(pos, keep, self._arrived))
-
     def kept_length(self) -> int:
         """Tokens currently stored (sinks + quantized + residual, and a session's tail); the
         longest head's count when heads hold different numbers (a shared budget)."""
@@ -393,8 +322,9 @@ class CompressedLayer(CompressOnceLayer, TiersLayer, CacheLayerMixin):
         if attention is not None and attention.shape == keep.shape:
             self.evicted_attention = evicted_share(attention.to(keep.device), keep)
 
-    def record_fidelity(self, error: float) -> None:
-        self.attention_error = error
+    def record_fidelity(self, error: float, head_error: float | None = None) -> None:
+        """The fidelity check's figure at prefill (§26) and its largest per-head ratio (a diagnostic)."""
+        self.attention_error, self.head_attention_error = error, head_error
         if self.on_fidelity is not None:
             self.on_fidelity(self)
 

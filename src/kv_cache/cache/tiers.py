@@ -17,7 +17,7 @@ from ..attention.blocks import FullBlock, RaggedBlock
 from ..attention.key_offset import unshift_keys
 from .packed import gather_tokens
 from .packed_ragged import PackedRaggedStorage
-from .positions import kept_mask, pack_mask, slot_positions, unpack_mask
+from .positions import slot_positions, unpack_mask
 from .ragged import dense_read
 from .storage import LayerStorage, make_storage
 
@@ -25,6 +25,15 @@ TIERS_NEED_NATIVE = (
     "QuantConfig.evicted_bits keeps the evicted tokens in a second, lower-precision storage that only the "
     "native attention reads: run the model inside kv_cache.compress(model, cache) (attention='native')"
 )
+
+
+def dropped_slots(masks: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
+    """bool ``[batch, kv_heads, T]``: the valid slots (at or after ``starts``) that ``masks`` does
+    not keep, the ones the evicted tier holds."""
+    drop = ~masks
+    if starts is not None:
+        drop &= torch.arange(masks.shape[2], device=masks.device) >= starts.unsqueeze(-1).to(masks.device)
+    return drop
 
 
 def demote(storage: LayerStorage, masks: torch.Tensor, starts: torch.Tensor | None, quant, layer_idx: int
@@ -43,9 +52,7 @@ def demote(storage: LayerStorage, masks: torch.Tensor, starts: torch.Tensor | No
             "after the prefill (a policy with prefill_only)"
         )
     B, H, T = masks.shape
-    drop = ~masks
-    if starts is not None:
-        drop &= torch.arange(T, device=masks.device) >= starts.unsqueeze(-1).to(masks.device)
+    drop = dropped_slots(masks, starts)
     counts = drop.sum(-1)
     if not bool(counts.any()):
         return None
@@ -106,12 +113,5 @@ class TiersLayer:
             raise RuntimeError(f"layer {self.layer_idx} already demoted its evicted tokens: QuantConfig.evicted_bits "
                                "demotes once, after the prefill (a policy with prefill_only)")
         if self.rope_frame is not None:  # the demoted tokens keep their positions (§29.6)
-            T = masks.shape[2]
-            drop = ~masks
-            if self._starts is not None:
-                drop &= torch.arange(T, device=masks.device) >= self._starts.unsqueeze(-1).to(masks.device)
-            pos = self.stored_positions()
-            if pos.dim() == 1:
-                pos = pos.expand(*masks.shape[:2], T)
-            self.demoted_arrivals = pack_mask(kept_mask(pos, drop, self._arrived))
+            self.demoted_arrivals = self.arrivals_of(dropped_slots(masks, self._starts))
         self.demoted = demote(self.storage, masks, self._starts, self.quant, self.layer_idx)

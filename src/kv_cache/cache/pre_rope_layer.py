@@ -1,0 +1,102 @@
+"""Keys stored before RoPE: the methods of a :class:`~kv_cache.cache.layer.CompressedLayer` that
+hold and read them (math dictionary §29.4-§29.6).
+
+A layer with a :class:`~kv_cache.cache.rope_frame.RopeFrame` stores each key with its rotation
+removed at the arrival index it came in with, and its readers (the reference path, the native
+view, the fidelity check, KVzip's repeat pass, sessions) take the keys rotated back at those
+positions, the offset added first. Until the first eviction a head's ``n`` slots are the last
+``n`` arrivals; after it the layer holds a bitmap of the arrivals each head keeps
+(:mod:`.positions`), gathered by every eviction and grown by every append.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.blocks import FullBlock
+from ..attention.key_offset import unshift_keys
+from .positions import kept_mask, pack_mask, slot_positions, unpack_mask
+from .ragged import dense_read
+
+
+class PreRopeLayer:
+    """The pre-RoPE methods of :class:`~kv_cache.cache.layer.CompressedLayer` (a mixin over its
+    ``rope_frame``, ``storage``, ``key_offset``, ``kept_arrivals``, ``demoted_arrivals``,
+    ``_arrived`` and ``device``). A layer without a frame reads its storage as before."""
+
+    @property
+    def view_offset(self) -> torch.Tensor | None:
+        """The key offset the attention readers add back (§25): None when the stored blocks
+        they read already hold the model's keys (a layer storing keys before RoPE adds the
+        offset back before rotating, since a rotated offset is no longer a constant logit)."""
+        return None if self.rope_frame is not None else self.key_offset
+
+    def _new_positions(self, q_len: int) -> torch.Tensor:
+        """``[q_len]`` int64: the arrival indices of this call's tokens (the positions the stored
+        keys are rotated by; any fixed frame is exact, the model's keeps the channels still)."""
+        return torch.arange(self._arrived, self._arrived + q_len, device=self.device)
+
+    def stored_positions(self) -> torch.Tensor:
+        """``[n]`` (no eviction yet: the last ``n`` arrivals) or ``[batch, kv_heads, n]`` int64
+        (each head's kept arrivals, right-aligned in a ragged layout's slots): the arrival index
+        of every stored slot (:mod:`.positions`)."""
+        n = 0 if self.storage is None else self.storage.length
+        if self.kept_arrivals is None:
+            return torch.arange(self._arrived - n, self._arrived, device=self.device)
+        return slot_positions(unpack_mask(self.kept_arrivals, self._arrived), n)
+
+    def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store this call's keys (before RoPE) and values; the kept arrivals grow with them."""
+        q_len = keys.shape[2]
+        if self.kept_arrivals is not None:
+            mask = unpack_mask(self.kept_arrivals, self._arrived)
+            mask = torch.cat([mask, mask.new_ones(*mask.shape[:2], q_len)], dim=2)
+            self.kept_arrivals = pack_mask(mask)
+        self.storage.append(keys, values)
+        self._arrived += q_len
+
+    def stored_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored keys and values in full precision ``[batch, kv_heads, n, d]``, keys as the
+        attention readers take them: rotated back at their positions (the offset added first)
+        in a layer storing keys before RoPE, else as stored. Heads holding different numbers of
+        tokens are read right-aligned, zeros in their virtual padding (masked by the starts)."""
+        keys, values = dense_read(self.storage)
+        if self.rope_frame is not None and keys.shape[2]:
+            keys = self.rope_frame.apply(unshift_keys(keys, self.key_offset), self.stored_positions())
+        return keys, values
+
+    def _arrival_bitmaps(self) -> dict[str, torch.Tensor]:
+        return {name: t for name, t in (("kept_arrivals", self.kept_arrivals),
+                                        ("demoted_arrivals", self.demoted_arrivals)) if t is not None}
+
+    def arrival_bitmap_bytes(self, after_eviction: bool = False) -> int:
+        """Bytes of the kept arrivals' bitmap (§29.6): held now, or (``after_eviction``) once an
+        eviction about to run has made one: ``batch * kv_heads * ceil(arrivals / 8)``."""
+        if self.kept_arrivals is not None:
+            return self.kept_arrivals.nbytes
+        if not after_eviction or self.rope_frame is None or self.storage is None:
+            return 0
+        return self.storage.batch * self.storage.heads * -(-self._arrived // 8)
+
+    def stored_blocks(self) -> list:
+        """The stored tokens as attention blocks in token order: the storage's own blocks, or
+        one full-precision block of the keys rotated back (:meth:`stored_states`)."""
+        if self.rope_frame is None:
+            return self.storage.blocks()
+        if self.storage.length == 0:
+            return []
+        return [FullBlock(*self.stored_states())]
+
+    def arrivals_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The packed bitmap of the arrivals held in ``slots`` of the storage (int64 ``[batch,
+        kv_heads, K]`` indices or bool ``[batch, kv_heads, T]`` masks; §29.6)."""
+        pos = self.stored_positions()
+        if pos.dim() == 1:
+            pos = pos.expand(*slots.shape[:2], pos.shape[0])
+        return pack_mask(kept_mask(pos, slots, self._arrived))
+
+    def _keep_positions(self, keep: torch.Tensor) -> None:
+        """Eviction keeps slots ``keep`` (int64 ``[batch, kv_heads, K]`` or bool masks ``[batch,
+        kv_heads, T]``): the kept arrivals' bitmap follows (§29.6)."""
+        if self.rope_frame is not None:
+            self.kept_arrivals = self.arrivals_of(keep)
