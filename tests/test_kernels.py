@@ -13,6 +13,7 @@ runs), selected with ``KV_CACHE_KERNELS``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 from kv_cache.compression.quantizer import QuantizedTensor, dequantize, quantize
-from kv_cache.kernels import QBlock, _build, ops, reference, uniform_lut
+from kv_cache.kernels import KeyRope, QBlock, _build, ops, reference, uniform_lut
 
 ATOL = RTOL = 1e-4
 TORCH_ONLY = os.environ.get("KV_CACHE_KERNELS", "").strip().lower() == "torch"
@@ -592,3 +593,93 @@ def test_attend_and_dequantize_validation(impl):
         impl.dequantize_block(k, torch.float64)
     with pytest.raises(TypeError, match="block must be a QBlock"):
         impl.dequantize_block(QuantizedTensor)
+
+
+# ----------------------------------------------------------------------------- keys before RoPE
+def _rope_case(R, N, half, layout, seed, gid=False):
+    """A per-channel key block with a :class:`KeyRope`: positions rising with gaps (eviction),
+    one step back and a far position, the offset and scale of §29.7, an attention factor."""
+    gen = torch.Generator().manual_seed(seed)
+    k = random_block(R, N, 64, 4, "channel", 32, scale_dtype=torch.float16, gid=gid, seed=seed)
+    v = random_block(R, N, 64, 4, "token", 64, seed=seed + 1)
+    steps = torch.randint(1, 4, (R, N), generator=gen)
+    pos = steps.cumsum(1) + torch.randint(0, 900, (R, 1), generator=gen)
+    if N > 10:
+        pos[:, 9] -= 2  # a step back: the kernel recomputes the angles there
+        pos[0, -1] = 1500
+    w = 1.0 / (10000.0 ** (torch.arange(0, 2 * half, 2, dtype=torch.float32) / (2 * half)))
+    rope = KeyRope(pos.to(torch.int32).contiguous(), w, layout, 1.25, torch.randn(R, 64, generator=gen),
+                   torch.rand(R, 64, generator=gen) + 0.5)
+    return dataclasses.replace(k, rope=rope), v, torch.randn(R, 3, 64, generator=gen)
+
+
+def _rope_oracle_keys(k: QBlock) -> torch.Tensor:
+    """The keys a pre-RoPE block holds, turned in float64 with angles ``p * w`` (no float32 product)."""
+    r = k.rope
+    x = reference.dequantize_block(dataclasses.replace(k, rope=None)).double()
+    x = x * r.scale.double()[:, None] + r.mean.double()[:, None]
+    half = r.inv_freq.numel()
+    ang = r.positions.double()[..., None] * r.inv_freq.double()
+    c, s = ang.cos() * r.scaling, ang.sin() * r.scaling
+    if r.layout == "half":
+        a, b = x[..., :half], x[..., half:2 * half]
+        rot = torch.cat((a * c - b * s, a * s + b * c), -1)
+    else:
+        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        rot = torch.stack((a * c - b * s, a * s + b * c), -1).flatten(-2)
+    return torch.cat((rot, x[..., 2 * half:]), -1)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("half", [32, 12, 3])
+@pytest.mark.parametrize("N,gid", [(1, False), (97, False), (416, True)])
+def test_keys_before_rope_are_turned_at_read(compiled, layout, half, N, gid):
+    """Per-channel keys stored before RoPE (§29.8) equal a float64 oracle that turns each
+    dequantized key by ``p * w``: full and partial rotary, both pair layouts, gaps and a step
+    back in the positions, the offset and scale added back first, the attention factor on the
+    turned pairs only."""
+    k, v, q = _rope_case(3, N, half, layout, seed=N + half, gid=gid)
+    start = torch.tensor([0, min(5, N - 1), 0], dtype=torch.int32)
+    kx = _rope_oracle_keys(k)
+    s = 0.125 * torch.einsum("rgc,rtc->rgt", q.double(), kx)
+    s = s.masked_fill((torch.arange(N) < start.long()[:, None])[:, None], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    want = torch.einsum("rgt,rtc->rgc", torch.exp(s - lse[..., None]), reference.dequantize_block(v).double())
+    for impl in (ops, reference):
+        out, got_lse, logits = impl.attend_block(q, k, v, 0.125, start=start, return_logits=True)
+        # float32 angle products (the reference) differ from exact ones by < 2**-24 * p * w rad
+        torch.testing.assert_close(logits.double(), s, rtol=0, atol=2e-3)
+        torch.testing.assert_close(got_lse.double(), lse, rtol=0, atol=2e-3)
+        torch.testing.assert_close(out.double(), want, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(impl.dequantize_block(k).double(), kx, rtol=1e-3, atol=2e-3)
+    dense = (torch.randn(1, 3, 4, 64), torch.randn(1, 3, 4, 64), None)
+    got = ops.attend_mixed(q, 0.125, packed=(k, v, start), dense=[dense])
+    ref = reference.attend_mixed(q, 0.125, packed=(k, v, start), dense=[dense])
+    torch.testing.assert_close(got[0], ref[0], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=2e-3)
+
+
+def test_key_rope_validation():
+    k, v, q = _rope_case(2, 40, 32, "half", seed=3)
+    r = k.rope
+    cases = [
+        (dict(positions=r.positions.long()), ValueError, r"positions must be int32 \[R, N\]"),
+        (dict(positions=r.positions[:, :5].contiguous()), ValueError, r"positions must be int32 \[R, N\]"),
+        (dict(inv_freq=torch.ones(33)), ValueError, r"inv_freq must be float32 \[r/2\]"),
+        (dict(inv_freq=torch.ones(0)), ValueError, r"inv_freq must be float32 \[r/2\]"),
+        (dict(layout="spiral"), ValueError, "layout must be one of"),
+        (dict(scaling=0.0), ValueError, "scaling must be a finite number > 0"),
+        (dict(scaling=float("inf")), ValueError, "scaling must be a finite number > 0"),
+        (dict(mean=torch.zeros(2, 63)), ValueError, r"mean must be float32 \[R, d\]"),
+        (dict(scale=torch.zeros(2, 64, dtype=torch.float16)), ValueError, r"scale must be float32 \[R, d\]"),
+    ]
+    for change, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            dataclasses.replace(k, rope=dataclasses.replace(r, **change))
+    with pytest.raises(TypeError, match="rope must be a KeyRope"):
+        dataclasses.replace(k, rope="yes")
+    with pytest.raises(ValueError, match="applies to kblock only"):
+        ops.attend_block(q, k, dataclasses.replace(v, rope=KeyRope(r.positions, r.inv_freq)), 0.125)
+    plain = dataclasses.replace(k, rope=None)
+    with pytest.raises(ValueError, match="first packed block only"):
+        ops.attend_mixed(q, 0.125, packed=[(plain, v, None, q, None), (k, v, None, q, None)])

@@ -237,6 +237,37 @@ def test_positions_travel_through_eviction(policy):
     assert (outs[0] - outs[1]).abs().max() < 0.05 * outs[0].abs().max()
 
 
+@pytest.mark.parametrize("policy", [None, H2O(budget=56, recent_window=8), SnapKV(budget=56, recent_window=8)],
+                         ids=["no-eviction", "h2o", "snapkv"])
+def test_per_channel_keys_are_turned_by_the_kernels(policy):
+    """Per-channel key groups before RoPE (``q<b>db``) are read from their codes: the view holds
+    the packed block with its positions (:class:`~kv_cache.kernels.KeyRope`, §29.8), not a
+    dequantized copy; it reads the same keys as the dense path, and after eviction the logits
+    equal a post-RoPE cache's keeping the same tokens."""
+    from kv_cache.attention.blocks import QuantBlock
+    from kv_cache.attention.dense import materialize
+
+    model = _model(rope_parameters=ROPE_TYPES["yarn"])
+    ids = torch.randint(3, 256, (1, 110), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for pre in (False, True):
+        cache = CompressedCache(model.config, quant=QuantConfig(bits=8, pre_rope=pre), eviction=policy,
+                                fidelity_threshold=1e9)
+        outs.append(_run(model, cache, ids, 96, True))
+    for layer in cache.layers:
+        view = layer.stored_blocks()
+        packed = [b for b in view if isinstance(b, QuantBlock)]
+        assert len(packed) == 1 and packed[0].keys.rope is not None
+        assert packed[0].keys.rope.positions.shape == (2, packed[0].length)
+        keys, values, _ = materialize(view)
+        want_keys, want_values = layer.stored_states()
+        torch.testing.assert_close(keys, want_keys.float(), rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(values, want_values.float())
+        if policy is not None:
+            assert layer.kept_arrivals is not None
+    assert (outs[0] - outs[1]).abs().max() < 0.05 * outs[0].abs().max()
+
+
 @pytest.mark.parametrize("scope", ["head", "layer"])
 def test_the_evicted_tier_keeps_its_positions(scope):
     """Tokens a one-shot policy does not keep are demoted (``evicted_bits``), rotated back at

@@ -11,10 +11,13 @@ positions, the offset added first. Until the first eviction a head's ``n`` slots
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from ..attention.blocks import FullBlock
+from ..attention.blocks import FullBlock, QuantBlock
 from ..attention.key_offset import unshift_keys
+from ..kernels import KeyRope
 from .positions import kept_mask, pack_mask, slot_positions, unpack_mask
 from .ragged import dense_read
 
@@ -79,13 +82,46 @@ class PreRopeLayer:
         return self.storage.batch * self.storage.heads * -(-self._arrived // 8)
 
     def stored_blocks(self) -> list:
-        """The stored tokens as attention blocks in token order: the storage's own blocks, or
-        one full-precision block of the keys rotated back (:meth:`stored_states`)."""
+        """The stored tokens as attention blocks in token order: the storage's own blocks; in a
+        layer storing keys before RoPE, the same blocks read at their positions (packed keys
+        with a :class:`~kv_cache.kernels.KeyRope` the kernels turn at read time, full-precision
+        sinks and residual turned here, §29.8) when every packed block holds per-channel keys,
+        else one full-precision block of the keys rotated back (:meth:`stored_states`)."""
         if self.rope_frame is None:
             return self.storage.blocks()
         if self.storage.length == 0:
             return []
-        return [FullBlock(*self.stored_states())]
+        blocks = self.storage.blocks()
+        if not all(isinstance(b, FullBlock) or (isinstance(b, QuantBlock) and b.keys.grouping == "channel"
+                                                and (b.rotation is None or not b.rotation.keys)) for b in blocks):
+            return [FullBlock(*self.stored_states())]
+        return self._blocks_at_positions(blocks)
+
+    def _blocks_at_positions(self, blocks: list) -> list:
+        """``blocks`` (the storage's, in slot order) with their keys read at their positions."""
+        frame, offset = self.rope_frame, self.key_offset
+        pos = self.stored_positions()
+        out, start = [], 0
+        for blk in blocks:
+            n = blk.length
+            p = pos[..., start:start + n]
+            start += n
+            if isinstance(blk, FullBlock):
+                out.append(FullBlock(frame.apply(unshift_keys(blk.keys, offset), p), blk.values))
+                continue
+            B, H = blk.batch, blk.kv_heads
+            R = B * H
+            d = blk.keys.head_dim
+            mean = scale = None
+            if offset is not None:
+                mean = offset[:, :, 0].reshape(R, d).float().contiguous()
+                scale = offset[:, :, 1].reshape(R, d).float().contiguous() if offset.shape[2] == 2 else None
+            rows = p.expand(B, H, n) if p.dim() == 1 else p
+            rope = KeyRope(rows.reshape(R, n).to(torch.int32).contiguous(),
+                           frame.inv_freq.to(device=blk.keys.codes.device, dtype=torch.float32),
+                           frame.layout, float(frame.scaling), mean, scale)
+            out.append(dataclasses.replace(blk, keys=dataclasses.replace(blk.keys, rope=rope)))
+        return out
 
     def arrivals_of(self, slots: torch.Tensor) -> torch.Tensor:
         """The packed bitmap of the arrivals held in ``slots`` of the storage (int64 ``[batch,

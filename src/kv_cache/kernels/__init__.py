@@ -18,10 +18,11 @@ torch reference; :func:`backend` says which serves a device (:mod:`._select`). F
 from ._build import available, build_dir, isa, load
 from ._select import backend
 from .ops import attend_block, attend_mixed, compact_rows_, dequantize_block, quantize_block
-from .qblock import GROUPINGS, QBlock, uniform_lut
+from .qblock import GROUPINGS, KeyRope, QBlock, uniform_lut
 
 __all__ = [
     "GROUPINGS",
+    "KeyRope",
     "QBlock",
     "attend_block",
     "attend_mixed",

@@ -151,6 +151,8 @@ def check_attend_args(q, kblock, vblock, scaling, start, length) -> AttendArgs:
         raise ValueError(f"kblock and vblock must hold the same N tokens; got {k.codes.shape[1]} and {v.codes.shape[1]}")
     if q.shape[2] != k.head_dim:
         raise ValueError(f"q has d={q.shape[2]} but kblock holds d={k.head_dim}")
+    if v.rope is not None:
+        raise ValueError("rope (keys stored before RoPE) applies to kblock only; got it on vblock")
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
         raise TypeError(f"scaling must be a finite float; got {scaling!r}")
     if k.flat != v.flat or (k.flat and (k.offsets is not v.offsets and not torch.equal(k.offsets, v.offsets))):
@@ -206,6 +208,9 @@ def check_mixed_args(q, scaling, packed, dense, q_packed, value_inverse) -> Mixe
                 raise ValueError(f"packed blocks hold values of d_v={ps[-1].v.head_dim} and {dv}")
             dv = ps[-1].v.head_dim
             inverses.append(_check_inverse(vi, dv, R))
+    if any(p.k.rope is not None for p in ps[1:]):
+        raise ValueError("attend_mixed reads keys stored before RoPE (kblock.rope) in its first packed block only; "
+                         "got rope on a later one (put that block first)")
     if not ps and (q_packed is not None or value_inverse is not None):
         raise ValueError("q_packed and value_inverse apply to the packed block; got them with packed=None")
     blocks = []

@@ -67,7 +67,9 @@ def _p(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def dequantize_block(block: QBlock, out_dtype: torch.dtype = torch.float32, *,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """Fused unpack + dequantize: ``x_hat = scale * (lut[code] - zero)`` in one pass (§15.1).
+    """Fused unpack + dequantize: ``x_hat = scale * (lut[code] - zero)`` in one pass (§15.1); keys
+    stored before RoPE (``block.rope``) come back as attention reads them, turned to their
+    positions (§29.8, the torch path).
 
     Parameters
     ----------
@@ -104,6 +106,9 @@ def dequantize_block(block: QBlock, out_dtype: torch.dtype = torch.float32, *,
     block = check_block(block, "block")
     out_dtype = check_out_dtype(out_dtype)
     out = check_out(out, block, out_dtype)
+    if block.rope is not None:  # keys before RoPE: as attention reads them (the torch path)
+        result = reference._dequantize(block, out_dtype)
+        return result if out is None else out.copy_(result)
     tri = _triton(block.codes)
     if tri is not None:
         return tri.dequantize_block(block, out_dtype, out)
@@ -275,10 +280,11 @@ def attend_block(
     """
     a = check_attend_args(q, kblock, vblock, scaling, start, length)
     k, v = a.k, a.v
-    tri = None if k.flat else _triton(a.q, k.codes, v.codes)  # flat ragged blocks: the torch path on CUDA
+    # flat ragged blocks and keys before RoPE: the torch path on CUDA
+    tri = None if k.flat or k.rope is not None else _triton(a.q, k.codes, v.codes)
     if tri is not None:
         return tri.attend_block(a, bool(return_logits))
-    ext = _compiled(a.q, k.codes, v.codes)
+    ext = _compiled(a.q, k.codes, v.codes) if _compiled_rope(k) else None
     if ext is None:
         return reference._attend(a, bool(return_logits))
     R, G, _ = a.q.shape
@@ -294,10 +300,25 @@ def attend_block(
                    _p(v.codes), v.bits, v.lut.contiguous(), _GROUPING_ID[v.grouping],
                    _p(v.scale), _p(v.zero), _p(v.gid), v.group_size,
                    a.scaling, _c(a.start), _c(a.length), out, lse, logits, _build.isa_flag(),
-                   None, [], [], None, None, _c(k.scale_table), _c(v.scale_table), [], [], _c(k.offsets), [], [])
+                   None, [], [], None, None, _c(k.scale_table), _c(v.scale_table), [], [], _c(k.offsets), [], [],
+                   *_rope_args(k))
     except ValueError as exc:  # the extension's group-index check
         raise bad_group_error() from exc
     return out, lse, logits
+
+
+def _rope_args(k: QBlock) -> tuple[list, int, float]:
+    """The compiled kernel's ``(k_rope, interleaved, factor)`` for keys stored before RoPE (none: empty)."""
+    r = k.rope
+    if r is None:
+        return [], 0, 1.0
+    return ([r.positions.contiguous(), r.inv_freq.contiguous(), _c(r.mean), _c(r.scale)],
+            int(r.layout == "interleaved"), float(r.scaling))
+
+
+def _compiled_rope(k: QBlock) -> bool:
+    """Whether the compiled kernel reads ``k``'s rotary frame (channel-grouped keys; the reference otherwise)."""
+    return k.rope is None or k.grouping == "channel"
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -383,10 +404,11 @@ def attend_mixed(
     for p in a.packed:
         tensors += [p.q, p.k.codes, p.v.codes]
     flat = any(p.k.flat for p in a.packed) or any(blk[3] is not None for blk in a.dense)
-    tri = None if flat else _triton(*tensors)  # flat ragged blocks: the torch path on CUDA
+    roped = bool(a.packed) and a.packed[0].k.rope is not None
+    tri = None if flat or roped else _triton(*tensors)  # flat ragged blocks, keys before RoPE: the torch path on CUDA
     if tri is not None:
         return tri.attend_mixed(a)
-    ext = _compiled(*tensors)
+    ext = _compiled(*tensors) if not a.packed or _compiled_rope(a.packed[0].k) else None
     if ext is None:
         return reference._attend_mixed(a)
     R, G, d = a.q.shape
@@ -420,7 +442,8 @@ def attend_mixed(
                     for x, vi in zip(a.packed[1:], a.inverses[1:])],
                    [[x.k.bits, _GROUPING_ID[x.k.grouping], x.k.group_size, x.v.bits, _GROUPING_ID[x.v.grouping],
                      x.v.group_size] for x in a.packed[1:]],
-                   _c(k.offsets), [_c(blk[3]) for blk in a.dense], [_c(blk[4]) for blk in a.dense])
+                   _c(k.offsets), [_c(blk[3]) for blk in a.dense], [_c(blk[4]) for blk in a.dense],
+                   *_rope_args(k))
     except ValueError as exc:
         raise bad_group_error() from exc
     return out, lse

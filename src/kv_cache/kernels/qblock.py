@@ -7,6 +7,7 @@ stored as ``d`` codes of ``bits`` bits, packed token-major exactly as
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,65 @@ def _check_tensor(t, name: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
     return t
+
+
+ROPE_LAYOUTS = ("half", "interleaved")
+"""Channel pairs of a rotary frame (:mod:`kv_cache.compression.rope`)."""
+
+
+@dataclass(frozen=True, eq=False)
+class KeyRope:
+    """Keys stored before RoPE, turned at read (math dictionary §29.8)::
+
+        k[r, t] = scaling * R(positions[r, t]) (scale[r] * k_hat[r, t] + mean[r])
+
+    ``R(p)`` turns channel pair ``i`` by ``p * inv_freq[i]`` (``layout`` ``"half"``: channels
+    ``i`` and ``i + r/2``; ``"interleaved"``: ``2i`` and ``2i + 1``); channels past ``r =
+    2 * len(inv_freq)`` pass through (partial rotary).
+
+    Attributes
+    ----------
+    positions : torch.Tensor, int32, shape ``[R, N]``
+        The arrival index (rotary position) of every token of the block.
+    inv_freq : torch.Tensor, float32, shape ``[r/2]``
+    layout : {"half", "interleaved"}
+    scaling : float
+        The rope type's attention scaling (1 for plain RoPE), > 0.
+    mean, scale : torch.Tensor or None, float32, shape ``[R, d]``
+        The per-row key offset added back (§25) and the per-channel scale multiplied back
+        (§29.7) before the rotation; None reads as 0 and 1.
+    """
+
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    layout: str = "half"
+    scaling: float = 1.0
+    mean: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+
+    def check(self, R: int, N: int, d: int) -> None:
+        """Raise ``TypeError``/``ValueError`` unless the fields fit a block of ``[R, N, d]``."""
+        if self.layout not in ROPE_LAYOUTS:
+            raise ValueError(f"KeyRope.layout must be one of {list(ROPE_LAYOUTS)}; got {self.layout!r}")
+        pos = _check_tensor(self.positions, "KeyRope.positions")
+        if pos.dtype != torch.int32 or tuple(pos.shape) != (R, N):
+            raise ValueError(f"KeyRope.positions must be int32 [R, N] = [{R}, {N}]; got {pos.dtype} of shape "
+                             f"{tuple(pos.shape)}")
+        w = _check_tensor(self.inv_freq, "KeyRope.inv_freq")
+        if w.dtype != torch.float32 or w.dim() != 1 or not 1 <= w.numel() <= d // 2:
+            raise ValueError(f"KeyRope.inv_freq must be float32 [r/2] with 1 <= r/2 <= d/2 = {d // 2}; got "
+                             f"{w.dtype} of shape {tuple(w.shape)}")
+        sc = self.scaling
+        if isinstance(sc, bool) or not isinstance(sc, (int, float)) or not math.isfinite(sc) or sc <= 0:
+            raise ValueError(f"KeyRope.scaling must be a finite number > 0; got {sc!r}")
+        for name in ("mean", "scale"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            t = _check_tensor(t, f"KeyRope.{name}")
+            if t.dtype != torch.float32 or tuple(t.shape) != (R, d):
+                raise ValueError(f"KeyRope.{name} must be float32 [R, d] = [{R}, {d}]; got {t.dtype} of shape "
+                                 f"{tuple(t.shape)}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,6 +150,9 @@ class QBlock:
         ``lengths[r]`` tokens that start at token ``offsets[r]`` of the buffer (codes, ``gid``
         and token-grouped metadata); a channel-grouped scale table is shared by every row and
         ``gid`` indexes it globally. The kernels read only each row's own tokens.
+    rope : KeyRope or None
+        Keys stored before RoPE (a rectangular block): attention reads each key turned to its
+        position, its offset and scale added back first (§29.8).
 
     Raises
     ------
@@ -110,6 +173,7 @@ class QBlock:
     scale_table: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
+    rope: KeyRope | None = None
 
     def __post_init__(self) -> None:
         bits = check_bits(self.bits)
@@ -183,8 +247,16 @@ class QBlock:
                 if t.dtype != dt or tuple(t.shape) != (R,):
                     raise ValueError(f"{name} must be {dt} of shape [R] = [{R}]; got {t.dtype} of shape "
                                      f"{tuple(t.shape)}")
+        ropes = ()
+        if self.rope is not None:
+            if not isinstance(self.rope, KeyRope):
+                raise TypeError(f"rope must be a KeyRope or None; got {type(self.rope).__name__}")
+            if self.offsets is not None:
+                raise ValueError("rope applies to a rectangular block; got a flat ragged one (offsets given)")
+            self.rope.check(R, N, d)
+            ropes = (self.rope.positions, self.rope.inv_freq, self.rope.mean, self.rope.scale)
         devices = {t.device for t in (codes, lut, scale, self.zero, self.gid, self.scale_table, self.offsets,
-                                      self.lengths) if t is not None}
+                                      self.lengths, *ropes) if t is not None}
         if len(devices) > 1:
             raise ValueError(f"all tensors of a QBlock must be on one device; got {sorted(map(str, devices))}")
 
@@ -231,4 +303,4 @@ def uniform_lut(bits: int, symmetric: bool, device=None) -> torch.Tensor:
     return lut - (1 << (bits - 1)) if symmetric else lut
 
 
-__all__ = ["GROUPINGS", "QBlock", "SCALE_DTYPES", "ZERO_DTYPES", "check_bits", "check_grouping", "uniform_lut"]
+__all__ = ["GROUPINGS", "KeyRope", "QBlock", "ROPE_LAYOUTS", "SCALE_DTYPES", "ZERO_DTYPES", "check_bits", "check_grouping", "uniform_lut"]

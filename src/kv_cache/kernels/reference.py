@@ -11,6 +11,7 @@ import torch
 from ..compression._arrays import raise_non_finite
 from ..compression.packing import pack_bits, unpack_bits
 from ..compression.quantizer import quantize
+from ..compression.rope import rotate
 from ._checks import (
     AttendArgs,
     QuantizeArgs,
@@ -22,7 +23,7 @@ from ._checks import (
     check_quantize_args,
     midpoints,
 )
-from .qblock import QBlock, uniform_lut
+from .qblock import KeyRope, QBlock, uniform_lut
 
 
 def unpack_codes(block: QBlock) -> torch.Tensor:
@@ -65,7 +66,10 @@ def _dequantize(block: QBlock, out_dtype: torch.dtype) -> torch.Tensor:
     zero = expand_meta(block, block.zero)
     if zero is not None:
         v = v.sub_(zero)
-    return v.mul_(expand_meta(block, block.scale_values())).to(out_dtype)
+    v = v.mul_(expand_meta(block, block.scale_values()))
+    if block.rope is not None:  # keys before RoPE (§29.8): as attention reads them
+        v = _rope_keys(v, block.rope)
+    return v.to(out_dtype)
 
 
 def dequantize_block(block: QBlock, out_dtype: torch.dtype = torch.float32, *,
@@ -155,13 +159,22 @@ def rectangular_dense(t: torch.Tensor, offsets: torch.Tensor, lengths: torch.Ten
     return t[0, 0][idx].reshape(B, H, n, d)
 
 
+def _rope_keys(kx: torch.Tensor, rope: KeyRope) -> torch.Tensor:
+    """Dequantized keys before RoPE ``[R, N, d]`` float32 -> the keys attention reads (§29.8)."""
+    if rope.scale is not None:
+        kx = kx * rope.scale.unsqueeze(1)
+    if rope.mean is not None:
+        kx = kx + rope.mean.unsqueeze(1)
+    return rotate(kx, rope.positions.long(), rope.inv_freq, float(rope.scaling), rope.layout)
+
+
 def _attend(a: AttendArgs, return_logits: bool):
     if a.k.flat:
         a = AttendArgs(a.q, rectangular(a.k), rectangular(a.v), a.scaling, a.start, a.length)
     q, k, v = a.q, a.k, a.v
     R, G, _ = q.shape
     N = k.codes.shape[1]
-    kx = _dequantize(k, torch.float32)  # [R, N, dk]
+    kx = _dequantize(k, torch.float32)  # [R, N, dk]; keys before RoPE turned to their positions (§29.8)
     vx = _dequantize(v, torch.float32)  # [R, N, dv]
     s = torch.bmm(q, kx.transpose(1, 2)).mul_(a.scaling)  # [R, G, N]
     if a.start is not None or a.length is not None:

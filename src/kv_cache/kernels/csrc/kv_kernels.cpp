@@ -232,6 +232,24 @@ struct DenseView {
   const int32_t* len = nullptr;    // flat ragged block: row r holds len[r] tokens (else n)
 };
 
+// Keys stored before RoPE (math dictionary §29.8): the call's packed keys are read as
+//   k_t = f * R(pos[t]) (sigma * k_hat_t + mu)
+// with R(p) turning channel pair i by the angle p * w_i ("half": channels i and i + half,
+// "interleaved": 2i and 2i + 1; channels past 2 * half pass through). cos/sin of p * w_i come
+// from products of the doubling table cs[j] = (cos, sin)(2^j w_i) over the set bits of p (and
+// of the step p - p_prev inside a tile): no sincos per element, angles exact up to float32
+// rounding of the products.
+struct KeyRope {
+  const int32_t* pos = nullptr;  // [R, N] arrival index of every slot (row pitch N)
+  const float* tab = nullptr;    // [kRopeBits, 2, half]: cos, sin of 2^j * w_i
+  const float* mean = nullptr;   // [R, d] or null
+  const float* scale = nullptr;  // [R, d] or null
+  int half = 0;
+  bool interleaved = false;
+  float factor = 1.0f;
+};
+constexpr int kRopeBits = 31;  // positions below 2**31
+
 struct AttendArgs {
   const float* q;  // [R, G, dk]
   int G;
@@ -250,6 +268,7 @@ struct AttendArgs {
   const BlockView* xk = nullptr;  // extra packed blocks, each with its own queries
   const BlockView* xv = nullptr;
   const float* const* xq = nullptr;
+  const KeyRope* rope = nullptr;  // the call's packed keys are stored before RoPE
 };
 
 // Paged attention (kv_paged.h, kv_paged_impl.h): a cache [blocks, H, bs, sw] of uint8 slots
@@ -533,11 +552,46 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
             const std::vector<std::vector<c10::optional<at::Tensor>>>& x_tensors,
             const std::vector<std::vector<int64_t>>& x_ints, const c10::optional<at::Tensor>& offsets,
             const std::vector<c10::optional<at::Tensor>>& dense_off,
-            const std::vector<c10::optional<at::Tensor>>& dense_len) {
+            const std::vector<c10::optional<at::Tensor>>& dense_len,
+            const std::vector<c10::optional<at::Tensor>>& k_rope, int64_t rope_interleaved, double rope_factor) {
   std::atomic<int> status{kOk};
   AttendArgs a;
   a.k = make_block(k_codes, k_bits, k_lut, k_grouping, k_scale, k_zero, k_gid, k_group_size, k_table, offsets);
   a.v = make_block(v_codes, v_bits, v_lut, v_grouping, v_scale, v_zero, v_gid, v_group_size, v_table, offsets);
+  // keys before RoPE: tensors [positions int32 [R, N], inv_freq float32 [half], mean, scale (float32 [R, d] or None)]
+  KeyRope rope;
+  std::vector<float> rope_tab;
+  if (!k_rope.empty()) {
+    TORCH_CHECK(k_rope.size() == 4 && k_rope[0].has_value() && k_rope[1].has_value(), "k_rope");
+    TORCH_CHECK(a.k.grouping == kChannel && !a.k.off, "k_rope: channel-grouped keys of a rectangular block");
+    const at::Tensor& pos = *k_rope[0];
+    const at::Tensor& w = *k_rope[1];
+    TORCH_CHECK(pos.scalar_type() == at::kInt && pos.is_contiguous() && pos.dim() == 2 && pos.size(0) == a.k.R &&
+                    pos.size(1) == a.k.N, "k_rope positions: int32 [R, N] contiguous");
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 1 && w.numel() >= 1 &&
+                    2 * w.numel() <= a.k.d, "k_rope inv_freq: float32 [half], 2 * half <= d");
+    rope.pos = pos.data_ptr<int32_t>();
+    rope.half = static_cast<int>(w.numel());
+    rope.interleaved = rope_interleaved != 0;
+    rope.factor = static_cast<float>(rope_factor);
+    rope_tab.resize(static_cast<size_t>(kRopeBits) * 2 * rope.half);
+    const float* wp = w.data_ptr<float>();
+    for (int j = 0; j < kRopeBits; ++j)
+      for (int i = 0; i < rope.half; ++i) {
+        const double ang = std::ldexp(static_cast<double>(wp[i]), j);
+        rope_tab[(2 * j) * rope.half + i] = static_cast<float>(std::cos(ang));
+        rope_tab[(2 * j + 1) * rope.half + i] = static_cast<float>(std::sin(ang));
+      }
+    rope.tab = rope_tab.data();
+    for (int m = 2; m < 4; ++m)
+      if (k_rope[m].has_value()) {
+        const at::Tensor& t = *k_rope[m];
+        TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == a.k.R &&
+                        t.size(1) == a.k.d, "k_rope mean/scale: float32 [R, d] contiguous");
+        (m == 2 ? rope.mean : rope.scale) = t.data_ptr<float>();
+      }
+    a.rope = &rope;
+  }
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q");
   // extra packed blocks: tensors [k_codes, k_lut, k_scale, k_zero, k_gid, k_table, v_codes, v_lut,
   // v_scale, v_zero, v_gid, v_table, start, q, vinv, offsets, length] (the last two: a flat ragged

@@ -922,6 +922,62 @@ static inline void prefetch_meta(const Meta& s, const Meta& z, int64_t r, int64_
 }
 
 // One work item: tokens [t0, t1) of row r; writes the chunk's (max, sum, unnormalized output).
+// ============================================================================= keys before RoPE
+// (c, s)[i] <- (c, s)[i] turned by delta * w_i: one complex product per set bit j of delta with
+// the doubling table's (cos, sin)(2^j w_i) (KeyRope; math dictionary §29.8).
+static inline void rope_advance(float* c, float* s, const float* tab, int half, uint32_t delta) {
+  for (int j = 0; delta; ++j, delta >>= 1) {
+    if (!(delta & 1u)) continue;
+    const float* C = tab + static_cast<size_t>(2 * j) * half;
+    const float* Sn = C + half;
+    int i = 0;
+    for (; i + W <= half; i += W) {
+      const vf cv = vload(c + i), sv = vload(s + i), cj = vload(C + i), sj = vload(Sn + i);
+      vstore(c + i, vsub(vmul(cv, cj), vmul(sv, sj)));
+      vstore(s + i, vfma(sv, cj, vmul(cv, sj)));
+    }
+    for (; i < half; ++i) {
+      const float cv = c[i], sv = s[i];
+      c[i] = cv * C[i] - sv * Sn[i];
+      s[i] = sv * C[i] + cv * Sn[i];
+    }
+  }
+}
+
+// (c, s) = (cos, sin)(p * w_i) for every pair i.
+static inline void rope_at(float* c, float* s, const float* tab, int half, int32_t p) {
+  std::fill(c, c + half, 1.0f);
+  std::fill(s, s + half, 0.0f);
+  const uint32_t m = p < 0 ? static_cast<uint32_t>(-static_cast<int64_t>(p)) : static_cast<uint32_t>(p);
+  rope_advance(c, s, tab, half, m);
+  if (p < 0)
+    for (int i = 0; i < half; ++i) s[i] = -s[i];
+}
+
+// Turn the channel pairs of one key row x by the angles (c, s).
+static inline void rope_row(float* x, const float* c, const float* s, int half, bool interleaved) {
+  if (interleaved) {
+    for (int i = 0; i < half; ++i) {
+      const float u = x[2 * i], v = x[2 * i + 1];
+      x[2 * i] = u * c[i] - v * s[i];
+      x[2 * i + 1] = u * s[i] + v * c[i];
+    }
+    return;
+  }
+  float* y = x + half;
+  int i = 0;
+  for (; i + W <= half; i += W) {
+    const vf u = vload(x + i), v = vload(y + i), cv = vload(c + i), sv = vload(s + i);
+    vstore(x + i, vsub(vmul(u, cv), vmul(v, sv)));
+    vstore(y + i, vfma(u, sv, vmul(v, cv)));
+  }
+  for (; i < half; ++i) {
+    const float u = x[i], v = y[i];
+    x[i] = u * c[i] - v * s[i];
+    y[i] = u * s[i] + v * c[i];
+  }
+}
+
 static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
   const AttendItem& it = a.items[item];
   const BlockView& K = it.packed ? a.xk[it.packed - 1] : a.k;  // the call's packed block, or an extra one
@@ -948,8 +1004,9 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
       4 * static_cast<size_t>(dkp + dvp),          // sK zK sV zV
       static_cast<size_t>(T) * (std::max(dkp, dvp) / W + 1),  // chunk scales of a tile
       4 * static_cast<size_t>(G) + kPad,           // m l psum bK
+      4 * static_cast<size_t>(dkp),                // keys before RoPE: A C cos sin
   };
-  float* buf[14];
+  float* buf[15];
   carve(s.f0, sizes, buf);
   float *qs = buf[0], *qt = buf[1], *qsum = buf[2], *Kb = buf[3], *Vb = buf[4], *S = buf[5], *acc = buf[6];
   float *accG = buf[7], *corr = buf[8];
@@ -968,6 +1025,14 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
   float* l = m + G;
   float* psum = l + G;
   float* bK = psum + G;
+  const KeyRope* rope = it.packed == 0 ? a.rope : nullptr;
+  float* rA = buf[14];
+  float* rC = rA + dkp;
+  float* rc = rC + dkp;
+  float* rs = rc + dkp;
+  if (rope) {
+    std::fill(rA, rA + 2 * static_cast<size_t>(dkp), 0.0f);
+  }
   // zero what is read before being written (pads of the tiles, accumulators)
   std::fill(Kb, Kb + sizes[3], 0.0f);
   std::fill(Vb, Vb + sizes[4], 0.0f);
@@ -1030,7 +1095,45 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
       if (V.gid) prefetch_range(V.gid + gidrow(V, r) + ahead, sizeof(int32_t) * na);
     }
     // ---- keys -> scores S[g][t]
-    if (K.grouping == kChannel) {
+    if (rope) {  // keys before RoPE: k = f R(p) (sigma * k_hat + mu), each row turned once, then q . k
+      decode_tile<kNoScale>(K.codes + (crow(K, r) + t0) * K.P, K.P, nt, dk, K.bits, K.lut, nullptr, 0, Kb, dkp);
+      const float* mu = rope->mean ? rope->mean + r * dk : nullptr;
+      const float* sg = rope->scale ? rope->scale + r * dk : nullptr;
+      for (int a0 = 0; a0 < nt;) {
+        int64_t grp;
+        const int b0 = run_of(K, t0, a0, nt, grp);
+        if (grp < 0 || grp >= K.NG) {
+          a.status->store(kBadGroup);
+          return;
+        }
+        if (grp != curK) {  // A = f sigma scale_G, C = f (mu - sigma scale_G zero_G); f = 1 past the pairs
+          meta_load(K.scale, (mrow(K.scale, r) + grp) * dk, dk, sK);
+          meta_load(K.zero, (mrow(K.zero, r) + grp) * dk, dk, zK);
+          for (int c = 0; c < dk; ++c) {
+            const float sc = (sg ? sg[c] : 1.0f) * sK[c];
+            const float f = c < 2 * rope->half ? rope->factor : 1.0f;
+            rA[c] = f * sc;
+            rC[c] = f * ((mu ? mu[c] : 0.0f) - sc * zK[c]);
+          }
+          curK = grp;
+        }
+        for (int t = a0; t < b0; ++t) {
+          float* row = Kb + static_cast<size_t>(t) * dkp;
+          for (int c = 0; c < dkp; c += W) vstore(row + c, vfma(vload(rA + c), vload(row + c), vload(rC + c)));
+        }
+        a0 = b0;
+      }
+      const int32_t* pos = rope->pos + r * N + t0;
+      for (int t = 0; t < nt; ++t) {  // exact angles at the tile's first token, then steps
+        const int64_t step = t ? static_cast<int64_t>(pos[t]) - pos[t - 1] : 0;
+        if (t == 0 || step < 0)
+          rope_at(rc, rs, rope->tab, rope->half, pos[t]);
+        else
+          rope_advance(rc, rs, rope->tab, rope->half, static_cast<uint32_t>(step));
+        rope_row(Kb + static_cast<size_t>(t) * dkp, rc, rs, rope->half, rope->interleaved);
+      }
+      dots(qs, dkp, G, Kb, dkp, nt, dkp, S, T);
+    } else if (K.grouping == kChannel) {
       decode_tile<kNoScale>(K.codes + (crow(K, r) + t0) * K.P, K.P, nt, dk, K.bits, K.lut, nullptr, 0, Kb, dkp);
       for (int a0 = 0; a0 < nt;) {
         int64_t grp;
