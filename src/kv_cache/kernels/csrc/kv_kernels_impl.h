@@ -921,7 +921,6 @@ static inline void prefetch_meta(const Meta& s, const Meta& z, int64_t r, int64_
   if (z.p) prefetch_range(static_cast<const char*>(z.p) + (mrow(z, r) + t) * J * dt_size(z.dt), int64_t(n) * J * dt_size(z.dt));
 }
 
-// One work item: tokens [t0, t1) of row r; writes the chunk's (max, sum, unnormalized output).
 // ============================================================================= keys before RoPE
 // (c, s)[i] <- (c, s)[i] turned by delta * w_i: one complex product per set bit j of delta with
 // the doubling table's (cos, sin)(2^j w_i) (KeyRope; math dictionary §29.8).
@@ -978,6 +977,7 @@ static inline void rope_row(float* x, const float* c, const float* s, int half, 
   }
 }
 
+// One work item: tokens [t0, t1) of row r; writes the chunk's (max, sum, unnormalized output).
 static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
   const AttendItem& it = a.items[item];
   const BlockView& K = it.packed ? a.xk[it.packed - 1] : a.k;  // the call's packed block, or an extra one
