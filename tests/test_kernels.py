@@ -596,11 +596,23 @@ def test_attend_and_dequantize_validation(impl):
 
 
 # ----------------------------------------------------------------------------- keys before RoPE
-def _rope_case(R, N, half, layout, seed, gid=False):
-    """A per-channel key block with a :class:`KeyRope`: positions rising with gaps (eviction),
-    one step back and a far position, the offset and scale of §29.7, an attention factor."""
+ROPE_KEYS = {  # key layouts read before RoPE: KIVI's per-channel groups, per-token codes (Hadamard space)
+    "channel": dict(bits=4, grouping="channel", gs=32, scale_dtype=torch.float16),
+    "channel-gid": dict(bits=4, grouping="channel", gs=32, scale_dtype=torch.float16, gid=True),
+    "token-hadamard": dict(bits=3, grouping="token", gs=64, mode="codebook"),
+    "token-zero": dict(bits=2, grouping="token", gs=16, zero_dtype=torch.float16),
+}
+
+
+def _rope_case(R, N, half, layout, seed, keys="channel"):
+    """A key block with a :class:`KeyRope`: positions rising with gaps (eviction), one step back
+    and a far position, the offset and scale of §29.7, an attention factor; per-token codebook
+    keys stored in a randomized Hadamard space."""
     gen = torch.Generator().manual_seed(seed)
-    k = random_block(R, N, 64, 4, "channel", 32, scale_dtype=torch.float16, gid=gid, seed=seed)
+    k = random_block(R, N, 64, seed=seed, **ROPE_KEYS[keys])
+    signs = None
+    if keys == "token-hadamard":
+        signs = torch.randint(0, 2, (R, 64), generator=gen).float() * 2 - 1
     v = random_block(R, N, 64, 4, "token", 64, seed=seed + 1)
     steps = torch.randint(1, 4, (R, N), generator=gen)
     pos = steps.cumsum(1) + torch.randint(0, 900, (R, 1), generator=gen)
@@ -609,7 +621,7 @@ def _rope_case(R, N, half, layout, seed, gid=False):
         pos[0, -1] = 1500
     w = 1.0 / (10000.0 ** (torch.arange(0, 2 * half, 2, dtype=torch.float32) / (2 * half)))
     rope = KeyRope(pos.to(torch.int32).contiguous(), w, layout, 1.25, torch.randn(R, 64, generator=gen),
-                   torch.rand(R, 64, generator=gen) + 0.5)
+                   torch.rand(R, 64, generator=gen) + 0.5, signs)
     return dataclasses.replace(k, rope=rope), v, torch.randn(R, 3, 64, generator=gen)
 
 
@@ -617,6 +629,12 @@ def _rope_oracle_keys(k: QBlock) -> torch.Tensor:
     """The keys a pre-RoPE block holds, turned in float64 with angles ``p * w`` (no float32 product)."""
     r = k.rope
     x = reference.dequantize_block(dataclasses.replace(k, rope=None)).double()
+    if r.signs is not None:  # x H / sqrt(d) * s, H the Sylvester matrix
+        d = x.shape[-1]
+        H = torch.ones(1, 1, dtype=torch.float64)
+        while H.shape[0] < d:
+            H = torch.cat((torch.cat((H, H), 1), torch.cat((H, -H), 1)), 0)
+        x = (x @ H) / d ** 0.5 * r.signs.double()[:, None]
     x = x * r.scale.double()[:, None] + r.mean.double()[:, None]
     half = r.inv_freq.numel()
     ang = r.positions.double()[..., None] * r.inv_freq.double()
@@ -632,13 +650,14 @@ def _rope_oracle_keys(k: QBlock) -> torch.Tensor:
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 @pytest.mark.parametrize("half", [32, 12, 3])
-@pytest.mark.parametrize("N,gid", [(1, False), (97, False), (416, True)])
-def test_keys_before_rope_are_turned_at_read(compiled, layout, half, N, gid):
-    """Per-channel keys stored before RoPE (§29.8) equal a float64 oracle that turns each
-    dequantized key by ``p * w``: full and partial rotary, both pair layouts, gaps and a step
-    back in the positions, the offset and scale added back first, the attention factor on the
-    turned pairs only."""
-    k, v, q = _rope_case(3, N, half, layout, seed=N + half, gid=gid)
+@pytest.mark.parametrize("N,keys", [(1, "channel"), (97, "channel"), (416, "channel-gid"), (97, "token-hadamard"),
+                                    (33, "token-zero")])
+def test_keys_before_rope_are_turned_at_read(compiled, layout, half, N, keys):
+    """Keys stored before RoPE (§29.8) equal a float64 oracle that turns each dequantized key by
+    ``p * w``: per-channel and per-token codes (out of a Hadamard space first), full and partial
+    rotary, both pair layouts, gaps and a step back in the positions, the offset and scale added
+    back first, the attention factor on the turned pairs only."""
+    k, v, q = _rope_case(3, N, half, layout, seed=N + half, keys=keys)
     start = torch.tensor([0, min(5, N - 1), 0], dtype=torch.int32)
     kx = _rope_oracle_keys(k)
     s = 0.125 * torch.einsum("rgc,rtc->rgt", q.double(), kx)
@@ -672,6 +691,7 @@ def test_key_rope_validation():
         (dict(scaling=float("inf")), ValueError, "scaling must be a finite number > 0"),
         (dict(mean=torch.zeros(2, 63)), ValueError, r"mean must be float32 \[R, d\]"),
         (dict(scale=torch.zeros(2, 64, dtype=torch.float16)), ValueError, r"scale must be float32 \[R, d\]"),
+        (dict(signs=torch.ones(3, 64)), ValueError, r"signs must be float32 \[H, d\]"),
     ]
     for change, exc, msg in cases:
         with pytest.raises(exc, match=msg):

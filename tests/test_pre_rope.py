@@ -239,11 +239,13 @@ def test_positions_travel_through_eviction(policy):
 
 @pytest.mark.parametrize("policy", [None, H2O(budget=56, recent_window=8), SnapKV(budget=56, recent_window=8)],
                          ids=["no-eviction", "h2o", "snapkv"])
-def test_per_channel_keys_are_turned_by_the_kernels(policy):
-    """Per-channel key groups before RoPE (``q<b>db``) are read from their codes: the view holds
-    the packed block with its positions (:class:`~kv_cache.kernels.KeyRope`, §29.8), not a
-    dequantized copy; it reads the same keys as the dense path, and after eviction the logits
-    equal a post-RoPE cache's keeping the same tokens."""
+@pytest.mark.parametrize("layout", ["channel", "token"])
+def test_pre_rope_keys_are_read_from_their_codes(policy, layout):
+    """Keys before RoPE, per-channel groups (``q<b>db``) or per-token codes in a Hadamard space
+    (``q<b>dtb``), are read from their codes: the view holds the packed block with its positions
+    (:class:`~kv_cache.kernels.KeyRope`, §29.8), not a dequantized copy, and the query is not
+    rotated; it reads the same keys as the dense path, and after eviction the logits equal a
+    post-RoPE cache's keeping the same tokens."""
     from kv_cache.attention.blocks import QuantBlock
     from kv_cache.attention.dense import materialize
 
@@ -251,13 +253,15 @@ def test_per_channel_keys_are_turned_by_the_kernels(policy):
     ids = torch.randint(3, 256, (1, 110), generator=torch.Generator().manual_seed(5))
     outs = []
     for pre in (False, True):
-        cache = CompressedCache(model.config, quant=QuantConfig(bits=8, pre_rope=pre), eviction=policy,
-                                fidelity_threshold=1e9)
+        quant = QuantConfig(bits=8, pre_rope=pre) if layout == "channel" else _q8(pre)
+        cache = CompressedCache(model.config, quant=quant, eviction=policy, fidelity_threshold=1e9)
         outs.append(_run(model, cache, ids, 96, True))
     for layer in cache.layers:
         view = layer.stored_blocks()
         packed = [b for b in view if isinstance(b, QuantBlock)]
         assert len(packed) == 1 and packed[0].keys.rope is not None
+        assert (packed[0].keys.rope.signs is not None) == (layout == "token")
+        assert packed[0].rotation is None or not packed[0].rotation.keys
         assert packed[0].keys.rope.positions.shape == (2, packed[0].length)
         keys, values, _ = materialize(view)
         want_keys, want_values = layer.stored_states()

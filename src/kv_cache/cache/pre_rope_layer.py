@@ -18,6 +18,7 @@ import torch
 from ..attention.blocks import FullBlock, QuantBlock
 from ..attention.key_offset import unshift_keys
 from ..kernels import KeyRope
+from .packed import Rotation
 from .positions import kept_mask, pack_mask, slot_positions, unpack_mask
 from .ragged import dense_read
 
@@ -92,8 +93,7 @@ class PreRopeLayer:
         if self.storage.length == 0:
             return []
         blocks = self.storage.blocks()
-        if not all(isinstance(b, FullBlock) or (isinstance(b, QuantBlock) and b.keys.grouping == "channel"
-                                                and (b.rotation is None or not b.rotation.keys)) for b in blocks):
+        if not all(isinstance(b, FullBlock) or (isinstance(b, QuantBlock) and _kernel_reads(b)) for b in blocks):
             return [FullBlock(*self.stored_states())]
         return self._blocks_at_positions(blocks)
 
@@ -117,10 +117,14 @@ class PreRopeLayer:
                 mean = offset[:, :, 0].reshape(R, d).float().contiguous()
                 scale = offset[:, :, 1].reshape(R, d).float().contiguous() if offset.shape[2] == 2 else None
             rows = p.expand(B, H, n) if p.dim() == 1 else p
+            rot, signs = blk.rotation, None
+            if rot is not None and rot.keys:  # keys mapped back in the kernel: the query stays as it is
+                signs = rot.signs.float()
+                rot = Rotation.from_signs(rot.signs).with_keys(False)
             rope = KeyRope(rows.reshape(R, n).to(torch.int32).contiguous(),
                            frame.inv_freq.to(device=blk.keys.codes.device, dtype=torch.float32),
-                           frame.layout, float(frame.scaling), mean, scale)
-            out.append(dataclasses.replace(blk, keys=dataclasses.replace(blk.keys, rope=rope)))
+                           frame.layout, float(frame.scaling), mean, scale, signs)
+            out.append(dataclasses.replace(blk, keys=dataclasses.replace(blk.keys, rope=rope), rotation=rot))
         return out
 
     def arrivals_of(self, slots: torch.Tensor) -> torch.Tensor:
@@ -136,3 +140,14 @@ class PreRopeLayer:
         kv_heads, T]``): the kept arrivals' bitmap follows (§29.6)."""
         if self.rope_frame is not None:
             self.kept_arrivals = self.arrivals_of(keep)
+
+
+def _kernel_reads(blk: QuantBlock) -> bool:
+    """Whether the kernels read ``blk``'s keys before RoPE from their codes (§29.8): keys stored as
+    computed, or in a randomized Hadamard space of a power-of-two head_dim; a calibrated (dense)
+    rotation is read through a dequantized copy."""
+    rot = blk.rotation
+    if rot is None or not rot.keys:
+        return True
+    d = blk.keys.head_dim
+    return rot.matrices is None and d & (d - 1) == 0

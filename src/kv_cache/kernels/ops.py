@@ -284,7 +284,7 @@ def attend_block(
     tri = None if k.flat or k.rope is not None else _triton(a.q, k.codes, v.codes)
     if tri is not None:
         return tri.attend_block(a, bool(return_logits))
-    ext = _compiled(a.q, k.codes, v.codes) if _compiled_rope(k) else None
+    ext = _compiled(a.q, k.codes, v.codes)
     if ext is None:
         return reference._attend(a, bool(return_logits))
     R, G, _ = a.q.shape
@@ -312,13 +312,8 @@ def _rope_args(k: QBlock) -> tuple[list, int, float]:
     r = k.rope
     if r is None:
         return [], 0, 1.0
-    return ([r.positions.contiguous(), r.inv_freq.contiguous(), _c(r.mean), _c(r.scale)],
+    return ([r.positions.contiguous(), r.inv_freq.contiguous(), _c(r.mean), _c(r.scale), _c(r.signs)],
             int(r.layout == "interleaved"), float(r.scaling))
-
-
-def _compiled_rope(k: QBlock) -> bool:
-    """Whether the compiled kernel reads ``k``'s rotary frame (channel-grouped keys; the reference otherwise)."""
-    return k.rope is None or k.grouping == "channel"
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -408,7 +403,7 @@ def attend_mixed(
     tri = None if flat or roped else _triton(*tensors)  # flat ragged blocks, keys before RoPE: the torch path on CUDA
     if tri is not None:
         return tri.attend_mixed(a)
-    ext = _compiled(*tensors) if not a.packed or _compiled_rope(a.packed[0].k) else None
+    ext = _compiled(*tensors)
     if ext is None:
         return reference._attend_mixed(a)
     R, G, d = a.q.shape

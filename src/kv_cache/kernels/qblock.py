@@ -54,7 +54,10 @@ ROPE_LAYOUTS = ("half", "interleaved")
 class KeyRope:
     """Keys stored before RoPE, turned at read (math dictionary §29.8)::
 
-        k[r, t] = scaling * R(positions[r, t]) (scale[r] * k_hat[r, t] + mean[r])
+        k[r, t] = scaling * R(positions[r, t]) (scale[r] * u[r, t] + mean[r])
+
+    with ``u = k_hat`` the dequantized key, or, for keys stored in a randomized Hadamard space
+    (``signs``), ``u = (k_hat H) * signs[r % H'] / sqrt(d)`` (``H`` the Sylvester matrix).
 
     ``R(p)`` turns channel pair ``i`` by ``p * inv_freq[i]`` (``layout`` ``"half"``: channels
     ``i`` and ``i + r/2``; ``"interleaved"``: ``2i`` and ``2i + 1``); channels past ``r =
@@ -71,6 +74,10 @@ class KeyRope:
     mean, scale : torch.Tensor or None, float32, shape ``[R, d]``
         The per-row key offset added back (§25) and the per-channel scale multiplied back
         (§29.7) before the rotation; None reads as 0 and 1.
+    signs : torch.Tensor or None, float32, shape ``[H', d]`` (``R`` a multiple of ``H'``, ``d`` a
+        power of two)
+        Keys stored as ``x diag(s) H / sqrt(d)`` (the cache's randomized Hadamard rotation):
+        each key is mapped back before the offset, one fast Walsh-Hadamard transform per key.
     """
 
     positions: torch.Tensor
@@ -79,6 +86,7 @@ class KeyRope:
     scaling: float = 1.0
     mean: torch.Tensor | None = None
     scale: torch.Tensor | None = None
+    signs: torch.Tensor | None = None
 
     def check(self, R: int, N: int, d: int) -> None:
         """Raise ``TypeError``/``ValueError`` unless the fields fit a block of ``[R, N, d]``."""
@@ -103,6 +111,12 @@ class KeyRope:
             if t.dtype != torch.float32 or tuple(t.shape) != (R, d):
                 raise ValueError(f"KeyRope.{name} must be float32 [R, d] = [{R}, {d}]; got {t.dtype} of shape "
                                  f"{tuple(t.shape)}")
+        if self.signs is not None:
+            t = _check_tensor(self.signs, "KeyRope.signs")
+            if (t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != d or t.shape[0] < 1 or R % t.shape[0]
+                    or d & (d - 1)):
+                raise ValueError(f"KeyRope.signs must be float32 [H, d] with d = {d} a power of two and R = {R} a "
+                                 f"multiple of H; got {t.dtype} of shape {tuple(t.shape)}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -254,7 +268,7 @@ class QBlock:
             if self.offsets is not None:
                 raise ValueError("rope applies to a rectangular block; got a flat ragged one (offsets given)")
             self.rope.check(R, N, d)
-            ropes = (self.rope.positions, self.rope.inv_freq, self.rope.mean, self.rope.scale)
+            ropes = (self.rope.positions, self.rope.inv_freq, self.rope.mean, self.rope.scale, self.rope.signs)
         devices = {t.device for t in (codes, lut, scale, self.zero, self.gid, self.scale_table, self.offsets,
                                       self.lengths, *ropes) if t is not None}
         if len(devices) > 1:

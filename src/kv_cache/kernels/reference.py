@@ -12,6 +12,7 @@ from ..compression._arrays import raise_non_finite
 from ..compression.packing import pack_bits, unpack_bits
 from ..compression.quantizer import quantize
 from ..compression.rope import rotate
+from ..compression.rotation import fwht
 from ._checks import (
     AttendArgs,
     QuantizeArgs,
@@ -161,6 +162,9 @@ def rectangular_dense(t: torch.Tensor, offsets: torch.Tensor, lengths: torch.Ten
 
 def _rope_keys(kx: torch.Tensor, rope: KeyRope) -> torch.Tensor:
     """Dequantized keys before RoPE ``[R, N, d]`` float32 -> the keys attention reads (§29.8)."""
+    if rope.signs is not None:  # out of the randomized Hadamard space: (y H) * s
+        R = kx.shape[0]
+        kx = fwht(kx) * rope.signs.repeat(R // rope.signs.shape[0], 1).unsqueeze(1)
     if rope.scale is not None:
         kx = kx * rope.scale.unsqueeze(1)
     if rope.mean is not None:

@@ -238,12 +238,15 @@ struct DenseView {
 // "interleaved": 2i and 2i + 1; channels past 2 * half pass through). cos/sin of p * w_i come
 // from products of the doubling table cs[j] = (cos, sin)(2^j w_i) over the set bits of p (and
 // of the step p - p_prev inside a tile): no sincos per element, angles exact up to float32
-// rounding of the products.
+// rounding of the products. Per-token keys stored in a randomized Hadamard space (signs) are
+// first mapped back, y R^T = (y H) * s, by a fast Walsh-Hadamard transform of each row.
 struct KeyRope {
   const int32_t* pos = nullptr;  // [R, N] arrival index of every slot (row pitch N)
   const float* tab = nullptr;    // [kRopeBits, 2, half]: cos, sin of 2^j * w_i
   const float* mean = nullptr;   // [R, d] or null
   const float* scale = nullptr;  // [R, d] or null
+  const float* signs = nullptr;  // [Hs, d] or null: keys stored as x R, R = diag(s) H / sqrt(d)
+  int64_t signs_heads = 1;       // row r uses signs[r % Hs]
   int half = 0;
   bool interleaved = false;
   float factor = 1.0f;
@@ -562,8 +565,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
   KeyRope rope;
   std::vector<float> rope_tab;
   if (!k_rope.empty()) {
-    TORCH_CHECK(k_rope.size() == 4 && k_rope[0].has_value() && k_rope[1].has_value(), "k_rope");
-    TORCH_CHECK(a.k.grouping == kChannel && !a.k.off, "k_rope: channel-grouped keys of a rectangular block");
+    TORCH_CHECK(k_rope.size() == 5 && k_rope[0].has_value() && k_rope[1].has_value(), "k_rope");
+    TORCH_CHECK(!a.k.off, "k_rope: keys of a rectangular block");
     const at::Tensor& pos = *k_rope[0];
     const at::Tensor& w = *k_rope[1];
     TORCH_CHECK(pos.scalar_type() == at::kInt && pos.is_contiguous() && pos.dim() == 2 && pos.size(0) == a.k.R &&
@@ -590,6 +593,14 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
                         t.size(1) == a.k.d, "k_rope mean/scale: float32 [R, d] contiguous");
         (m == 2 ? rope.mean : rope.scale) = t.data_ptr<float>();
       }
+    if (k_rope[4].has_value()) {
+      const at::Tensor& t = *k_rope[4];
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(1) == a.k.d &&
+                      t.size(0) >= 1 && a.k.R % t.size(0) == 0 && (a.k.d & (a.k.d - 1)) == 0,
+                  "k_rope signs: float32 [H, d] contiguous, R a multiple of H, d a power of two");
+      rope.signs = t.data_ptr<float>();
+      rope.signs_heads = t.size(0);
+    }
     a.rope = &rope;
   }
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q");

@@ -977,6 +977,27 @@ static inline void rope_row(float* x, const float* c, const float* s, int half, 
   }
 }
 
+// x[0..d) <- x H (unnormalized Sylvester order, d a power of two): log2(d) butterfly passes.
+static inline void fwht_row(float* x, int d) {
+  for (int h = 1; h < d; h <<= 1) {
+    if (W > 1 && h >= W) {
+      for (int i = 0; i < d; i += 2 * h)
+        for (int j = i; j < i + h; j += W) {
+          const vf u = vload(x + j), v = vload(x + j + h);
+          vstore(x + j, vadd(u, v));
+          vstore(x + j + h, vsub(u, v));
+        }
+    } else {
+      for (int i = 0; i < d; i += 2 * h)
+        for (int j = i; j < i + h; ++j) {
+          const float u = x[j], v = x[j + h];
+          x[j] = u + v;
+          x[j + h] = u - v;
+        }
+    }
+  }
+}
+
 // One work item: tokens [t0, t1) of row r; writes the chunk's (max, sum, unnormalized output).
 static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
   const AttendItem& it = a.items[item];
@@ -1030,8 +1051,20 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
   float* rC = rA + dkp;
   float* rc = rC + dkp;
   float* rs = rc + dkp;
+  const float* rsg = nullptr;  // this row's Hadamard signs, times 1 / sqrt(d)
   if (rope) {
     std::fill(rA, rA + 2 * static_cast<size_t>(dkp), 0.0f);
+    if (K.grouping == kToken) {  // A = f sigma, C = f mu: the same for every token of the row
+      const float* mu = rope->mean ? rope->mean + r * dk : nullptr;
+      const float* sg = rope->scale ? rope->scale + r * dk : nullptr;
+      const float norm = rope->signs ? 1.0f / std::sqrt(static_cast<float>(dk)) : 1.0f;
+      for (int c = 0; c < dk; ++c) {
+        const float f = c < 2 * rope->half ? rope->factor : 1.0f;
+        rA[c] = f * (sg ? sg[c] : 1.0f) * norm * (rope->signs ? rope->signs[(r % rope->signs_heads) * dk + c] : 1.0f);
+        rC[c] = f * (mu ? mu[c] : 0.0f);
+      }
+      rsg = rope->signs;
+    }
   }
   // zero what is read before being written (pads of the tiles, accumulators)
   std::fill(Kb, Kb + sizes[3], 0.0f);
@@ -1095,7 +1128,19 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
       if (V.gid) prefetch_range(V.gid + gidrow(V, r) + ahead, sizeof(int32_t) * na);
     }
     // ---- keys -> scores S[g][t]
-    if (rope) {  // keys before RoPE: k = f R(p) (sigma * k_hat + mu), each row turned once, then q . k
+    if (rope && K.grouping == kToken) {  // per-token keys: k_hat, back from the Hadamard space, A k + C
+      decode_token_tile(K, r, t0, nt, Kb, dkp, ksc, kzs, kzsT, cs);
+      for (int t = 0; t < nt; ++t) {
+        float* row = Kb + static_cast<size_t>(t) * dkp;
+        if (K.zero.p)
+          for (int j = 0; j < Jk; ++j) {
+            const float z = kzsT[j * T + t];
+            for (int c = j * K.gs; c < (j + 1) * K.gs; ++c) row[c] -= z;
+          }
+        if (rsg) fwht_row(row, dk);
+        for (int c = 0; c < dkp; c += W) vstore(row + c, vfma(vload(rA + c), vload(row + c), vload(rC + c)));
+      }
+    } else if (rope) {  // keys before RoPE: k = f R(p) (sigma * k_hat + mu), each row turned once, then q . k
       decode_tile<kNoScale>(K.codes + (crow(K, r) + t0) * K.P, K.P, nt, dk, K.bits, K.lut, nullptr, 0, Kb, dkp);
       const float* mu = rope->mean ? rope->mean + r * dk : nullptr;
       const float* sg = rope->scale ? rope->scale + r * dk : nullptr;
@@ -1123,6 +1168,8 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
         }
         a0 = b0;
       }
+    }
+    if (rope) {
       const int32_t* pos = rope->pos + r * N + t0;
       for (int t = 0; t < nt; ++t) {  // exact angles at the tile's first token, then steps
         const int64_t step = t ? static_cast<int64_t>(pos[t]) - pos[t - 1] : 0;
