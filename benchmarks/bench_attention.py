@@ -14,6 +14,12 @@ For each context length ``N`` and bit width, one decode step of ``G`` query rows
   kernel call (:func:`kv_cache.attention.blocks.fused_decode` -> ``attend_mixed``), what
   ``compressed_attention`` runs when decoding.
 
+``--pre-rope`` adds keys stored before RoPE (math dictionary §29.8), read by the same kernel with
+their positions: ``kernels-prerope`` (the per-channel keys above, turned at read) and
+``token`` / ``token-prerope`` (per-token Lloyd-Max keys with one norm per vector, as stored, or
+in a randomized Hadamard space mapped back by one fast Walsh-Hadamard transform per key and
+turned), every variant timed in the same run.
+
 ``--cold`` writes a 64 MiB buffer before every timed call (outside the timing), so the KV is
 read from memory as in a model, where a layer's weights pass through the caches between two
 attention calls; without it the KV stays in the caches from call to call.
@@ -30,6 +36,7 @@ named after the configuration.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -62,6 +69,26 @@ def _median_us(fn, warmup: int, repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def _pre_rope_variants(q, k, kb, vb, bits: int, scaling: float, args, gen) -> list:
+    """``--pre-rope``: the same keys read before RoPE (positions ``0..N-1``, an offset, SmolLM2's
+    frequencies), per-channel and per-token in a Hadamard space (§29.8)."""
+    R, N, d = k.shape
+    positions = torch.arange(N, dtype=torch.int32).expand(R, N).contiguous()
+    inv_freq = 1.0 / (100000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    mean = torch.randn(R, d, generator=gen)
+    roped = dataclasses.replace(kb, rope=kernels.KeyRope(positions, inv_freq, "half", 1.0, mean))
+    from kv_cache.compression.codebook import lloyd_max_gaussian
+
+    kt = kernels.quantize_block(k, bits, "token", d, lut=lloyd_max_gaussian(bits))
+    signs = (torch.randint(0, 2, (R, d), generator=gen) * 2 - 1).float()
+    kt_roped = dataclasses.replace(kt, rope=kernels.KeyRope(positions, inv_freq, "half", 1.0, mean, None, signs))
+    out = []
+    for name, blk in (("kernels-prerope", roped), ("token", kt), ("token-prerope", kt_roped)):
+        t = _median_us(lambda: kernels.attend_block(q, blk, vb, scaling), args.warmup, args.repeats)
+        out.append((name, bits, t, blk.nbytes + vb.nbytes))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1024,2048,4096,8192")
@@ -75,6 +102,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--ref-repeats", type=int, default=10, help="repeats of the (slow) torch reference")
     ap.add_argument("--cold", action="store_true", help="evict the caches before every timed call")
+    ap.add_argument("--pre-rope", action="store_true", help="also keys stored before RoPE, turned at read")
     args = ap.parse_args()
     if args.cold:
         _FLUSH.append(torch.zeros(16 * 2**20))
@@ -110,6 +138,8 @@ def main() -> None:
             t_k = _median_us(lambda: kernels.attend_block(q, kb, vb, scaling), args.warmup, args.repeats)
             t_r = _median_us(lambda: reference.attend_block(q, kb, vb, scaling), 2, args.ref_repeats)
             measured += [("kernels", bits, t_k, nbytes), ("reference", bits, t_r, nbytes)]
+            if args.pre_rope:
+                measured += _pre_rope_variants(q, k, kb, vb, bits, scaling, args, gen)
             sinks = [torch.randn(1, R, 4, d, generator=gen) for _ in range(2)]
             resid = [torch.randn(1, R, 64, d, generator=gen) for _ in range(2)]
             view = [FullBlock(*sinks), QuantBlock(kb, vb, batch=1, kv_heads=R), FullBlock(*resid)]
@@ -128,7 +158,8 @@ def main() -> None:
             rows.append(row)
             print(f"{N:5d} {name:12s} {us:9.1f} {us / t_fp32:11.2f} {nbytes / 2**20:7.2f}")
     config = (f"R{R}_G{G}_d{d}_N{'-'.join(map(str, tokens))}_b{'-'.join(map(str, bit_widths))}"
-              f"_g{args.group_size}_{isa}_t{threads}" + ("_cold" if args.cold else ""))
+              f"_g{args.group_size}_{isa}_t{threads}" + ("_cold" if args.cold else "")
+              + ("_prerope" if args.pre_rope else ""))
     result = {"rows_R": R, "queries_G": G, "head_dim": d, "group_size": args.group_size, "threads": threads,
               "kernels_isa": isa, "cpu": platform.processor() or platform.machine(),
               "warmup": args.warmup, "repeats": args.repeats, "cold": bool(args.cold), "results": rows}
@@ -149,7 +180,9 @@ def _markdown(result: dict) -> str:
         f"{result['group_size']} tokens), values per-token, float16 scales. `x sdpa-fp32` is the "
         "ratio to SDPA over the float32 cache in the same run (lower is faster). `layer-*`: the "
         "packed block plus 4 float32 sinks and a 64-token float32 residual, block by block with a "
-        "torch merge or in one kernel call. "
+        "torch merge or in one kernel call. `kernels-prerope`, `token`, `token-prerope` (`--pre-rope`): "
+        "keys stored before RoPE, turned at read (per-channel; per-token Lloyd-Max keys as stored or "
+        "in a Hadamard space mapped back per key), math dictionary §29.8. "
         + ("Caches evicted before every timed call (`--cold`)." if result.get("cold") else
            "KV warm in the caches from call to call."),
         "",

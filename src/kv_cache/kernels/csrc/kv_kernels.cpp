@@ -579,12 +579,17 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
     rope.factor = static_cast<float>(rope_factor);
     rope_tab.resize(static_cast<size_t>(kRopeBits) * 2 * rope.half);
     const float* wp = w.data_ptr<float>();
-    for (int j = 0; j < kRopeBits; ++j)
-      for (int i = 0; i < rope.half; ++i) {
-        const double ang = std::ldexp(static_cast<double>(wp[i]), j);
-        rope_tab[(2 * j) * rope.half + i] = static_cast<float>(std::cos(ang));
-        rope_tab[(2 * j + 1) * rope.half + i] = static_cast<float>(std::sin(ang));
+    for (int i = 0; i < rope.half; ++i) {  // one sincos per pair, then doubled in float64
+      double c = std::cos(static_cast<double>(wp[i])), sn = std::sin(static_cast<double>(wp[i]));
+      for (int j = 0; j < kRopeBits; ++j) {
+        rope_tab[(2 * j) * rope.half + i] = static_cast<float>(c);
+        rope_tab[(2 * j + 1) * rope.half + i] = static_cast<float>(sn);
+        const double c2 = c * c - sn * sn, s2 = 2.0 * sn * c;
+        const double norm = 1.0 / std::sqrt(c2 * c2 + s2 * s2);  // stay on the unit circle
+        c = c2 * norm;
+        sn = s2 * norm;
       }
+    }
     rope.tab = rope_tab.data();
     for (int m = 2; m < 4; ++m)
       if (k_rope[m].has_value()) {

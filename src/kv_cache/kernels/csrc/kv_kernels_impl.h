@@ -24,6 +24,10 @@ static inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// lanes j <- x[idx[j]] (the Hadamard passes inside a vector, fwht_row)
+static inline vf vperm(vf x, const int32_t* idx) {
+  return _mm512_permutexvar_ps(_mm512_loadu_si512(reinterpret_cast<const void*>(idx)), x);
+}
 static inline __m256 fold256(vf a) {
   return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
@@ -69,6 +73,9 @@ static inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vperm(vf x, const int32_t* idx) {
+  return _mm256_permutevar8x32_ps(x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx)));
+}
 static inline float vhsum(vf v) {
   __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   a = _mm_add_ps(a, _mm_movehl_ps(a, a));
@@ -127,6 +134,7 @@ static inline vf vmin(vf a, vf b) { return b < a ? b : a; }
 static inline vf vmax(vf a, vf b) { return b > a ? b : a; }
 static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 static inline vf vround(vf a) { return std::nearbyint(a); }
+static inline vf vperm(vf x, const int32_t*) { return x; }
 static inline float vhsum(vf v) { return v; }
 static inline float vhmax(vf v) { return v; }
 static inline float vhmin(vf v) { return v; }
@@ -977,9 +985,34 @@ static inline void rope_row(float* x, const float* c, const float* s, int half, 
   }
 }
 
-// x[0..d) <- x H (unnormalized Sylvester order, d a power of two): log2(d) butterfly passes.
-static inline void fwht_row(float* x, int d) {
-  for (int h = 1; h < d; h <<= 1) {
+// The passes of fwht_row inside a vector: for h = 1, 2, ..., W/2, lane j takes
+// x[j ^ h] + sign * x[j] (sign -1 where bit h of j is set): one permute and one FMA each.
+struct HadamardLanes {
+  int32_t idx[5][16];
+  float sgn[5][16];
+  int passes = 0;
+  HadamardLanes() {
+    for (int h = 1; h < W && passes < 5; h <<= 1, ++passes)
+      for (int j = 0; j < W; ++j) {
+        idx[passes][j] = j ^ h;
+        sgn[passes][j] = (j & h) ? -1.0f : 1.0f;
+      }
+  }
+};
+
+// x[0..d) <- x H (unnormalized Sylvester order, d a power of two): log2(d) butterfly passes,
+// those inside a W-lane vector as permutes (HadamardLanes).
+static inline void fwht_row(float* x, int d, const HadamardLanes& hl) {
+  int h0 = 1;
+  if (W > 1 && d >= W) {
+    for (int c = 0; c < d; c += W) {
+      vf v = vload(x + c);
+      for (int p = 0; p < hl.passes; ++p) v = vfma(v, vload(hl.sgn[p]), vperm(v, hl.idx[p]));
+      vstore(x + c, v);
+    }
+    h0 = W;
+  }
+  for (int h = h0; h < d; h <<= 1) {
     if (W > 1 && h >= W) {
       for (int i = 0; i < d; i += 2 * h)
         for (int j = i; j < i + h; j += W) {
@@ -1052,6 +1085,7 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
   float* rc = rC + dkp;
   float* rs = rc + dkp;
   const float* rsg = nullptr;  // this row's Hadamard signs, times 1 / sqrt(d)
+  const HadamardLanes hl;      // the Hadamard passes inside a vector (fwht_row)
   if (rope) {
     std::fill(rA, rA + 2 * static_cast<size_t>(dkp), 0.0f);
     if (K.grouping == kToken) {  // A = f sigma, C = f mu: the same for every token of the row
@@ -1137,7 +1171,7 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
             const float z = kzsT[j * T + t];
             for (int c = j * K.gs; c < (j + 1) * K.gs; ++c) row[c] -= z;
           }
-        if (rsg) fwht_row(row, dk);
+        if (rsg) fwht_row(row, dk, hl);
         for (int c = 0; c < dkp; c += W) vstore(row + c, vfma(vload(rA + c), vload(row + c), vload(rC + c)));
       }
     } else if (rope) {  // keys before RoPE: k = f R(p) (sigma * k_hat + mu), each row turned once, then q . k
