@@ -67,9 +67,15 @@ def _on(t, dev=DEVICE):
 
 
 def _to_device(blk):
-    """A QBlock with every tensor on the case's device."""
-    return type(blk)(**{f: _on(getattr(blk, f)) if isinstance(getattr(blk, f), torch.Tensor) else getattr(blk, f)
-                        for f in blk.__dataclass_fields__})
+    """A QBlock (its KeyRope too) with every tensor on the case's device."""
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            return _on(x)
+        if x is not None and hasattr(x, "__dataclass_fields__"):
+            return _to_device(x)
+        return x
+
+    return type(blk)(**{f: move(getattr(blk, f)) for f in blk.__dataclass_fields__})
 
 
 def cuda_only(fn):
@@ -229,6 +235,33 @@ def test_attend_block_matches_oracle(spec):
     assert torch.equal(out[3].cpu(), torch.zeros(G, 64)) and bool(torch.isneginf(lse[3]).all())
 
 
+@pytest.mark.parametrize("layout,half", [("half", 32), ("interleaved", 12)])
+@pytest.mark.parametrize("keys", ["channel-gid", "token-hadamard", "token-zero"])
+@on_device
+def test_keys_before_rope_are_turned_at_read(layout, half, keys):
+    """Keys stored before RoPE (§29.8), turned inside the kernel at their positions (gaps, a step
+    back), offset and scale added back, per-token keys mapped out of their Hadamard space, full
+    and partial rotary, both pair layouts: as the torch reference, alone and in a layer's call."""
+    from test_kernels import _rope_case
+
+    k, v, q = _rope_case(3, 70, half, layout, seed=half, keys=keys)
+    start = torch.tensor([0, 5, 0], dtype=torch.int32)
+    want_out, want_lse, want_s = reference.attend_block(q, k, v, 0.125, start=start, return_logits=True)
+    a = check_attend_args(_on(q), _to_device(k), _to_device(v), 0.125, _on(start), None)
+    out, lse, logits = _tk().attend.attend_block(a, True, splits=2)
+    fin = torch.isfinite(want_s)
+    torch.testing.assert_close(logits.cpu()[fin], want_s[fin], rtol=0, atol=1e-3)
+    torch.testing.assert_close(out.cpu(), want_out, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(lse.cpu(), want_lse, rtol=0, atol=1e-3)
+    dense = [(torch.randn(1, 3, 4, 64), torch.randn(1, 3, 4, 64), None)]
+    want_out, want_lse = reference.attend_mixed(q, 0.125, packed=(k, v, start), dense=dense)
+    m = check_mixed_args(_on(q), 0.125, (_to_device(k), _to_device(v), _on(start)),
+                         [tuple(_on(t) for t in blk) for blk in dense], None, None)
+    out, lse = _tk().attend.attend_mixed(m, splits=2)
+    torch.testing.assert_close(out.cpu(), want_out, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(lse.cpu(), want_lse, rtol=0, atol=1e-3)
+
+
 @pytest.mark.parametrize("name", ["q8", "q4d", "q3d", "q2d", "q4"])
 @on_device
 def test_attend_paged_reads_the_block_table(name, triton_backend):
@@ -343,12 +376,17 @@ def _decode_logits(model, quant, dev, steps=5, padded=False):
     return torch.stack(outs), cache
 
 
-@pytest.mark.parametrize("quant", ["q4d", "kivi4"])
+@pytest.mark.parametrize("quant", ["q4d", "kivi4", "q4db", "q4dtb"])
 @on_device
 def test_decode_logits_match_the_reference_path(monkeypatch, quant):
     """Prefill + 5 decoding steps (flushes included) of a tiny llama, batch 2 left-padded: the Triton
-    backend gives the reference kernels' logits (the compiled kernels' CPU tolerance)."""
-    q = QuantConfig(bits=4) if quant == "q4d" else QuantConfig.kivi(bits=4, group_size=8, residual_length=8)
+    backend gives the reference kernels' logits (the compiled kernels' CPU tolerance); keys stored
+    before RoPE (``q4db``, ``q4dtb``) are turned inside the kernel."""
+    from kv_cache.cache.config import PRE_ROPE_LAYOUT
+
+    q = {"q4d": QuantConfig(bits=4), "kivi4": QuantConfig.kivi(bits=4, group_size=8, residual_length=8),
+         "q4db": QuantConfig(bits=4, pre_rope=True),
+         "q4dtb": QuantConfig(**{**PRE_ROPE_LAYOUT, "bits": 4, "pre_rope": True})}[quant]
     model = _tiny_llama()
     monkeypatch.setenv("KV_CACHE_KERNELS", "torch")
     want, _ = _decode_logits(model, q, "cpu", padded=True)

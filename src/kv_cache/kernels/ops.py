@@ -280,8 +280,7 @@ def attend_block(
     """
     a = check_attend_args(q, kblock, vblock, scaling, start, length)
     k, v = a.k, a.v
-    # flat ragged blocks and keys before RoPE: the torch path on CUDA
-    tri = None if k.flat or k.rope is not None else _triton(a.q, k.codes, v.codes)
+    tri = None if k.flat else _triton(a.q, k.codes, v.codes)  # flat ragged blocks: the torch path on CUDA
     if tri is not None:
         return tri.attend_block(a, bool(return_logits))
     ext = _compiled(a.q, k.codes, v.codes)
@@ -399,8 +398,7 @@ def attend_mixed(
     for p in a.packed:
         tensors += [p.q, p.k.codes, p.v.codes]
     flat = any(p.k.flat for p in a.packed) or any(blk[3] is not None for blk in a.dense)
-    roped = bool(a.packed) and a.packed[0].k.rope is not None
-    tri = None if flat or roped else _triton(*tensors)  # flat ragged blocks, keys before RoPE: the torch path on CUDA
+    tri = None if flat else _triton(*tensors)  # flat ragged blocks: the torch path on CUDA
     if tri is not None:
         return tri.attend_mixed(a)
     ext = _compiled(*tensors)

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...compression.rotation import fwht
 from .._checks import AttendArgs, MixedArgs
 from ._blocks import block_args, check_groups, pow2
 from ._tiles import dequant_tile
@@ -68,17 +69,88 @@ def _store_partial(pm_ptr, pl_ptr, pa_ptr, r, item, NI, gs, gmask, G, dv, m, l, 
 
 
 @triton.jit
+def _key_part(t, cols, cmask, tin, r, c, kP, d, rinv, rinv_H, rmean, rscale, factor,
+              kc, kc0, kc1, klut, ks, ks0, ks1, kz, kz0, kz1, kg, kg0, kg1, ktab, kGS,
+              K_BITS: tl.constexpr, K_TOKEN: tl.constexpr, K_ZERO: tl.constexpr, K_GID: tl.constexpr,
+              K_CODED: tl.constexpr, R_INV: tl.constexpr, R_MEAN: tl.constexpr, R_SCALE: tl.constexpr,
+              kfull):
+    """Channels ``cols`` ``[W]`` of the tile's keys before RoPE, offset and scale back:
+    ``factor * (sigma * u + mu)`` ``[BN, W]``, ``u`` dequantized, or mapped out of a rotated
+    space by ``kfull @ inverse[r % H][:, cols]`` (``R_INV``)."""
+    if R_INV:
+        mat = tl.load(rinv + (r % rinv_H) * d * d + c[:, None] * d + cols[None, :],
+                      mask=(c[:, None] < d) & cmask[None, :], other=0.0)
+        u = tl.dot(kfull, mat, input_precision="ieee")
+    else:
+        u = dequant_tile(t[:, None], cols[None, :], tin[:, None] & cmask[None, :], r, kP,
+                         kc, kc0, kc1, klut, ks, ks0, ks1, kz, kz0, kz1, kg, kg0, kg1, ktab, kGS,
+                         K_BITS, K_TOKEN, K_ZERO, K_GID, K_CODED)
+    if R_SCALE:
+        u = u * tl.load(rscale + r * d + cols, mask=cmask, other=0.0)[None, :]
+    if R_MEAN:
+        u = u + tl.load(rmean + r * d + cols, mask=cmask, other=0.0)[None, :]
+    return u * factor
+
+
+@triton.jit
+def _turned_keys(t, tin, r, c, kP, d, rpos_row, rw, half, rinv, rinv_H, rmean, rscale, factor,
+                   kc, kc0, kc1, klut, ks, ks0, ks1, kz, kz0, kz1, kg, kg0, kg1, ktab, kGS,
+                   K_BITS: tl.constexpr, K_TOKEN: tl.constexpr, K_ZERO: tl.constexpr, K_GID: tl.constexpr,
+                   K_CODED: tl.constexpr, R_INV: tl.constexpr, R_MEAN: tl.constexpr, R_SCALE: tl.constexpr,
+                   INTERLEAVED: tl.constexpr, HP: tl.constexpr, RP: tl.constexpr):
+    """The tile's keys stored before RoPE, turned (math dictionary §29.8): ``(k'_a, k'_b, k_rest)``,
+    ``[BN, HP]`` twice (the two channels of each pair) and ``[BN, RP]`` (the channels past the
+    pairs), with ``k' = s R(p)(sigma * u + mu)``. The angles ``p w`` are float32 products (as
+    transformers computes them), reduced modulo ``2 pi`` before the cosine."""
+    i = tl.arange(0, HP)
+    pmask = i < half
+    if INTERLEAVED:
+        ca = 2 * i
+        cb = 2 * i + 1
+    else:
+        ca = i
+        cb = half + i
+    cr = 2 * half + tl.arange(0, RP)
+    rmask = cr < d
+    kfull = tl.zeros((1, 1), tl.float32)
+    if R_INV:
+        kfull = dequant_tile(t[:, None], c[None, :], tin[:, None] & (c[None, :] < d), r, kP,
+                             kc, kc0, kc1, klut, ks, ks0, ks1, kz, kz0, kz1, kg, kg0, kg1, ktab, kGS,
+                             K_BITS, K_TOKEN, K_ZERO, K_GID, K_CODED)
+    ka = _key_part(t, ca, pmask, tin, r, c, kP, d, rinv, rinv_H, rmean, rscale, factor,
+                   kc, kc0, kc1, klut, ks, ks0, ks1, kz, kz0, kz1, kg, kg0, kg1, ktab, kGS,
+                   K_BITS, K_TOKEN, K_ZERO, K_GID, K_CODED, R_INV, R_MEAN, R_SCALE, kfull)
+    kb = _key_part(t, cb, pmask, tin, r, c, kP, d, rinv, rinv_H, rmean, rscale, factor,
+                   kc, kc0, kc1, klut, ks, ks0, ks1, kz, kz0, kz1, kg, kg0, kg1, ktab, kGS,
+                   K_BITS, K_TOKEN, K_ZERO, K_GID, K_CODED, R_INV, R_MEAN, R_SCALE, kfull)
+    kr = _key_part(t, cr, rmask, tin, r, c, kP, d, rinv, rinv_H, rmean, rscale, 1.0,
+                   kc, kc0, kc1, klut, ks, ks0, ks1, kz, kz0, kz1, kg, kg0, kg1, ktab, kGS,
+                   K_BITS, K_TOKEN, K_ZERO, K_GID, K_CODED, R_INV, R_MEAN, R_SCALE, kfull)
+    pos = tl.load(rpos_row + t, mask=tin, other=0).to(tl.float32)
+    ang = pos[:, None] * tl.load(rw + i, mask=pmask, other=0.0)[None, :]
+    n = tl.floor(ang * 0.15915494309189535 + 0.5)  # turns; 2 pi = 6.28125 (exact times n < 2**16) + the rest
+    ang = (ang - n * 6.28125) - n * 0.0019353071795864769
+    cs = tl.cos(ang)
+    sn = tl.sin(ang)
+    return ka * cs - kb * sn, ka * sn + kb * cs, kr
+
+
+@triton.jit
 def _attend_packed(q_ptr, q_s0, q_s1, start_ptr, length_ptr, logit_ptr, lg_s0, lg_s1,
                    pm_ptr, pl_ptr, pa_ptr, item0, NI, inv_ptr, inv_H,
                    N, G, d, dv, chunk, scaling, kP, vP,
                    kc, kc0, kc1, klut, ks, ks0, ks1, kz, kz0, kz1, kg, kg0, kg1, ktab, kGS,
                    vc, vc0, vc1, vlut, vs, vs0, vs1, vz, vz0, vz1, vg, vg0, vg1, vtab, vGS,
+                   rpos, rpos_s0, rw, half, rinv, rinv_H, rmean, rscale, factor,
                    K_BITS: tl.constexpr, K_TOKEN: tl.constexpr, K_ZERO: tl.constexpr, K_GID: tl.constexpr,
                    K_CODED: tl.constexpr, V_BITS: tl.constexpr, V_TOKEN: tl.constexpr, V_ZERO: tl.constexpr,
                    V_GID: tl.constexpr, V_CODED: tl.constexpr, HAS_START: tl.constexpr, HAS_LENGTH: tl.constexpr,
                    HAS_INV: tl.constexpr, LOGITS: tl.constexpr,
+                   ROPE: tl.constexpr, R_INV: tl.constexpr, R_MEAN: tl.constexpr, R_SCALE: tl.constexpr,
+                   INTERLEAVED: tl.constexpr, HP: tl.constexpr, RP: tl.constexpr,
                    BN: tl.constexpr, BG: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, BJ: tl.constexpr):
-    """Program = (row, chunk of ``chunk`` tokens, ``BG`` queries) of a packed block."""
+    """Program = (row, chunk of ``chunk`` tokens, ``BG`` queries) of a packed block; ``ROPE``: its
+    keys are stored before RoPE and turned to their positions ``rpos[r, t]`` here (§29.8)."""
     r = tl.program_id(0).to(tl.int64)
     ci = tl.program_id(1)
     gs = tl.program_id(2) * BG + tl.arange(0, BG)
@@ -86,6 +158,23 @@ def _attend_packed(q_ptr, q_s0, q_s1, start_ptr, length_ptr, logit_ptr, lg_s0, l
     c = tl.arange(0, DP)
     cv = tl.arange(0, DVP)
     q = tl.load(q_ptr + r * q_s0 + gs[:, None] * q_s1 + c[None, :], mask=gmask[:, None] & (c[None, :] < d), other=0.0)
+    qa = q
+    qb = q
+    qr = q
+    if ROPE:  # the query's channels in the pairs' order: first of each pair, second, the rest
+        i = tl.arange(0, HP)
+        pmask = gmask[:, None] & (i < half)[None, :]
+        if INTERLEAVED:
+            ca = 2 * i
+            cb = 2 * i + 1
+        else:
+            ca = i
+            cb = half + i
+        cr = 2 * half + tl.arange(0, RP)
+        q_row = q_ptr + r * q_s0 + gs[:, None] * q_s1
+        qa = tl.load(q_row + ca[None, :], mask=pmask, other=0.0)
+        qb = tl.load(q_row + cb[None, :], mask=pmask, other=0.0)
+        qr = tl.load(q_row + cr[None, :], mask=gmask[:, None] & (cr < d)[None, :], other=0.0)
     lo = ci * chunk
     hi = tl.minimum(lo + chunk, N)
     first = 0
@@ -106,10 +195,18 @@ def _attend_packed(q_ptr, q_s0, q_s1, start_ptr, length_ptr, logit_ptr, lg_s0, l
         t = t0 + tl.arange(0, BN)
         tin = t < end
         valid = tin & (t >= first) & (t < last)
-        kt = dequant_tile(t[:, None], c[None, :], tin[:, None] & (c[None, :] < d), r, kP,
-                          kc, kc0, kc1, klut, ks, ks0, ks1, kz, kz0, kz1, kg, kg0, kg1, ktab, kGS,
-                          K_BITS, K_TOKEN, K_ZERO, K_GID, K_CODED)
-        s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scaling
+        if ROPE:
+            ta, tb, kr = _turned_keys(t, tin, r, c, kP, d, rpos + r * rpos_s0, rw, half, rinv, rinv_H, rmean, rscale,
+                                      factor, kc, kc0, kc1, klut, ks, ks0, ks1, kz, kz0, kz1, kg, kg0, kg1, ktab, kGS,
+                                      K_BITS, K_TOKEN, K_ZERO, K_GID, K_CODED, R_INV, R_MEAN, R_SCALE,
+                                      INTERLEAVED, HP, RP)
+            s = (tl.dot(qa, tl.trans(ta), input_precision="ieee") + tl.dot(qb, tl.trans(tb), input_precision="ieee")
+                 + tl.dot(qr, tl.trans(kr), input_precision="ieee")) * scaling
+        else:
+            kt = dequant_tile(t[:, None], c[None, :], tin[:, None] & (c[None, :] < d), r, kP,
+                              kc, kc0, kc1, klut, ks, ks0, ks1, kz, kz0, kz1, kg, kg0, kg1, ktab, kGS,
+                              K_BITS, K_TOKEN, K_ZERO, K_GID, K_CODED)
+            s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scaling
         s = tl.where(valid[None, :], s, -float("inf"))
         if LOGITS:
             tl.store(logit_ptr + r * lg_s0 + gs[:, None] * lg_s1 + t[None, :], s, mask=gmask[:, None] & tin[None, :])
@@ -246,13 +343,15 @@ def _run(q: torch.Tensor, packed: list, dense: list, scaling: float, *, length=N
             kt, kf = block_args(p.k)
             vt, vf = block_args(p.v)
             flags = {f"K_{key}": val for key, val in kf.items()} | {f"V_{key}": val for key, val in vf.items()}
+            rt, rf = rope_args(p.k, pm)
             lg = logits if logits is not None else pm
             _attend_packed[grid](qp, qp.stride(0), qp.stride(1), p.start if p.start is not None else pm,
                                  length if length is not None else pm, lg, lg.stride(0), lg.stride(1),
                                  pm, pl, pa, item0, NI, inv.contiguous() if inv is not None else pm,
                                  1 if inv is None else inv.shape[0],
                                  n, G, d, dv, chunk, scaling, p.k.codes.shape[2], p.v.codes.shape[2],
-                                 *kt, *vt, **flags, HAS_START=p.start is not None, HAS_LENGTH=length is not None,
+                                 *kt, *vt, *rt, **flags, **rf, HAS_START=p.start is not None,
+                                 HAS_LENGTH=length is not None,
                                  HAS_INV=inv is not None, LOGITS=logits is not None,
                                  BN=BLOCK_N, BG=BG, DP=DP, DVP=DVP, BJ=min(DVP, 32))
         else:
@@ -265,6 +364,29 @@ def _run(q: torch.Tensor, packed: list, dense: list, scaling: float, *, length=N
                                 HAS_START=st is not None, BN=BLOCK_N, BG=BG, DP=DP, DVP=DVP)
     _merge[(R, gblocks)](pm, pl, pa, out, lse, NI, G, dv, BG=BG, DVP=DVP)
     return out, lse
+
+
+def rope_args(k, dummy: torch.Tensor) -> tuple[tuple, dict]:
+    """``(tensors, constexpr flags)`` of a key block's :class:`~kv_cache.kernels.KeyRope` for
+    :func:`_attend_packed` (none: flags off, ``dummy`` in every tensor slot, never read). Keys in
+    a randomized Hadamard space are mapped back by the dense ``H diag(s) / sqrt(d)`` per head."""
+    r = k.rope
+    if r is None:
+        return ((dummy, 0, dummy, 0, dummy, 1, dummy, dummy, 1.0),
+                dict(ROPE=False, R_INV=False, R_MEAN=False, R_SCALE=False, INTERLEAVED=False, HP=16, RP=16))
+    d = k.head_dim
+    half = r.inv_freq.numel()
+    inv = dummy
+    if r.signs is not None:
+        eye = torch.eye(d, dtype=torch.float32, device=r.signs.device)
+        inv = (fwht(eye).unsqueeze(0) * r.signs.unsqueeze(1)).contiguous()  # [H, d, d]: (y H / sqrt(d)) * s
+    pos = r.positions.contiguous()
+    tensors = (pos, pos.stride(0), r.inv_freq.contiguous(), half, inv, 1 if r.signs is None else inv.shape[0],
+               dummy if r.mean is None else r.mean.contiguous(), dummy if r.scale is None else r.scale.contiguous(),
+               float(r.scaling))
+    flags = dict(ROPE=True, R_INV=r.signs is not None, R_MEAN=r.mean is not None, R_SCALE=r.scale is not None,
+                 INTERLEAVED=r.layout == "interleaved", HP=max(16, pow2(half)), RP=max(16, pow2(d - 2 * half)))
+    return tensors, flags
 
 
 def attend_block(a: AttendArgs, return_logits: bool, *, splits: int | None = None):
