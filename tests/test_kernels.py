@@ -678,6 +678,43 @@ def test_keys_before_rope_are_turned_at_read(compiled, layout, half, N, keys):
     torch.testing.assert_close(got[1], ref[1], rtol=0, atol=2e-3)
 
 
+@pytest.mark.parametrize("first", [False, True])
+def test_keys_before_rope_in_several_blocks_and_flat_rows(compiled, first):
+    """Blocks stored before RoPE anywhere in a layer's call (a plain block first or not, two
+    turned blocks), and a flat ragged block (every row's tokens in one buffer at its offset,
+    positions laid out like the codes): as the torch reference."""
+    k1, v1, q = _rope_case(3, 64, 32, "half", seed=1, keys="channel")
+    k2, v2, _ = _rope_case(3, 40, 32, "half", seed=2, keys="token-hadamard")
+    plain = dataclasses.replace(k1, rope=None)
+    blocks = [(plain, v1, None, q, None), (k2, v2, None, q, None)] if not first else \
+        [(k1, v1, None, q, None), (k2, v2, None, q, None)]
+    dense = [(torch.randn(1, 3, 4, 64), torch.randn(1, 3, 4, 64), None)]
+    got = ops.attend_mixed(q, 0.125, packed=blocks, dense=dense)
+    want = reference.attend_mixed(q, 0.125, packed=blocks, dense=dense)
+    torch.testing.assert_close(got[0], want[0], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=2e-3)
+    # a flat ragged block: row r holds lengths[r] tokens from offsets[r] of one [1, 90] buffer
+    buf, vbuf, _ = _rope_case(1, 96, 32, "half", seed=3, keys="token-hadamard")
+    offsets = torch.tensor([0, 40, 70], dtype=torch.int64)
+    lengths = torch.tensor([40, 30, 26], dtype=torch.int32)
+
+    def flat(b):
+        e = {f: getattr(b, f).expand(3, *getattr(b, f).shape[1:]) for f in ("codes", "scale", "zero")
+             if getattr(b, f) is not None}
+        return dataclasses.replace(b, **e, offsets=offsets, lengths=lengths, rope=None)
+
+    r = buf.rope
+    pos = torch.arange(96, dtype=torch.int32).view(1, 96) * 3
+    rope = dataclasses.replace(r, positions=pos.expand(3, 96), mean=r.mean.expand(3, 64).contiguous(),
+                               scale=r.scale.expand(3, 64).contiguous(), signs=r.signs.expand(3, 64).contiguous())
+    kf = dataclasses.replace(flat(buf), rope=rope)
+    vf = flat(vbuf)
+    got = ops.attend_block(q, kf, vf, 0.125)
+    want = reference.attend_block(q, kf, vf, 0.125)
+    torch.testing.assert_close(got[0], want[0], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=2e-3)
+
+
 def test_key_rope_validation():
     k, v, q = _rope_case(2, 40, 32, "half", seed=3)
     r = k.rope
@@ -700,6 +737,4 @@ def test_key_rope_validation():
         dataclasses.replace(k, rope="yes")
     with pytest.raises(ValueError, match="applies to kblock only"):
         ops.attend_block(q, k, dataclasses.replace(v, rope=KeyRope(r.positions, r.inv_freq)), 0.125)
-    plain = dataclasses.replace(k, rope=None)
-    with pytest.raises(ValueError, match="first packed block only"):
-        ops.attend_mixed(q, 0.125, packed=[(plain, v, None, q, None), (k, v, None, q, None)])
+

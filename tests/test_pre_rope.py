@@ -272,6 +272,38 @@ def test_pre_rope_keys_are_read_from_their_codes(policy, layout):
     assert (outs[0] - outs[1]).abs().max() < 0.05 * outs[0].abs().max()
 
 
+@pytest.mark.parametrize("scope", ["layer", "model"])
+def test_ragged_heads_are_read_from_their_codes(scope):
+    """Heads holding different numbers of tokens (a shared budget) in the packed ragged layout:
+    the frozen buffer's packed keys carry their positions laid out like the codes, its sinks and
+    full-precision part are turned in the view, and decoded tokens land in a turned tail; the
+    view reads the dense path's keys, and the logits equal a post-RoPE cache's."""
+    from kv_cache.attention.dense import materialize
+    from kv_cache.attention.flat import FlatRaggedBlock
+
+    model = _model()
+    ids = torch.randint(3, 256, (1, 100), generator=torch.Generator().manual_seed(9))
+    outs = []
+    for pre in (False, True):
+        cache = CompressedCache(model.config, quant=_q8(pre),
+                                eviction=SnapKV(budget=0.4, recent_window=4, scope=scope), fidelity_threshold=1e9)
+        outs.append(_run(model, cache, ids, 80, True))
+    seen = 0
+    for layer in cache.layers:
+        view = layer.stored_blocks()
+        flat = [b for b in view if isinstance(b, FlatRaggedBlock)]
+        if not flat:
+            continue
+        seen += 1
+        assert flat[0].key_rope is not None and flat[0].key_rope.positions.stride(0) == 0
+        keys, values, held = materialize(view)
+        want_keys, want_values = layer.stored_states()
+        keep = held if held is not None else torch.ones(keys.shape[:3], dtype=torch.bool)
+        torch.testing.assert_close(keys[keep], want_keys.float()[keep], rtol=1e-3, atol=1e-3)
+    assert seen
+    assert (outs[0] - outs[1]).abs().max() < 0.05 * outs[0].abs().max()
+
+
 @pytest.mark.parametrize("scope", ["head", "layer"])
 def test_the_evicted_tier_keeps_its_positions(scope):
     """Tokens a one-shot policy does not keep are demoted (``evicted_bits``), rotated back at

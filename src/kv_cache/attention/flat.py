@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -75,6 +76,10 @@ class FlatRaggedBlock:
     fp_len: list
     packed: tuple | None
     q_len: list
+    key_rope: Any = None
+    """A :class:`~kv_cache.kernels.KeyRope` for the packed buffer's keys (stored before RoPE,
+    §29.8): positions ``[R, N_q]`` laid out like the codes (rows of stride 0), offset and scale
+    per row; None: keys stored as attention reads them."""
     _segments: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -143,7 +148,10 @@ class FlatRaggedBlock:
             out.append((FlatFullBlock(k, v, off, ln, B, H), starts([s] * R, self.fp_len)))
         if self.packed is not None:
             (kb, vb), off, ln, rot = self.packed
-            blk = QuantBlock(_expand(kb, R, off, ln), _expand(vb, R, off, ln), B, H, rotation=rot)
+            kq = _expand(kb, R, off, ln)
+            if self.key_rope is not None:
+                kq = dataclasses.replace(kq, rope=self.key_rope)
+            blk = QuantBlock(kq, _expand(vb, R, off, ln), B, H, rotation=rot)
             out.append((blk, starts([s + f for f in self.fp_len], self.q_len)))
         if isinstance(leads, list) or leads is None:
             if len(self._segments) >= 64:
@@ -169,7 +177,10 @@ class FlatRaggedBlock:
                 blocks.append(FullBlock(k[:, :, fp_off:fp_off + f], v[:, :, fp_off:fp_off + f]))
             if q:
                 (kb, vb), _, _, rot = self.packed
-                blocks.append(QuantBlock(_row_block(kb, q_off, q), _row_block(vb, q_off, q), 1, 1,
+                kq = _row_block(kb, q_off, q)
+                if self.key_rope is not None:
+                    kq = dataclasses.replace(kq, rope=_row_rope(self.key_rope, r, H, q_off, q))
+                blocks.append(QuantBlock(kq, _row_block(vb, q_off, q), 1, 1,
                                          rotation=None if rot is None else rot.head(h)))
             fp_off += f
             q_off += q
@@ -179,6 +190,17 @@ class FlatRaggedBlock:
     def attend(self, q: torch.Tensor, scaling: float, start: torch.Tensor | None, stat_rows: torch.Tensor | None):
         """As :meth:`RaggedBlock.attend` (row by row)."""
         return self.as_rows().attend(q, scaling, start, stat_rows)
+
+
+def _row_rope(rope, r: int, H: int, first: int, n: int):
+    """Row ``r``'s part of a flat block's :class:`~kv_cache.kernels.KeyRope`: its tokens
+    ``[first, first + n)`` of the buffer, its offset and scale, its head's signs."""
+    def row(t):
+        return None if t is None else t[r:r + 1].contiguous()
+
+    signs = None if rope.signs is None else rope.signs[(r % H) % rope.signs.shape[0]:][:1].contiguous()
+    return dataclasses.replace(rope, positions=rope.positions[r:r + 1, first:first + n].contiguous(),
+                               mean=row(rope.mean), scale=row(rope.scale), signs=signs)
 
 
 def _row_block(block, first: int, n: int):

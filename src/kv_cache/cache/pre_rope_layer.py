@@ -16,6 +16,7 @@ import dataclasses
 import torch
 
 from ..attention.blocks import FullBlock, QuantBlock
+from ..attention.flat import FlatRaggedBlock
 from ..attention.key_offset import unshift_keys
 from ..kernels import KeyRope
 from .packed import Rotation
@@ -93,7 +94,8 @@ class PreRopeLayer:
         if self.storage.length == 0:
             return []
         blocks = self.storage.blocks()
-        if not all(isinstance(b, FullBlock) or (isinstance(b, QuantBlock) and _kernel_reads(b)) for b in blocks):
+        if not all(isinstance(b, FullBlock) or (isinstance(b, QuantBlock) and _kernel_reads(b.rotation, b.keys))
+                   or (isinstance(b, FlatRaggedBlock) and _flat_reads(b)) for b in blocks):
             return [FullBlock(*self.stored_states())]
         return self._blocks_at_positions(blocks)
 
@@ -108,24 +110,69 @@ class PreRopeLayer:
             start += n
             if isinstance(blk, FullBlock):
                 out.append(FullBlock(frame.apply(unshift_keys(blk.keys, offset), p), blk.values))
-                continue
-            B, H = blk.batch, blk.kv_heads
-            R = B * H
-            d = blk.keys.head_dim
-            mean = scale = None
-            if offset is not None:
-                mean = offset[:, :, 0].reshape(R, d).float().contiguous()
-                scale = offset[:, :, 1].reshape(R, d).float().contiguous() if offset.shape[2] == 2 else None
-            rows = p.expand(B, H, n) if p.dim() == 1 else p
-            rot, signs = blk.rotation, None
-            if rot is not None and rot.keys:  # keys mapped back in the kernel: the query stays as it is
-                signs = rot.signs.float()
-                rot = Rotation.from_signs(rot.signs).with_keys(False)
-            rope = KeyRope(rows.reshape(R, n).to(torch.int32).contiguous(),
-                           frame.inv_freq.to(device=blk.keys.codes.device, dtype=torch.float32),
-                           frame.layout, float(frame.scaling), mean, scale, signs)
-            out.append(dataclasses.replace(blk, keys=dataclasses.replace(blk.keys, rope=rope), rotation=rot))
+            elif isinstance(blk, FlatRaggedBlock):
+                out.append(self._flat_at_positions(blk, p))
+            else:
+                B, H = blk.batch, blk.kv_heads
+                rows = (p.expand(B, H, n) if p.dim() == 1 else p).reshape(B * H, n).to(torch.int32).contiguous()
+                rope, rot = self._key_rope(rows, blk.rotation, B * H, blk.keys.head_dim)
+                out.append(dataclasses.replace(blk, keys=dataclasses.replace(blk.keys, rope=rope), rotation=rot))
         return out
+
+    def _key_rope(self, positions: torch.Tensor, rot, R: int, d: int) -> tuple[KeyRope, object]:
+        """The :class:`~kv_cache.kernels.KeyRope` of a packed key block of ``R`` rows at ``positions``
+        (int32 ``[R, n]``, or a flat block's ``[R, N]`` of row stride 0), and the block's rotation
+        as the view hands it: keys in a Hadamard space are mapped back in the kernel, so the
+        query stays as it is (a value-only rotation)."""
+        offset, frame = self.key_offset, self.rope_frame
+        mean = scale = None
+        if offset is not None:
+            mean = offset[:, :, 0].reshape(R, d).float().contiguous()
+            scale = offset[:, :, 1].reshape(R, d).float().contiguous() if offset.shape[2] == 2 else None
+        signs = None
+        if rot is not None and rot.keys:
+            signs = rot.signs.float()
+            rot = Rotation.from_signs(rot.signs).with_keys(False)
+        rope = KeyRope(positions, frame.inv_freq.to(device=positions.device, dtype=torch.float32), frame.layout,
+                       float(frame.scaling), mean, scale, signs)
+        return rope, rot
+
+    def _flat_at_positions(self, blk: FlatRaggedBlock, pos: torch.Tensor) -> FlatRaggedBlock:
+        """A flat ragged block (§15.7) read at its positions: ``pos`` ``[B, H, L]`` (each row's
+        frozen tokens right-aligned: sinks, full-precision part, packed part); the sinks and the
+        full-precision buffer turned here, the packed buffer given its positions laid out like
+        its codes (a :class:`~kv_cache.kernels.KeyRope`, turned in the kernel)."""
+        B, H, R, L = blk.batch, blk.kv_heads, blk.batch * blk.kv_heads, blk.length
+        frame, offset = self.rope_frame, self.key_offset
+        rows = pos.reshape(R, L)
+        first = [L - f for f in blk.frozen]  # each row's first held slot
+        s = blk.n_sinks
+        sinks = fp = packed = key_rope = None
+        if blk.sinks is not None:
+            idx = torch.tensor(first, device=rows.device).unsqueeze(1) + torch.arange(s, device=rows.device)
+            sp = rows.gather(1, idx).reshape(B, H, s)
+            sinks = (frame.apply(unshift_keys(blk.sinks[0], offset), sp), blk.sinks[1])
+
+        def buffer_positions(lengths: list, skip: list) -> torch.Tensor:  # rows' tokens one after another
+            return torch.cat([rows[r, first[r] + skip[r]:first[r] + skip[r] + n] for r, n in enumerate(lengths)])
+
+        if blk.fp is not None:
+            k, v, off, ln = blk.fp
+            fpos = buffer_positions(blk.fp_len, [s] * R)
+            kf = k.float()
+            if offset is not None:  # each token its row's offset (and scale)
+                per_tok = offset.reshape(R, offset.shape[2], -1).repeat_interleave(
+                    torch.tensor(blk.fp_len, device=k.device), dim=0)  # [N_fp, 1 or 2, d]
+                kf = kf * per_tok[:, 1] if offset.shape[2] == 2 else kf
+                kf = kf + per_tok[:, 0]
+            fp = (frame.apply(kf.to(k.dtype), fpos.view(1, 1, -1)), v, off, ln)
+        if blk.packed is not None:
+            (kb, vb), off, ln, rot = blk.packed
+            qpos = buffer_positions(blk.q_len, [s + f for f in blk.fp_len]).to(torch.int32)
+            key_rope, rot = self._key_rope(qpos.view(1, -1).expand(R, -1), rot, R, kb.head_dim)
+            packed = ((kb, vb), off, ln, rot)
+        return FlatRaggedBlock(B, H, list(blk.frozen), sinks, fp, list(blk.fp_len), packed, list(blk.q_len),
+                               key_rope=key_rope)
 
     def arrivals_of(self, slots: torch.Tensor) -> torch.Tensor:
         """The packed bitmap of the arrivals held in ``slots`` of the storage (int64 ``[batch,
@@ -142,12 +189,17 @@ class PreRopeLayer:
             self.kept_arrivals = self.arrivals_of(keep)
 
 
-def _kernel_reads(blk: QuantBlock) -> bool:
-    """Whether the kernels read ``blk``'s keys before RoPE from their codes (§29.8): keys stored as
-    computed, or in a randomized Hadamard space of a power-of-two head_dim; a calibrated (dense)
-    rotation is read through a dequantized copy."""
-    rot = blk.rotation
+def _kernel_reads(rot, keys) -> bool:
+    """Whether the kernels read packed ``keys`` (a :class:`~kv_cache.kernels.QBlock`) stored before
+    RoPE under the block's rotation ``rot`` from their codes (§29.8): keys stored as computed, or
+    in a randomized Hadamard space of a power-of-two head_dim; a calibrated (dense) rotation is
+    read through a dequantized copy."""
     if rot is None or not rot.keys:
         return True
-    d = blk.keys.head_dim
+    d = keys.head_dim
     return rot.matrices is None and d & (d - 1) == 0
+
+
+def _flat_reads(blk: FlatRaggedBlock) -> bool:
+    """:func:`_kernel_reads` of a flat ragged block's packed buffer (none: nothing to read)."""
+    return blk.packed is None or _kernel_reads(blk.packed[3], blk.packed[0][0])

@@ -208,9 +208,6 @@ def check_mixed_args(q, scaling, packed, dense, q_packed, value_inverse) -> Mixe
                 raise ValueError(f"packed blocks hold values of d_v={ps[-1].v.head_dim} and {dv}")
             dv = ps[-1].v.head_dim
             inverses.append(_check_inverse(vi, dv, R))
-    if any(p.k.rope is not None for p in ps[1:]):
-        raise ValueError("attend_mixed reads keys stored before RoPE (kblock.rope) in its first packed block only; "
-                         "got rope on a later one (put that block first)")
     if not ps and (q_packed is not None or value_inverse is not None):
         raise ValueError("q_packed and value_inverse apply to the packed block; got them with packed=None")
     blocks = []

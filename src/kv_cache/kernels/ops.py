@@ -300,7 +300,7 @@ def attend_block(
                    _p(v.scale), _p(v.zero), _p(v.gid), v.group_size,
                    a.scaling, _c(a.start), _c(a.length), out, lse, logits, _build.isa_flag(),
                    None, [], [], None, None, _c(k.scale_table), _c(v.scale_table), [], [], _c(k.offsets), [], [],
-                   *_rope_args(k))
+                   *_rope_args(k), [], [], [])
     except ValueError as exc:  # the extension's group-index check
         raise bad_group_error() from exc
     return out, lse, logits
@@ -311,7 +311,8 @@ def _rope_args(k: QBlock) -> tuple[list, int, float]:
     r = k.rope
     if r is None:
         return [], 0, 1.0
-    return ([r.positions.contiguous(), r.inv_freq.contiguous(), _c(r.mean), _c(r.scale), _c(r.signs)],
+    pos = r.positions if k.flat and r.positions.stride(-1) == 1 else r.positions.contiguous()  # flat: rows of stride 0
+    return ([pos, r.inv_freq.contiguous(), _c(r.mean), _c(r.scale), _c(r.signs)],
             int(r.layout == "interleaved"), float(r.scaling))
 
 
@@ -420,6 +421,8 @@ def attend_mixed(
                                    for blk in a.dense]).contiguous()
     out = torch.empty((R, G, v.head_dim), dtype=torch.float32, device=a.q.device)
     lse = torch.empty((R, G), dtype=torch.float32, device=a.q.device)
+    extra = [_rope_args(x.k) for x in a.packed[1:]]  # per extra packed block: (tensors, interleaved, factor)
+    x_rope = ([e[0] for e in extra], [e[1] for e in extra], [e[2] for e in extra])
     try:
         ext.attend(qp,
                    _p(k.codes), k.bits, k.lut.contiguous(), _GROUPING_ID[k.grouping],
@@ -436,7 +439,7 @@ def attend_mixed(
                    [[x.k.bits, _GROUPING_ID[x.k.grouping], x.k.group_size, x.v.bits, _GROUPING_ID[x.v.grouping],
                      x.v.group_size] for x in a.packed[1:]],
                    _c(k.offsets), [_c(blk[3]) for blk in a.dense], [_c(blk[4]) for blk in a.dense],
-                   *_rope_args(k))
+                   *_rope_args(k), *x_rope)
     except ValueError as exc:
         raise bad_group_error() from exc
     return out, lse

@@ -165,8 +165,9 @@ class QBlock:
         and token-grouped metadata); a channel-grouped scale table is shared by every row and
         ``gid`` indexes it globally. The kernels read only each row's own tokens.
     rope : KeyRope or None
-        Keys stored before RoPE (a rectangular block): attention reads each key turned to its
-        position, its offset and scale added back first (§29.8).
+        Keys stored before RoPE: attention reads each key turned to its position, its offset and
+        scale added back first (§29.8). In a flat ragged block, ``rope.positions`` is laid out
+        like the codes (rows of stride 0 over the buffer's tokens).
 
     Raises
     ------
@@ -265,8 +266,6 @@ class QBlock:
         if self.rope is not None:
             if not isinstance(self.rope, KeyRope):
                 raise TypeError(f"rope must be a KeyRope or None; got {type(self.rope).__name__}")
-            if self.offsets is not None:
-                raise ValueError("rope applies to a rectangular block; got a flat ragged one (offsets given)")
             self.rope.check(R, N, d)
             ropes = (self.rope.positions, self.rope.inv_freq, self.rope.mean, self.rope.scale, self.rope.signs)
         devices = {t.device for t in (codes, lut, scale, self.zero, self.gid, self.scale_table, self.offsets,

@@ -6,6 +6,8 @@ Formulas: ``math_dictionary/kv-compression-math.md`` §15.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..compression._arrays import raise_non_finite
@@ -145,10 +147,13 @@ def rectangular(block: QBlock) -> QBlock:
         return None if t is None else t[0][idx]
 
     token = block.grouping == "token"
+    rope = block.rope
+    if rope is not None:  # each row's positions, gathered like its codes
+        rope = dataclasses.replace(rope, positions=rows(rope.positions))
     return QBlock(rows(block.codes), block.bits, block.lut, block.grouping,
                   rows(block.scale) if token else block.scale.contiguous(),
                   (rows(block.zero) if token else block.zero.contiguous()) if block.zero is not None else None,
-                  block.group_size, rows(block.gid), block.scale_table)
+                  block.group_size, rows(block.gid), block.scale_table, rope=rope)
 
 
 def rectangular_dense(t: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -241,7 +241,8 @@ struct DenseView {
 // rounding of the products. Per-token keys stored in a randomized Hadamard space (signs) are
 // first mapped back, y R^T = (y H) * s, by a fast Walsh-Hadamard transform of each row.
 struct KeyRope {
-  const int32_t* pos = nullptr;  // [R, N] arrival index of every slot (row pitch N)
+  const int32_t* pos = nullptr;  // [R, N] arrival index of every slot
+  int64_t pitch = 0;             // row r's positions start at r * pitch (0: a flat ragged block's offset)
   const float* tab = nullptr;    // [kRopeBits, 2, half]: cos, sin of 2^j * w_i
   const float* mean = nullptr;   // [R, d] or null
   const float* scale = nullptr;  // [R, d] or null
@@ -272,6 +273,7 @@ struct AttendArgs {
   const BlockView* xv = nullptr;
   const float* const* xq = nullptr;
   const KeyRope* rope = nullptr;  // the call's packed keys are stored before RoPE
+  const KeyRope* const* xrope = nullptr;  // per extra packed block, or null
 };
 
 // Paged attention (kv_paged.h, kv_paged_impl.h): a cache [blocks, H, bs, sw] of uint8 slots
@@ -539,6 +541,57 @@ void dequantize(const at::Tensor& codes, int64_t bits, const at::Tensor& lut, in
   if (status.load() == kBadGroup) raise_bad_group();
 }
 
+// A packed key block's KeyRope from tensors [positions, inv_freq, mean, scale, signs]: positions
+// int32 [R, N] contiguous, or, for a flat ragged block, [R, N] with row stride 0 (the buffer's
+// tokens, read at the row's offset); inv_freq float32 [half]; mean, scale float32 [R, d] or None;
+// signs float32 [H, d] or None. `tab` receives the doubling table.
+static void make_rope(const std::vector<c10::optional<at::Tensor>>& k_rope, int64_t interleaved, double factor,
+                      const BlockView& K, KeyRope& rope, std::vector<float>& tab) {
+  TORCH_CHECK(k_rope.size() == 5 && k_rope[0].has_value() && k_rope[1].has_value(), "k_rope");
+  const at::Tensor& pos = *k_rope[0];
+  const at::Tensor& w = *k_rope[1];
+  TORCH_CHECK(pos.scalar_type() == at::kInt && pos.dim() == 2 && pos.size(0) == K.R && pos.size(1) == K.N &&
+                  (pos.size(1) <= 1 || pos.stride(1) == 1) &&
+                  (K.off ? (K.R <= 1 || pos.stride(0) == 0) : pos.is_contiguous()),
+              "k_rope positions: int32 [R, N], contiguous (a flat ragged block: rows of stride 0)");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 1 && w.numel() >= 1 &&
+                  2 * w.numel() <= K.d, "k_rope inv_freq: float32 [half], 2 * half <= d");
+  rope.pos = pos.data_ptr<int32_t>();
+  rope.pitch = K.off ? 0 : K.N;
+  rope.half = static_cast<int>(w.numel());
+  rope.interleaved = interleaved != 0;
+  rope.factor = static_cast<float>(factor);
+  tab.resize(static_cast<size_t>(kRopeBits) * 2 * rope.half);
+  const float* wp = w.data_ptr<float>();
+  for (int i = 0; i < rope.half; ++i) {  // one sincos per pair, then doubled in float64
+    double c = std::cos(static_cast<double>(wp[i])), sn = std::sin(static_cast<double>(wp[i]));
+    for (int j = 0; j < kRopeBits; ++j) {
+      tab[(2 * j) * rope.half + i] = static_cast<float>(c);
+      tab[(2 * j + 1) * rope.half + i] = static_cast<float>(sn);
+      const double c2 = c * c - sn * sn, s2 = 2.0 * sn * c;
+      const double norm = 1.0 / std::sqrt(c2 * c2 + s2 * s2);  // stay on the unit circle
+      c = c2 * norm;
+      sn = s2 * norm;
+    }
+  }
+  rope.tab = tab.data();
+  for (int m = 2; m < 4; ++m)
+    if (k_rope[m].has_value()) {
+      const at::Tensor& t = *k_rope[m];
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == K.R &&
+                      t.size(1) == K.d, "k_rope mean/scale: float32 [R, d] contiguous");
+      (m == 2 ? rope.mean : rope.scale) = t.data_ptr<float>();
+    }
+  if (k_rope[4].has_value()) {
+    const at::Tensor& t = *k_rope[4];
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(1) == K.d &&
+                    t.size(0) >= 1 && K.R % t.size(0) == 0 && (K.d & (K.d - 1)) == 0,
+                "k_rope signs: float32 [H, d] contiguous, R a multiple of H, d a power of two");
+    rope.signs = t.data_ptr<float>();
+    rope.signs_heads = t.size(0);
+  }
+}
+
 // out [R, G, dv] float32, lse [R, G] float32, logits [R, G, N] float32 (optional), all
 // preallocated by the caller.
 void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, const at::Tensor& k_lut,
@@ -556,56 +609,18 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
             const std::vector<std::vector<int64_t>>& x_ints, const c10::optional<at::Tensor>& offsets,
             const std::vector<c10::optional<at::Tensor>>& dense_off,
             const std::vector<c10::optional<at::Tensor>>& dense_len,
-            const std::vector<c10::optional<at::Tensor>>& k_rope, int64_t rope_interleaved, double rope_factor) {
+            const std::vector<c10::optional<at::Tensor>>& k_rope, int64_t rope_interleaved, double rope_factor,
+            const std::vector<std::vector<c10::optional<at::Tensor>>>& x_rope,
+            const std::vector<int64_t>& x_rope_interleaved, const std::vector<double>& x_rope_factor) {
   std::atomic<int> status{kOk};
   AttendArgs a;
   a.k = make_block(k_codes, k_bits, k_lut, k_grouping, k_scale, k_zero, k_gid, k_group_size, k_table, offsets);
   a.v = make_block(v_codes, v_bits, v_lut, v_grouping, v_scale, v_zero, v_gid, v_group_size, v_table, offsets);
-  // keys before RoPE: tensors [positions int32 [R, N], inv_freq float32 [half], mean, scale (float32 [R, d] or None)]
+  // keys before RoPE (the call's packed block; the extra ones below): see make_rope
   KeyRope rope;
   std::vector<float> rope_tab;
   if (!k_rope.empty()) {
-    TORCH_CHECK(k_rope.size() == 5 && k_rope[0].has_value() && k_rope[1].has_value(), "k_rope");
-    TORCH_CHECK(!a.k.off, "k_rope: keys of a rectangular block");
-    const at::Tensor& pos = *k_rope[0];
-    const at::Tensor& w = *k_rope[1];
-    TORCH_CHECK(pos.scalar_type() == at::kInt && pos.is_contiguous() && pos.dim() == 2 && pos.size(0) == a.k.R &&
-                    pos.size(1) == a.k.N, "k_rope positions: int32 [R, N] contiguous");
-    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 1 && w.numel() >= 1 &&
-                    2 * w.numel() <= a.k.d, "k_rope inv_freq: float32 [half], 2 * half <= d");
-    rope.pos = pos.data_ptr<int32_t>();
-    rope.half = static_cast<int>(w.numel());
-    rope.interleaved = rope_interleaved != 0;
-    rope.factor = static_cast<float>(rope_factor);
-    rope_tab.resize(static_cast<size_t>(kRopeBits) * 2 * rope.half);
-    const float* wp = w.data_ptr<float>();
-    for (int i = 0; i < rope.half; ++i) {  // one sincos per pair, then doubled in float64
-      double c = std::cos(static_cast<double>(wp[i])), sn = std::sin(static_cast<double>(wp[i]));
-      for (int j = 0; j < kRopeBits; ++j) {
-        rope_tab[(2 * j) * rope.half + i] = static_cast<float>(c);
-        rope_tab[(2 * j + 1) * rope.half + i] = static_cast<float>(sn);
-        const double c2 = c * c - sn * sn, s2 = 2.0 * sn * c;
-        const double norm = 1.0 / std::sqrt(c2 * c2 + s2 * s2);  // stay on the unit circle
-        c = c2 * norm;
-        sn = s2 * norm;
-      }
-    }
-    rope.tab = rope_tab.data();
-    for (int m = 2; m < 4; ++m)
-      if (k_rope[m].has_value()) {
-        const at::Tensor& t = *k_rope[m];
-        TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == a.k.R &&
-                        t.size(1) == a.k.d, "k_rope mean/scale: float32 [R, d] contiguous");
-        (m == 2 ? rope.mean : rope.scale) = t.data_ptr<float>();
-      }
-    if (k_rope[4].has_value()) {
-      const at::Tensor& t = *k_rope[4];
-      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(1) == a.k.d &&
-                      t.size(0) >= 1 && a.k.R % t.size(0) == 0 && (a.k.d & (a.k.d - 1)) == 0,
-                  "k_rope signs: float32 [H, d] contiguous, R a multiple of H, d a power of two");
-      rope.signs = t.data_ptr<float>();
-      rope.signs_heads = t.size(0);
-    }
+    make_rope(k_rope, rope_interleaved, rope_factor, a.k, rope, rope_tab);
     a.rope = &rope;
   }
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q");
@@ -648,6 +663,19 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
       xstart[i] = T[12]->data_ptr<int32_t>();
     }
   }
+  // extra packed blocks' keys before RoPE: x_rope[i] empty (none) or make_rope's tensors
+  TORCH_CHECK(x_rope.empty() || (static_cast<int64_t>(x_rope.size()) == n_extra &&
+                                 static_cast<int64_t>(x_rope_interleaved.size()) == n_extra &&
+                                 static_cast<int64_t>(x_rope_factor.size()) == n_extra), "x_rope");
+  std::vector<KeyRope> xrope(n_extra);
+  std::vector<std::vector<float>> xrope_tab(n_extra);
+  std::vector<const KeyRope*> xrope_ptr(n_extra, nullptr);
+  for (int64_t i = 0; i < static_cast<int64_t>(x_rope.size()); ++i)
+    if (!x_rope[i].empty()) {
+      make_rope(x_rope[i], x_rope_interleaved[i], x_rope_factor[i], xk[i], xrope[i], xrope_tab[i]);
+      xrope_ptr[i] = &xrope[i];
+    }
+  a.xrope = xrope_ptr.data();
   a.xk = xk.data();
   a.xv = xv.data();
   a.xq = xq.data();

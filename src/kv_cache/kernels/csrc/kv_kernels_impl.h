@@ -1079,7 +1079,7 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
   float* l = m + G;
   float* psum = l + G;
   float* bK = psum + G;
-  const KeyRope* rope = it.packed == 0 ? a.rope : nullptr;
+  const KeyRope* rope = it.packed == 0 ? a.rope : (a.xrope ? a.xrope[it.packed - 1] : nullptr);
   float* rA = buf[14];
   float* rC = rA + dkp;
   float* rc = rC + dkp;
@@ -1204,7 +1204,7 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
       }
     }
     if (rope) {
-      const int32_t* pos = rope->pos + r * N + t0;
+      const int32_t* pos = rope->pos + (rope->pitch ? r * rope->pitch : crow(K, r)) + t0;
       for (int t = 0; t < nt; ++t) {  // exact angles at the tile's first token, then steps
         const int64_t step = t ? static_cast<int64_t>(pos[t]) - pos[t - 1] : 0;
         if (t == 0 || step < 0)
