@@ -150,11 +150,35 @@ def _check_prediction(model, tok, plan, T):
 
 
 def test_a_preset_the_fixed_slots_cannot_reach_is_refused(stories):
-    """At 200 tokens the slots every head keeps in full precision (4 sinks, a residual of up to 31
-    tokens under per-channel key groups) alone exceed 1/16 of the fp16 bytes: a clear error."""
+    """At 200 tokens the slots every head keeps in full precision (4 sinks, the key offset) and one
+    1% of the tokens at 2 bits hold more than 1/64 of the fp16 bytes: a clear error."""
     model, _ = stories
-    with pytest.raises(ValueError, match="no plan reaches 16x at 200 tokens.*lower the target"):
-        preset_plan(model.config, "16x", context_tokens=200)
+    with pytest.raises(ValueError, match="no plan reaches 64x at 200 tokens.*lower the target"):
+        preset_plan(model.config, "64x", context_tokens=200)
+
+
+def test_heavy_eviction_presets_evict_from_codes_before_rope(stories):
+    """Math dictionary §23.3: where 4-bit per-channel codes would keep fewer than a quarter of the
+    tokens, the preset evicts from K4V3 codes before RoPE, which keep more at the same bytes; a
+    lighter target keeps per-channel codes; a model whose keys the kernels cannot read before
+    RoPE (a head_dim that is not a power of two) keeps per-channel codes at every target."""
+    from transformers import AutoConfig
+
+    from kv_cache.plan.planner import HEAVY_EVICTION, PRE_ROPE_EVICTING, _largest_budget
+
+    model, tok = stories
+    T = 400
+    q4 = _largest_budget(model.config, QuantConfig(bits=4), 8.0, T, torch.float32, "8x")
+    assert q4.policy.budget < HEAVY_EVICTION  # 4-bit codes would keep under a quarter
+    plan = preset_plan(model.config, "8x", context_tokens=T)
+    assert plan.quant_config() == PRE_ROPE_EVICTING and plan.policy.budget > q4.policy.budget
+    assert plan.predicted["ratio"] >= 8
+    _check_prediction(model, tok, plan, T)  # the ratio a real prefill holds
+    light = preset_plan(model.config, "4x", context_tokens=T)
+    assert not light.quant_config().pre_rope and light.quant_config().bits == 4
+    odd = AutoConfig.for_model("llama", vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=24, max_position_embeddings=4096)
+    assert not preset_plan(odd, "16x", context_tokens=4096).quant_config().pre_rope
 
 
 @pytest.mark.parametrize("target", ["4x", "8x"])
