@@ -930,25 +930,30 @@ static inline void prefetch_meta(const Meta& s, const Meta& z, int64_t r, int64_
 }
 
 // ============================================================================= keys before RoPE
+// a[i] + i b[i] <- (a[i] + i b[i]) (c[i] + i s[i]) for i < n: each pair (a, b) turned by the
+// angle whose cosine and sine are (c, s) (a key's channel pair, or an angle stepped by another).
+static inline void turn_pairs(float* a, float* b, const float* c, const float* s, int n) {
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    const vf u = vload(a + i), v = vload(b + i), cv = vload(c + i), sv = vload(s + i);
+    vstore(a + i, vsub(vmul(u, cv), vmul(v, sv)));
+    vstore(b + i, vfma(u, sv, vmul(v, cv)));
+  }
+  for (; i < n; ++i) {
+    const float u = a[i], v = b[i];
+    a[i] = u * c[i] - v * s[i];
+    b[i] = u * s[i] + v * c[i];
+  }
+}
+
 // (c, s)[i] <- (c, s)[i] turned by delta * w_i: one complex product per set bit j of delta with
 // the doubling table's (cos, sin)(2^j w_i) (KeyRope; math dictionary §29.8).
 static inline void rope_advance(float* c, float* s, const float* tab, int half, uint32_t delta) {
-  for (int j = 0; delta; ++j, delta >>= 1) {
-    if (!(delta & 1u)) continue;
-    const float* C = tab + static_cast<size_t>(2 * j) * half;
-    const float* Sn = C + half;
-    int i = 0;
-    for (; i + W <= half; i += W) {
-      const vf cv = vload(c + i), sv = vload(s + i), cj = vload(C + i), sj = vload(Sn + i);
-      vstore(c + i, vsub(vmul(cv, cj), vmul(sv, sj)));
-      vstore(s + i, vfma(sv, cj, vmul(cv, sj)));
+  for (int j = 0; delta; ++j, delta >>= 1)
+    if (delta & 1u) {
+      const float* C = tab + static_cast<size_t>(2 * j) * half;
+      turn_pairs(c, s, C, C + half, half);
     }
-    for (; i < half; ++i) {
-      const float cv = c[i], sv = s[i];
-      c[i] = cv * C[i] - sv * Sn[i];
-      s[i] = sv * C[i] + cv * Sn[i];
-    }
-  }
 }
 
 // (c, s) = (cos, sin)(p * w_i) for every pair i.
@@ -963,25 +968,14 @@ static inline void rope_at(float* c, float* s, const float* tab, int half, int32
 
 // Turn the channel pairs of one key row x by the angles (c, s).
 static inline void rope_row(float* x, const float* c, const float* s, int half, bool interleaved) {
-  if (interleaved) {
-    for (int i = 0; i < half; ++i) {
-      const float u = x[2 * i], v = x[2 * i + 1];
-      x[2 * i] = u * c[i] - v * s[i];
-      x[2 * i + 1] = u * s[i] + v * c[i];
-    }
+  if (!interleaved) {
+    turn_pairs(x, x + half, c, s, half);
     return;
   }
-  float* y = x + half;
-  int i = 0;
-  for (; i + W <= half; i += W) {
-    const vf u = vload(x + i), v = vload(y + i), cv = vload(c + i), sv = vload(s + i);
-    vstore(x + i, vsub(vmul(u, cv), vmul(v, sv)));
-    vstore(y + i, vfma(u, sv, vmul(v, cv)));
-  }
-  for (; i < half; ++i) {
-    const float u = x[i], v = y[i];
-    x[i] = u * c[i] - v * s[i];
-    y[i] = u * s[i] + v * c[i];
+  for (int i = 0; i < half; ++i) {
+    const float u = x[2 * i], v = x[2 * i + 1];
+    x[2 * i] = u * c[i] - v * s[i];
+    x[2 * i + 1] = u * s[i] + v * c[i];
   }
 }
 
@@ -1085,7 +1079,7 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
   float* rc = rC + dkp;
   float* rs = rc + dkp;
   const float* rsg = nullptr;  // this row's Hadamard signs, times 1 / sqrt(d)
-  const HadamardLanes hl;      // the Hadamard passes inside a vector (fwht_row)
+  static const HadamardLanes hl;  // the Hadamard passes inside a vector (fwht_row): built once
   if (rope) {
     std::fill(rA, rA + 2 * static_cast<size_t>(dkp), 0.0f);
     if (K.grouping == kToken) {  // A = f sigma, C = f mu: the same for every token of the row

@@ -69,6 +69,20 @@ def _store_partial(pm_ptr, pl_ptr, pa_ptr, r, item, NI, gs, gmask, G, dv, m, l, 
 
 
 @triton.jit
+def _pair_channels(half, INTERLEAVED: tl.constexpr, HP: tl.constexpr, RP: tl.constexpr):
+    """``(ca, cb, cr, pmask)``: the first and second channel of each rotary pair (``[HP]``, lanes
+    past ``half`` masked by ``pmask``) and the channels after the pairs (``[RP]``)."""
+    i = tl.arange(0, HP)
+    if INTERLEAVED:
+        ca = 2 * i
+        cb = 2 * i + 1
+    else:
+        ca = i
+        cb = half + i
+    return ca, cb, 2 * half + tl.arange(0, RP), i < half
+
+
+@triton.jit
 def _key_part(t, cols, cmask, tin, r, c, kP, d, rinv, rinv_H, rmean, rscale, factor,
               kc, kc0, kc1, klut, ks, ks0, ks1, kz, kz0, kz1, kg, kg0, kg1, ktab, kGS,
               K_BITS: tl.constexpr, K_TOKEN: tl.constexpr, K_ZERO: tl.constexpr, K_GID: tl.constexpr,
@@ -102,15 +116,8 @@ def _turned_keys(t, tin, r, c, kP, d, rpos_row, rw, half, rinv, rinv_H, rmean, r
     ``[BN, HP]`` twice (the two channels of each pair) and ``[BN, RP]`` (the channels past the
     pairs), with ``k' = s R(p)(sigma * u + mu)``. The angles ``p w`` are float32 products (as
     transformers computes them), reduced modulo ``2 pi`` before the cosine."""
+    ca, cb, cr, pmask = _pair_channels(half, INTERLEAVED, HP, RP)
     i = tl.arange(0, HP)
-    pmask = i < half
-    if INTERLEAVED:
-        ca = 2 * i
-        cb = 2 * i + 1
-    else:
-        ca = i
-        cb = half + i
-    cr = 2 * half + tl.arange(0, RP)
     rmask = cr < d
     kfull = tl.zeros((1, 1), tl.float32)
     if R_INV:
@@ -162,15 +169,8 @@ def _attend_packed(q_ptr, q_s0, q_s1, start_ptr, length_ptr, logit_ptr, lg_s0, l
     qb = q
     qr = q
     if ROPE:  # the query's channels in the pairs' order: first of each pair, second, the rest
-        i = tl.arange(0, HP)
-        pmask = gmask[:, None] & (i < half)[None, :]
-        if INTERLEAVED:
-            ca = 2 * i
-            cb = 2 * i + 1
-        else:
-            ca = i
-            cb = half + i
-        cr = 2 * half + tl.arange(0, RP)
+        ca, cb, cr, pm = _pair_channels(half, INTERLEAVED, HP, RP)
+        pmask = gmask[:, None] & pm[None, :]
         q_row = q_ptr + r * q_s0 + gs[:, None] * q_s1
         qa = tl.load(q_row + ca[None, :], mask=pmask, other=0.0)
         qb = tl.load(q_row + cb[None, :], mask=pmask, other=0.0)
