@@ -262,18 +262,21 @@ def test_keys_before_rope_are_turned_at_read(layout, half, keys):
     torch.testing.assert_close(lse.cpu(), want_lse, rtol=0, atol=1e-3)
 
 
-@pytest.mark.parametrize("name", ["q8", "q4d", "q3d", "q2d", "q4"])
+@pytest.mark.parametrize("name", ["q8", "q4d", "q3d", "q2d", "q4", "q4db", "q3db", "q2db"])
 @on_device
 def test_attend_paged_reads_the_block_table(name, triton_backend):
     """vLLM's paged slots read in place through a block table (a shared prefix block, an empty
-    request, a partial block) against the torch reference; a bad block id is refused."""
-    from test_paged_kernels import paged_case
+    request, a partial block) against the torch reference; a bad block id is refused. The ``*b``
+    codecs' keys are stored before RoPE and turned to their token index in the kernel (full,
+    partial interleaved, and scaled frames)."""
+    from test_paged_kernels import key_rope_for, paged_case
 
     from kv_cache.kernels.paged import attend_paged, reference_attend_paged
 
     cache, table, lengths, layout, q = paged_case(name, bs=32, lengths=(90, 0, 33, 32))
-    want_out, want_lse = reference_attend_paged(q, cache, table, lengths, layout, 0.1)
-    out, lse = attend_paged(_on(q), _on(cache), _on(table), _on(lengths), layout, 0.1)
+    rope = key_rope_for(name)
+    want_out, want_lse = reference_attend_paged(q, cache, table, lengths, layout, 0.1, rope)
+    out, lse = attend_paged(_on(q), _on(cache), _on(table), _on(lengths), layout, 0.1, rope)
     torch.testing.assert_close(out.cpu(), want_out, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(lse.cpu(), want_lse, rtol=0, atol=ATOL)
     assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu())) and bool(torch.isneginf(lse[1]).all())

@@ -92,12 +92,12 @@ def _wikitext(n_chars: int = 3000) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(model_dir):
-    """auto, q8 and q4d engines (float32 weights, see DECIDED): greedy 32 tokens on PROMPTS, prompt
-    log-probs on two wikitext windows."""
+    """auto, q8, q4d and q4db engines (float32 weights, see DECIDED): greedy 32 tokens on PROMPTS,
+    prompt log-probs on two wikitext windows."""
     spec = {"generate": PROMPTS, "max_tokens": 32, "prompt_logprobs": _wikitext()}
     out = {}
     prefix = _wikitext(1500)[0]
-    for codec in (None, "q8", "q4d"):
+    for codec in (None, "q8", "q4d", "q4db"):
         extra = {}
         if codec == "q4d":  # prefix caching is on by default: two requests sharing a prefix, in turn
             extra["sequential"] = [prefix + " The first question is", prefix + " A second, different, question is"]
@@ -156,6 +156,37 @@ def test_q4d_prompt_logprobs_close_to_auto(runs):
     shift_q4d = sum(abs(a - b) for a, b in zip(auto, q4d)) / len(auto)
     shift_q8 = sum(abs(a - b) for a, b in zip(auto, q8)) / len(auto)
     assert shift_q4d > 3 * shift_q8, (shift_q4d, shift_q8)
+
+
+def test_q4db_keys_before_rope_read_back_in_vllm(runs):
+    """q4db (keys stored before RoPE, turned at read by the token's index in its request) inside
+    vLLM: its prompt log-probs are as close to the full cache's as q4d's at the same bytes (the
+    keys read back are the model's own; a wrong position at read or write, e.g. turned by the slot
+    instead of the token index, moves the shift past 0.3 nats), and its greedy answers are full
+    answers."""
+    auto = [x for row in runs["auto"]["prompt_logprobs"] for x in row]
+    q4d = [x for row in runs["q4d"]["prompt_logprobs"] for x in row]
+    q4db = [x for row in runs["q4db"]["prompt_logprobs"] for x in row]
+    assert len(auto) == len(q4db) > 1000
+    nll_auto, nll_q4db = -sum(auto) / len(auto), -sum(q4db) / len(q4db)
+    assert math.exp(nll_q4db - nll_auto) < 1.03, (nll_auto, nll_q4db)
+    shift_q4d = sum(abs(a - b) for a, b in zip(auto, q4d)) / len(auto)
+    shift_q4db = sum(abs(a - b) for a, b in zip(auto, q4db)) / len(auto)
+    assert shift_q4db < 1.1 * shift_q4d, (shift_q4db, shift_q4d)
+    assert all(len(ids) == 32 for ids in runs["q4db"]["generate"])
+    assert runs["q4db"]["capacity"][0] == runs["q4d"]["capacity"][0]  # the same bytes per slot
+
+
+def test_positions_of_a_mixed_batch():
+    """Each scheduled token's position from the batch metadata: a 3-token prefill chunk after 5
+    cached tokens, a decode step at 9, a first chunk of 2."""
+    import torch
+
+    from kv_cache.integrations.vllm.backend import KVCacheCodecImpl
+
+    pos = KVCacheCodecImpl.positions(torch.tensor([0, 3, 4, 6]), torch.tensor([8, 10, 2]))
+    assert pos.tolist() == [5, 6, 7, 9, 0, 1]
+    assert KVCacheCodecImpl.positions(torch.tensor([0]), torch.tensor([], dtype=torch.long)).tolist() == []
 
 
 def test_capacity_reported_matches_codec_bytes(runs, model_dir):

@@ -14,11 +14,16 @@ where it lies; nothing is gathered or decoded into a new buffer:
   requests' blocks with torch (the test oracle).
 
 The output is float32 with its log-sum-exp, so it merges with other parts of a softmax (§16).
-Nothing here imports vLLM.
+
+Keys stored before RoPE (:class:`PagedRope`, math dictionary §29.9): the kernels turn each
+decoded key to its position, token ``t`` of a request at position ``t`` (vLLM's positions), the
+angles of a tile stepped from its first token by the angle-addition recurrence; no per-sequence
+state, so a block stays self-contained. Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -120,13 +125,57 @@ class SlotLayout:
         return k.contiguous(), v.contiguous()
 
 
+@dataclass(frozen=True, eq=False)
+class PagedRope:
+    """Keys stored before RoPE in a paged cache, turned at read (math dictionary §29.9)::
+
+        k[t] = scaling * R(t) k_stored[t]      (token t of a request at position t)
+
+    ``R(p)`` turns channel pair ``i`` by ``p * inv_freq[i]`` (``layout`` ``"half"``: channels ``i``
+    and ``i + r/2``; ``"interleaved"``: ``2i`` and ``2i + 1``); channels past ``r = 2 len(inv_freq)``
+    pass through unscaled (partial rotary), as in :class:`~kv_cache.kernels.KeyRope`.
+
+    Attributes
+    ----------
+    inv_freq : torch.Tensor, float32, ``[r/2]``
+    layout : {"half", "interleaved"}
+    scaling : float
+        The rope type's attention scaling (1 for plain RoPE), > 0.
+    """
+
+    inv_freq: torch.Tensor
+    layout: str = "half"
+    scaling: float = 1.0
+
+    def check(self, d: int) -> None:
+        """Raise ``TypeError``/``ValueError`` unless the frame fits ``d``-channel keys."""
+        from .qblock import ROPE_LAYOUTS
+
+        if self.layout not in ROPE_LAYOUTS:
+            raise ValueError(f"PagedRope.layout must be one of {list(ROPE_LAYOUTS)}; got {self.layout!r}")
+        w = self.inv_freq
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or w.dim() != 1 or w.numel() == 0 \
+                or 2 * w.numel() > d:
+            raise ValueError(f"PagedRope.inv_freq must be float32 [r/2] with 2 <= r <= head_dim {d}; got "
+                             f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
+        if not bool(torch.isfinite(w).all()):
+            raise ValueError("PagedRope.inv_freq must be finite")
+        f = self.scaling
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+            raise ValueError(f"PagedRope.scaling must be a finite number > 0; got {f!r}")
+
+
 def _kind_ids(layout: SlotLayout) -> tuple[int, int]:
     return KEY_KINDS.index(layout.key_kind), VALUE_KINDS.index(layout.value_kind)
 
 
-def _check(q, cache, block_table, lengths, layout) -> None:
+def _check(q, cache, block_table, lengths, layout, key_rope=None) -> None:
     if not isinstance(layout, SlotLayout):
         raise TypeError(f"layout must be a SlotLayout; got {type(layout).__name__}")
+    if key_rope is not None:
+        if not isinstance(key_rope, PagedRope):
+            raise TypeError(f"key_rope must be a PagedRope or None; got {type(key_rope).__name__}")
+        key_rope.check(layout.head_dim)
     for name, t in (("q", q), ("cache", cache), ("block_table", block_table), ("lengths", lengths)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
@@ -149,7 +198,8 @@ def _check(q, cache, block_table, lengths, layout) -> None:
 
 
 def attend_paged(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor,
-                 layout: SlotLayout, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 layout: SlotLayout, scale: float, key_rope: PagedRope | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of each request's queries over its paged tokens, read in place.
 
     Parameters
@@ -164,6 +214,8 @@ def attend_paged(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
     layout : SlotLayout
     scale : float
         Softmax scale.
+    key_rope : PagedRope, optional
+        Keys are stored before RoPE: token ``t`` is turned to position ``t`` at read.
 
     Returns
     -------
@@ -177,7 +229,7 @@ def attend_paged(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
     ValueError
         Shapes or dtypes that do not match, or a block id outside the cache.
     """
-    _check(q, cache, block_table, lengths, layout)
+    _check(q, cache, block_table, lengths, layout, key_rope)
     r, h, m, d = q.shape
     ext = _select.compiled_for((q, cache, block_table, lengths))
     if ext is not None:
@@ -188,12 +240,15 @@ def attend_paged(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         kk, vk = _kind_ids(layout)
         ext.attend_paged(qf, cache.contiguous(), block_table.to(torch.int32), lengths.long().contiguous(), kk,
                          layout.key_bits, klut, vk, layout.value_bits, vlut, layout.norm_table,
-                         list(layout.offsets[:4]), float(scale), out, lse, _build.isa_flag())
+                         list(layout.offsets[:4]), float(scale), out, lse, _build.isa_flag(),
+                         None if key_rope is None else key_rope.inv_freq.contiguous(),
+                         int(key_rope is not None and key_rope.layout == "interleaved"),
+                         1.0 if key_rope is None else float(key_rope.scaling))
         return out.view(r, h, m, d), lse.view(r, h, m)
     tri = _select.triton_for((q, cache, block_table, lengths))
     if tri is not None:
-        return tri.attend_paged(q, cache, block_table, lengths, layout, float(scale))
-    return reference_attend_paged(q, cache, block_table, lengths, layout, scale)
+        return tri.attend_paged(q, cache, block_table, lengths, layout, float(scale), key_rope=key_rope)
+    return reference_attend_paged(q, cache, block_table, lengths, layout, scale, key_rope)
 
 
 def write_paged(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
@@ -304,11 +359,22 @@ def decode_slots(raw: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, t
     return k, v
 
 
+def turn_keys(k: torch.Tensor, first: int, key_rope: PagedRope) -> torch.Tensor:
+    """Keys stored before RoPE ``[..., T, D]`` of consecutive positions ``first .. first + T - 1``
+    -> the keys the model rotated (float32; :func:`kv_cache.compression.rope.rotate`)."""
+    from ..compression.rope import rotate
+
+    pos = first + torch.arange(k.shape[-2], device=k.device)
+    return rotate(k.float(), pos, key_rope.inv_freq, float(key_rope.scaling), key_rope.layout)
+
+
 def reference_attend_paged(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor,
-                           layout: SlotLayout, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attend_paged` in torch: each request's blocks decoded (:func:`decode_slots`), then
-    attended in float32. Same arguments and returns."""
-    _check(q, cache, block_table, lengths, layout)
+                           layout: SlotLayout, scale: float, key_rope: PagedRope | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend_paged` in torch: each request's blocks decoded (:func:`decode_slots`, keys
+    turned by :func:`turn_keys` under ``key_rope``), then attended in float32. Same arguments and
+    returns."""
+    _check(q, cache, block_table, lengths, layout, key_rope)
     r, h, m, d = q.shape
     bs = cache.shape[2]
     out = torch.zeros(r, h, m, d, dtype=torch.float32, device=q.device)
@@ -323,11 +389,13 @@ def reference_attend_paged(q: torch.Tensor, cache: torch.Tensor, block_table: to
         k, v = decode_slots(cache[blocks], layout)  # [nb, H, bs, D]
         k = k.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n]
         v = v.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n]
+        if key_rope is not None:
+            k = turn_keys(k, 0, key_rope)
         s = torch.einsum("hmd,htd->hmt", q[i].float(), k) * scale
         lse[i] = torch.logsumexp(s, dim=-1)
         out[i] = torch.einsum("hmt,htd->hmd", torch.softmax(s, dim=-1), v)
     return out, lse
 
 
-__all__ = ["GROUP", "KEY_KINDS", "VALUE_KINDS", "SlotLayout", "attend_paged", "decode_slots",
-           "reference_attend_paged", "write_paged"]
+__all__ = ["GROUP", "KEY_KINDS", "VALUE_KINDS", "PagedRope", "SlotLayout", "attend_paged", "decode_slots",
+           "reference_attend_paged", "turn_keys", "write_paged"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import backend
-from ...kernels.paged import attend_paged
+from ...kernels.paged import PagedRope, attend_paged, turn_keys
 from .blocks import slot_layout
 from .codecs import PagedCodec, read_blocks
 
@@ -79,6 +79,7 @@ def attend(
     scale: float,
     blocks_per_step: int = 8,
     kernels: bool | None = None,
+    key_rope: PagedRope | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``Q`` new tokens per request over paged codes plus themselves.
 
@@ -102,11 +103,16 @@ def attend(
     kernels : bool, optional
         Read the codes with the compiled / Triton kernels (True) or decode each part with torch
         (False); None: the kernels where :func:`kernels_serve` says they serve the device.
+    key_rope : PagedRope, optional
+        The layer's frame for codecs storing keys before RoPE (``codec.pre_rope``; required
+        there): cached token ``t`` is turned to position ``t`` at read.
 
     Returns
     -------
     torch.Tensor, float32, ``[R, Q, Hq, D]``
     """
+    if codec.pre_rope and key_rope is None:
+        raise ValueError(f"kv_cache codec {codec.name!r} stores keys before RoPE: pass key_rope (the layer's frame)")
     r, nq, hq, d = q.shape
     h = cache.shape[1]
     bs = cache.shape[2]
@@ -120,7 +126,7 @@ def attend(
     if kernels is None:
         kernels = n_blocks > 0 and kernels_serve(dev)
     read = _cached_by_kernels if kernels else _cached_by_torch
-    state = read(qf, cache, table, n_cached, codec, scale, blocks_per_step)
+    state = read(qf, cache, table, n_cached, codec, scale, blocks_per_step, key_rope if codec.pre_rope else None)
     # the step's own tokens, causal: expand keys to the query heads
     o, lse = state
     o = o.view(r, h, g, nq, d).reshape(r, hq, nq, d)
@@ -143,14 +149,16 @@ def attend(
 
 
 def _cached_by_kernels(qf: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, n_cached: torch.Tensor,
-                       codec: PagedCodec, scale: float, blocks_per_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       codec: PagedCodec, scale: float, blocks_per_step: int,
+                       key_rope: PagedRope | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(output, log-sum-exp)`` of queries ``qf`` ``[R, H, M, D]`` over each request's cached
     tokens, read by the kernels through the block table, in place (``blocks_per_step`` unused)."""
-    return attend_paged(qf, cache, table, n_cached.to(table.device), slot_layout(codec), scale)
+    return attend_paged(qf, cache, table, n_cached.to(table.device), slot_layout(codec), scale, key_rope)
 
 
 def _cached_by_torch(qf: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, n_cached: torch.Tensor,
-                     codec: PagedCodec, scale: float, blocks_per_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     codec: PagedCodec, scale: float, blocks_per_step: int,
+                     key_rope: PagedRope | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(output, log-sum-exp)`` of queries ``qf`` ``[R, H, M, D]`` over each request's cached
     tokens: ``blocks_per_step`` blocks at a time decoded, attended with torch's flash kernel, dropped."""
     r, h, m, d = qf.shape
@@ -166,6 +174,8 @@ def _cached_by_torch(qf: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
         k, v = read_blocks(cache, blk, codec)  # [R, c, H, bs, D]
         k = k.permute(0, 2, 1, 3, 4).reshape(r, h, c * bs, d)
         v = v.permute(0, 2, 1, 3, 4).reshape(r, h, c * bs, d)
+        if key_rope is not None:  # token j0 * bs + i of the part at its position
+            k = turn_keys(k, j0 * bs, key_rope)
         mask = None
         if uniform:  # one length for every request: slice, no mask
             t = min(c * bs, n_max - j0 * bs)

@@ -13,6 +13,13 @@ Per step: ``do_kv_cache_update`` encodes the step's keys and values into their s
 attends each request over its earlier tokens read from the codes, block by block
 (:func:`.attention.attend`), plus the step's own tokens in full precision. Decode requests of a
 batch are attended together; each prefill chunk on its own.
+
+The codecs storing keys before RoPE (``q4db``, ``q3db``, ``q2db``) encode inside ``forward``
+(``forward_includes_kv_cache_update``), where the batch's metadata gives each token's position
+(its index in its request): keys are turned back with the layer's rotary frame, read from the
+model's config (:func:`kv_cache.cache.rope_frame.rope_frames`; a model without RoPE or with
+multimodal RoPE is refused when the layer is built, a layer without RoPE stores its keys as they
+arrive).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from .attention import attend
+from .blocks import paged_rope
 from .codecs import CODECS, KEY_GROUP, PagedCodec, first_kv_head, value_rotations, write_slots
 from .settings import PluginSettings
 
@@ -181,6 +189,16 @@ class KVCacheCodecImpl(AttentionImpl[KVCacheCodecMetadata]):
         self._rotation_ready = False
         cfg = get_current_vllm_config_or_none()  # set while vLLM builds the model
         self._total_kv_heads = None if cfg is None else cfg.model_config.get_total_num_kv_heads()
+        self._frames = None
+        if self.codec.pre_rope:  # refused here (a clear error at build) for models without RoPE
+            if cfg is None:
+                raise ValueError(f"kv_cache codec {self.codec.name!r} stores keys before RoPE and needs the model's "
+                                 "config (no current vLLM config)")
+            from ...cache.rope_frame import rope_frames
+
+            self._frames = rope_frames(cfg.model_config.hf_config, head_size)
+        self._frame_ready = False
+        self._frame = self._key_rope = None
 
     def _first_head(self) -> int:
         """The model-wide index of this rank's first kv head (0 without tensor parallelism)."""
@@ -200,12 +218,39 @@ class KVCacheCodecImpl(AttentionImpl[KVCacheCodecMetadata]):
             self._rotation_ready = True
         return self._rotation
 
+    def _layer_frame(self, layer):
+        """``(RopeFrame, PagedRope)`` of this layer for pre-RoPE codecs; ``(None, None)`` otherwise
+        (and for a layer without RoPE, whose keys are stored as they arrive)."""
+        if not self._frame_ready:
+            if self._frames is not None:
+                index = extract_layer_index(layer.layer_name)
+                if not 0 <= index < len(self._frames):
+                    raise ValueError(f"layer {layer.layer_name!r} (index {index}) is outside the model config's "
+                                     f"{len(self._frames)} layers")
+                self._frame = self._frames[index]
+                self._key_rope = None if self._frame is None else paged_rope(self._frame)
+            self._frame_ready = True
+        return self._frame, self._key_rope
+
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
         n = slot_mapping.shape[0]
         if n == 0:
             return
+        if self.codec.pre_rope:
+            raise RuntimeError(f"kv_cache codec {self.codec.name!r} encodes inside forward (it needs the tokens' "
+                               "positions); vLLM called do_kv_cache_update for it")
         write_slots(kv_cache, key[:n], value[:n], slot_mapping, self.codec, self._rot(layer, key.device))
+
+    @staticmethod
+    def positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Each scheduled token's position, int64 ``[N]``: request ``i``'s ``q_i`` tokens are the
+        last of its ``seq_lens[i]`` (``q_i = query_start_loc[i + 1] - query_start_loc[i]``)."""
+        qsl = query_start_loc.long()
+        qlen = qsl[1:] - qsl[:-1]
+        n = int(qsl[-1]) if qsl.numel() else 0
+        owner = torch.repeat_interleave(torch.arange(qlen.numel()), qlen, output_size=n)
+        return seq_lens.long()[owner] - qlen[owner] + (torch.arange(n) - qsl[:-1][owner])
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: KVCacheCodecMetadata | None, output: torch.Tensor | None = None,
@@ -216,6 +261,13 @@ class KVCacheCodecImpl(AttentionImpl[KVCacheCodecMetadata]):
             return output
         n = attn_metadata.num_actual_tokens
         rot = self._rot(layer, query.device)
+        frame, key_rope = self._layer_frame(layer)
+        codec = self.codec if frame is not None or not self.codec.pre_rope else PagedCodec(self.codec.name[:-1],
+                                                                                          self.head_size)
+        if self.codec.pre_rope and n:  # encode here: the metadata gives each token's position
+            pos = self.positions(attn_metadata.query_start_loc, attn_metadata.seq_lens)[:n]
+            write_slots(kv_cache, key[:n], value[:n], attn_metadata.slot_mapping[:n], codec, rot,
+                        rope=frame, positions=pos)
         qsl = attn_metadata.query_start_loc.tolist()
         seq = attn_metadata.seq_lens.tolist()
         out = output[:n].view(n, self.num_heads, self.head_size)
@@ -229,15 +281,15 @@ class KVCacheCodecImpl(AttentionImpl[KVCacheCodecMetadata]):
             rows = torch.tensor(decodes)
             n_cached = torch.tensor([seq[i] - 1 for i in decodes])
             res = attend(q[idx][:, None], kv_cache, attn_metadata.block_table[rows], n_cached, k[idx][:, None],
-                         v[idx][:, None], self.codec, rot, self.scale, step)
+                         v[idx][:, None], codec, rot, self.scale, step, key_rope=key_rope)
             out[idx] = res[:, 0].to(out.dtype)
         for i in range(len(seq)):
             a, b = qsl[i], qsl[i + 1]
             if b - a <= 1:
                 continue
             res = attend(q[None, a:b], kv_cache, attn_metadata.block_table[i:i + 1],
-                         torch.tensor([seq[i] - (b - a)]), k[None, a:b], v[None, a:b], self.codec, rot,
-                         self.scale, step)
+                         torch.tensor([seq[i] - (b - a)]), k[None, a:b], v[None, a:b], codec, rot,
+                         self.scale, step, key_rope=key_rope)
             out[a:b] = res[0].to(out.dtype)
         return output
 
@@ -262,9 +314,22 @@ class KVCacheQ4Backend(KVCacheCodecBackend):
     codec_name: ClassVar[str | None] = "q4"
 
 
+class KVCacheQ4dbBackend(KVCacheCodecBackend):
+    codec_name: ClassVar[str | None] = "q4db"
+    forward_includes_kv_cache_update: bool = True  # positions come with the forward's metadata
+
+
+class KVCacheQ3dbBackend(KVCacheQ4dbBackend):
+    codec_name: ClassVar[str | None] = "q3db"
+
+
+class KVCacheQ2dbBackend(KVCacheQ4dbBackend):
+    codec_name: ClassVar[str | None] = "q2db"
+
+
 BACKEND_CLASSES: dict[str, type[KVCacheCodecBackend]] = {
     "q8": KVCacheQ8Backend, "q4d": KVCacheQ4dBackend, "q3d": KVCacheQ3dBackend, "q2d": KVCacheQ2dBackend,
-    "q4": KVCacheQ4Backend,
+    "q4": KVCacheQ4Backend, "q4db": KVCacheQ4dbBackend, "q3db": KVCacheQ3dbBackend, "q2db": KVCacheQ2dbBackend,
 }
 """One backend class per codec (``customize_spec`` gets no config, so the class carries the codec)."""
 if set(BACKEND_CLASSES) != set(CODECS):

@@ -10,15 +10,16 @@ Each :class:`~.codecs.PagedCodec` maps to a :class:`~kv_cache.kernels.paged.Slot
   slot's 8-bit log-coded norm (§18.8), in the rotated basis;
 * KIVI values -> ``token_channel_groups``: ``m_j + s_j * code`` per 32 channels.
 
-The kernels then walk the block table and read the codes where vLLM keeps them. Nothing here
-imports vLLM.
+The kernels then walk the block table and read the codes where vLLM keeps them. The ``*b``
+codecs' keys stored before RoPE are turned at read by the layer's :func:`paged_rope`. Nothing
+here imports vLLM.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-from ...kernels.paged import SlotLayout
+from ...kernels.paged import PagedRope, SlotLayout
 from .codecs import PagedCodec, log_norm_table, value_levels
 
 _KEYS = {"channel": "channel_groups", "token_int8": "token_int8"}
@@ -36,4 +37,9 @@ def slot_layout(codec: PagedCodec) -> SlotLayout:
                       codec.value_bits, codec.offsets(), levels, norms)
 
 
-__all__ = ["slot_layout"]
+def paged_rope(frame) -> PagedRope:
+    """The kernels' :class:`PagedRope` of a layer's :class:`~kv_cache.cache.rope_frame.RopeFrame`."""
+    return PagedRope(frame.inv_freq.float().contiguous(), frame.layout, float(frame.scaling))
+
+
+__all__ = ["paged_rope", "slot_layout"]

@@ -25,7 +25,18 @@ q3d    as q4d with 3-bit codes                                          3D/8 + D
 q2d    as q4d with 2-bit codes                                          D/4 + D/8 + D/4 + 1
 q4     KIVI: keys as q4d; values per token, uniform 4-bit in groups of  D/2 + D/8 + D/2 + D/8
        32 channels, fp16 scale and minimum per group                    (80)
+q4db   as q4d, keys stored before RoPE (below)                          as q4d
+q3db   as q3d, keys stored before RoPE                                  as q3d
+q2db   as q2d, keys stored before RoPE                                  as q2d
 =====  ==============================================================  =====================
+
+**Keys before RoPE** (the ``*b`` codecs, math dictionary §29.9). vLLM hands the backend keys
+already rotated at their positions; these codecs turn each key back (``k = R(p)^T k' / f``, the
+layer's :class:`~kv_cache.cache.rope_frame.RopeFrame`) before its per-channel group is encoded,
+and the attention turns it again at read, token ``t`` of a request at position ``t``. Before RoPE a
+key channel's offset is a constant instead of a rotating pair, so the per-channel ranges of a
+group are narrower and the same bytes hold finer steps. Positions are the tokens' indices in the
+block table, so a block still holds no per-sequence state (prefix caching shares it as before).
 
 **Per-channel key groups in a paged cache.** A key group is 32 consecutive slots of one block
 (CPU block sizes are multiples of 32). Its per-channel scale and minimum are only final when the
@@ -60,12 +71,15 @@ VALUE_CHANNEL_GROUP = 32
 """Channels per scale of KIVI's per-token values."""
 
 _SPECS = {
-    # name: (key layout, key bits, value layout, value bits)
-    "q8": ("token_int8", 8, "token_int8", 8),
-    "q4d": ("channel", 4, "rotated_lloyd_max", 4),
-    "q3d": ("channel", 3, "rotated_lloyd_max", 3),
-    "q2d": ("channel", 2, "rotated_lloyd_max", 2),
-    "q4": ("channel", 4, "uniform_channel_groups", 4),
+    # name: (key layout, key bits, value layout, value bits, keys before RoPE)
+    "q8": ("token_int8", 8, "token_int8", 8, False),
+    "q4d": ("channel", 4, "rotated_lloyd_max", 4, False),
+    "q3d": ("channel", 3, "rotated_lloyd_max", 3, False),
+    "q2d": ("channel", 2, "rotated_lloyd_max", 2, False),
+    "q4": ("channel", 4, "uniform_channel_groups", 4, False),
+    "q4db": ("channel", 4, "rotated_lloyd_max", 4, True),
+    "q3db": ("channel", 3, "rotated_lloyd_max", 3, True),
+    "q2db": ("channel", 2, "rotated_lloyd_max", 2, True),
 }
 CODECS: tuple[str, ...] = tuple(_SPECS)
 """Codec names accepted in ``additional_config={"kv_cache": {"codec": ...}}``."""
@@ -78,7 +92,7 @@ class PagedCodec:
 
     Parameters
     ----------
-    name : {"q8", "q4d", "q3d", "q2d", "q4"}
+    name : {"q8", "q4d", "q3d", "q2d", "q4", "q4db", "q3db", "q2db"}
     head_dim : int
         Multiple of 32 for the channel-grouped codecs (KIVI values, the key metadata share), of 8
         for q8.
@@ -112,6 +126,11 @@ class PagedCodec:
     @property
     def value_bits(self) -> int:
         return _SPECS[self.name][3]
+
+    @property
+    def pre_rope(self) -> bool:
+        """Keys stored before RoPE (turned back at write, turned at read)."""
+        return _SPECS[self.name][4]
 
     @property
     def rotated_values(self) -> bool:
@@ -393,6 +412,8 @@ def write_slots(
     codec: PagedCodec,
     rotation: torch.Tensor | None,
     kernels: bool | None = None,
+    rope=None,
+    positions: torch.Tensor | None = None,
 ) -> None:
     """Encode tokens into their slots of a paged cache, in place.
 
@@ -409,11 +430,17 @@ def write_slots(
     kernels : bool, optional
         Encode with the compiled kernel (:func:`kv_cache.kernels.paged.write_paged`, one call) where
         it serves the cache (None, the default), or always with the torch ops below (False).
+    rope : RopeFrame, optional
+        The layer's rotary frame (:mod:`kv_cache.cache.rope_frame`); required by the ``*b``
+        codecs, which store keys before RoPE.
+    positions : torch.Tensor, int, ``[N]``, optional
+        Each token's position (its index in its request); required with ``rope``.
 
     Raises
     ------
     ValueError
-        Shapes that do not match the codec, a block size that is not a multiple of 32.
+        Shapes that do not match the codec, a block size that is not a multiple of 32, a
+        pre-RoPE codec without its frame or positions.
     """
     if cache.dtype != torch.uint8 or cache.ndim != 4 or cache.shape[-1] != codec.slot_bytes:
         raise ValueError(f"cache must be uint8 [blocks, kv_heads, block_size, {codec.slot_bytes}]; "
@@ -423,11 +450,25 @@ def write_slots(
     h, d = cache.shape[1], codec.head_dim
     if key.shape != value.shape or key.ndim != 3 or key.shape[1:] != (h, d):
         raise ValueError(f"key and value must be [N, {h}, {d}]; got {tuple(key.shape)} and {tuple(value.shape)}")
+    if codec.pre_rope:
+        if rope is None or positions is None:
+            raise ValueError(f"kv_cache codec {codec.name!r} stores keys before RoPE: pass the layer's rope frame "
+                             "and each token's position (or use the codec without 'b', e.g. "
+                             f"{codec.name[:-1]!r})")
+        if positions.dim() != 1 or positions.shape[0] != key.shape[0] or positions.is_floating_point():
+            raise ValueError(f"positions must be an int [N={key.shape[0]}] tensor; got {positions.dtype} "
+                             f"{tuple(positions.shape)}")
+        if positions.numel() and int(positions.min()) < 0:
+            raise ValueError(f"positions must be >= 0; got {int(positions.min())}")
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+        if codec.pre_rope:
+            positions = positions[keep.to(positions.device)]
     if slot_mapping.numel() == 0:
         return
+    if codec.pre_rope:  # k = R(p)^T k' / f, [N, H, D] float32
+        key = rope.remove(key.float().permute(1, 0, 2)[None], positions.long())[0].permute(1, 0, 2)
     slot = slot_mapping.long()
     total = cache.shape[0] * cache.shape[2]
     if int(slot.max()) >= total:

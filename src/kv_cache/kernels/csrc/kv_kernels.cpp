@@ -299,6 +299,8 @@ struct PagedArgs {
   float scaling = 1.0f;
   int64_t chunk = 0, chunks = 0;      // tokens per item, items per row
   float *pm, *pl, *pacc;              // [items, M], [items, M], [items, M, pad(D)]
+  const KeyRope* rope = nullptr;      // keys stored before RoPE: token t turned to position t (tab, half,
+                                      // interleaved, factor; no positions array)
 };
 
 // q[c] = number of midpoints strictly below x[c] / s (the nearest level; ties go down);
@@ -545,6 +547,26 @@ void dequantize(const at::Tensor& codes, int64_t bits, const at::Tensor& lut, in
 // int32 [R, N] contiguous, or, for a flat ragged block, [R, N] with row stride 0 (the buffer's
 // tokens, read at the row's offset); inv_freq float32 [half]; mean, scale float32 [R, d] or None;
 // signs float32 [H, d] or None. `tab` receives the doubling table.
+// rope.tab <- (cos, sin)(2^j w_i) for j < kRopeBits (in tab): one sincos per pair, then doubled
+// in float64; rope.half <- the pairs.
+static void rope_doubling_table(const at::Tensor& w, KeyRope& rope, std::vector<float>& tab) {
+  rope.half = static_cast<int>(w.numel());
+  tab.resize(static_cast<size_t>(kRopeBits) * 2 * rope.half);
+  const float* wp = w.data_ptr<float>();
+  for (int i = 0; i < rope.half; ++i) {
+    double c = std::cos(static_cast<double>(wp[i])), sn = std::sin(static_cast<double>(wp[i]));
+    for (int j = 0; j < kRopeBits; ++j) {
+      tab[(2 * j) * rope.half + i] = static_cast<float>(c);
+      tab[(2 * j + 1) * rope.half + i] = static_cast<float>(sn);
+      const double c2 = c * c - sn * sn, s2 = 2.0 * sn * c;
+      const double norm = 1.0 / std::sqrt(c2 * c2 + s2 * s2);  // stay on the unit circle
+      c = c2 * norm;
+      sn = s2 * norm;
+    }
+  }
+  rope.tab = tab.data();
+}
+
 static void make_rope(const std::vector<c10::optional<at::Tensor>>& k_rope, int64_t interleaved, double factor,
                       const BlockView& K, KeyRope& rope, std::vector<float>& tab) {
   TORCH_CHECK(k_rope.size() == 5 && k_rope[0].has_value() && k_rope[1].has_value(), "k_rope");
@@ -558,23 +580,9 @@ static void make_rope(const std::vector<c10::optional<at::Tensor>>& k_rope, int6
                   2 * w.numel() <= K.d, "k_rope inv_freq: float32 [half], 2 * half <= d");
   rope.pos = pos.data_ptr<int32_t>();
   rope.pitch = K.off ? 0 : K.N;
-  rope.half = static_cast<int>(w.numel());
   rope.interleaved = interleaved != 0;
   rope.factor = static_cast<float>(factor);
-  tab.resize(static_cast<size_t>(kRopeBits) * 2 * rope.half);
-  const float* wp = w.data_ptr<float>();
-  for (int i = 0; i < rope.half; ++i) {  // one sincos per pair, then doubled in float64
-    double c = std::cos(static_cast<double>(wp[i])), sn = std::sin(static_cast<double>(wp[i]));
-    for (int j = 0; j < kRopeBits; ++j) {
-      tab[(2 * j) * rope.half + i] = static_cast<float>(c);
-      tab[(2 * j + 1) * rope.half + i] = static_cast<float>(sn);
-      const double c2 = c * c - sn * sn, s2 = 2.0 * sn * c;
-      const double norm = 1.0 / std::sqrt(c2 * c2 + s2 * s2);  // stay on the unit circle
-      c = c2 * norm;
-      sn = s2 * norm;
-    }
-  }
-  rope.tab = tab.data();
+  rope_doubling_table(w, rope, tab);
   for (int m = 2; m < 4; ++m)
     if (k_rope[m].has_value()) {
       const at::Tensor& t = *k_rope[m];

@@ -3,12 +3,14 @@
 // merge. Python side: src/kv_cache/kernels/paged.py (validation, layouts). Math §28.5.
 
 // q [R * H, M, D] float32; cache uint8 [blocks, H, bs, sw] (contiguous); table int32 [R, nb];
-// lengths int64 [R]; offsets (ko, kmo, vo, vmo); out [R * H, M, D], lse [R * H, M] float32.
+// lengths int64 [R]; offsets (ko, kmo, vo, vmo); out [R * H, M, D], lse [R * H, M] float32;
+// rope_inv_freq float32 [half] or None: keys stored before RoPE, token t turned to position t.
 // Block ids a request needs are checked against the cache (ValueError).
 void attend_paged(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table, const at::Tensor& lengths,
                   int64_t k_kind, int64_t k_bits, const at::Tensor& k_lut, int64_t v_kind, int64_t v_bits,
                   const at::Tensor& v_lut, const c10::optional<at::Tensor>& norm_table,
-                  const std::vector<int64_t>& offsets, double scaling, at::Tensor& out, at::Tensor& lse, int64_t isa) {
+                  const std::vector<int64_t>& offsets, double scaling, at::Tensor& out, at::Tensor& lse, int64_t isa,
+                  const c10::optional<at::Tensor>& rope_inv_freq, int64_t rope_interleaved, double rope_factor) {
   TORCH_CHECK(cache.scalar_type() == at::kByte && cache.dim() == 4 && cache.is_contiguous(), "cache");
   TORCH_CHECK(table.scalar_type() == at::kInt && table.dim() == 2 && table.stride(1) == 1, "table");
   TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() && lengths.numel() == table.size(0),
@@ -49,6 +51,18 @@ void attend_paged(const at::Tensor& q, const at::Tensor& cache, const at::Tensor
     a.norm_table = norm_table->data_ptr<float>();
   }
   a.scaling = static_cast<float>(scaling);
+  // keys before RoPE: token t of a request turned to position t (math §29.9)
+  KeyRope rope;
+  std::vector<float> rope_tab;
+  if (rope_inv_freq.has_value()) {
+    const at::Tensor& w = *rope_inv_freq;
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 1 && w.numel() >= 1 &&
+                    2 * w.numel() <= a.D, "rope inv_freq: float32 [half], 2 * half <= head_dim");
+    rope_doubling_table(w, rope, rope_tab);
+    rope.interleaved = rope_interleaved != 0;
+    rope.factor = static_cast<float>(rope_factor);
+    a.rope = &rope;
+  }
   // lengths clipped to the table; the block ids they need are checked
   std::vector<int64_t> len(R);
   int64_t total = 0, longest = 0;

@@ -32,13 +32,16 @@ static void attend_paged_item(const PagedArgs& a, int64_t item, Scratch& s) {
       2 * static_cast<size_t>(dp),  // sK mK
       static_cast<size_t>(T) * (2 * J + 1),  // per-token factors / KIVI scales and minima
       3 * static_cast<size_t>(M),   // m l bK
+      2 * static_cast<size_t>(dp),  // rc rs: the angles of keys before RoPE
   };
-  float* buf[9];
+  float* buf[10];
   carve(s.f0, sizes, buf);
   float *qs = buf[0], *qt = buf[1], *Kb = buf[2], *Vb = buf[3], *S = buf[4], *acc = buf[5];
   float *sK = buf[6], *mK = sK + dp, *f = buf[7], *m = buf[8];
   float* l = m + M;
   float* bK = l + M;
+  float *rc = buf[9], *rs = rc + dp;
+  const KeyRope* rope = a.rope;
   std::fill(Kb, Kb + sizes[2], 0.0f);
   std::fill(Vb, Vb + sizes[3], 0.0f);
   std::fill(acc, acc + sizes[5], 0.0f);
@@ -68,7 +71,35 @@ static void attend_paged_item(const PagedArgs& a, int64_t item, Scratch& s) {
       prefetch_range(a.cache + ((nb * a.H + h) * a.bs + (t0 + T) % a.bs) * W_, static_cast<int64_t>(T) * W_);
     }
     // ---- keys -> scores S[g][t]
-    if (a.k_kind == kPagedKeyChannel) {
+    if (rope) {  // keys before RoPE: k_t = f R(t0 + t) k_hat_t, each row turned once, then q . k
+      if (a.k_kind == kPagedKeyChannel) {
+        uint8_t* gm = reinterpret_cast<uint8_t*>(half);
+        for (int i = 0; i < T; ++i) std::memcpy(gm + i * a.kmb, slot + i * W_ + a.kmo, a.kmb);
+        for (int c = 0; c < D; ++c) {  // A = f s, C = f m (f = 1 past the pairs)
+          const float fc = c < 2 * rope->half ? rope->factor : 1.0f;
+          sK[c] = fc * h2f(half[c]);
+          mK[c] = fc * h2f(half[D + c]);
+        }
+        decode_tile<kNoScale>(slot + a.ko, W_, nt, D, a.k_bits, a.klut, nullptr, 0, Kb, dp);
+        for (int t = 0; t < nt; ++t) {
+          float* row = Kb + static_cast<size_t>(t) * dp;
+          for (int c = 0; c < dp; c += W) vstore(row + c, vfma(vload(sK + c), vload(row + c), vload(mK + c)));
+        }
+      } else {
+        for (int t = 0; t < nt; ++t) f[t] = f16(slot + t * W_ + a.kmo);
+        decode_tile<kTokenScale>(slot + a.ko, W_, nt, D, 8, a.klut, f, 1, Kb, dp);
+        if (rope->factor != 1.0f)
+          for (int t = 0; t < nt; ++t) scale_row(Kb + static_cast<size_t>(t) * dp, 2 * rope->half, rope->factor);
+      }
+      for (int t = 0; t < nt; ++t) {  // exact angles at the tile's first token, then one step each
+        if (t == 0)
+          rope_at(rc, rs, rope->tab, rope->half, static_cast<int32_t>(t0));
+        else
+          rope_advance(rc, rs, rope->tab, rope->half, 1u);
+        rope_row(Kb + static_cast<size_t>(t) * dp, rc, rs, rope->half, rope->interleaved);
+      }
+      dots(qs, dp, M, Kb, dp, nt, dp, S, T);
+    } else if (a.k_kind == kPagedKeyChannel) {
       // the group's metadata: 32 slots x kmb bytes = float16 [2, D] (scales, then minima)
       uint8_t* gm = reinterpret_cast<uint8_t*>(half);
       for (int i = 0; i < T; ++i) std::memcpy(gm + i * a.kmb, slot + i * W_ + a.kmo, a.kmb);

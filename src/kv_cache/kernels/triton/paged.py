@@ -7,6 +7,11 @@ multiples of 32), loads the tile's slots where they lie in the paged cache, deco
 registers (``m + s * code`` per-channel key groups, ``s * (byte - 128)`` int8, ``norm * level``
 or ``m_j + s_j * code`` values) and runs the online softmax of :mod:`.attend`; the chunks are
 then merged by log-sum-exp (``attend._merge``). Float32 dot products (``input_precision="ieee"``).
+
+Keys stored before RoPE (``ROPE``, math dictionary §29.9): the tile's keys are decoded as the
+two channels of each rotary pair and the channels past the pairs, turned to their positions
+``t0 .. t0 + 31`` (float32 angles reduced modulo ``2 pi``, as :mod:`.attend` does), and scored
+against the query's matching channels.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import triton.language as tl
 
 from ._blocks import pow2
 from ._tiles import levels
-from .attend import _bg, _chunking, _merge, _online, _store_partial
+from .attend import _bg, _chunking, _merge, _online, _pair_channels, _store_partial
 
 BLOCK_N = 32
 """Tokens per tile: one key group."""
@@ -32,12 +37,32 @@ def _f16_at(ptr, mask):
 
 
 @triton.jit
+def _key_cols(cache_ptr, base, tt, tin, cols, cmask, sw, d, KO, KMO, KMB, klut,
+              K_KIND: tl.constexpr, K_BITS: tl.constexpr):
+    """Channels ``cols`` ``[W]`` (masked by ``cmask``) of the tile's keys, dequantized: ``[BN, W]``."""
+    mask2 = tin[:, None] & cmask[None, :]
+    if K_KIND == 0:  # per-channel group: byte 2c of the group's float16 [2, D] is in slot 2c // KMB
+        lv = levels(cache_ptr + KO, base, tt[:, None], cols[None, :], mask2, sw, d * K_BITS // 8, klut, K_BITS)
+        sb = 2 * cols
+        s_ptr = cache_ptr + base + (sb // KMB) * sw + KMO + sb % KMB
+        mb = 2 * d + 2 * cols
+        m_ptr = cache_ptr + base + (mb // KMB) * sw + KMO + mb % KMB
+        kt = _f16_at(m_ptr, cmask)[None, :] + lv * _f16_at(s_ptr, cmask)[None, :]
+    else:  # per-token int8
+        lv = levels(cache_ptr + KO, base, tt[:, None], cols[None, :], mask2, sw, d, klut, 8)
+        kt = lv * _f16_at(cache_ptr + base + tt * sw + KMO, tin)[:, None]
+    return tl.where(mask2, kt, 0.0)
+
+
+@triton.jit
 def _attend_paged(q_ptr, cache_ptr, table_ptr, tab_s0, len_ptr, klut, vlut, ntab,
                   pm_ptr, pl_ptr, pa_ptr, NI, H, M, d, bs, sw, chunk, scaling,
-                  KO, KMO, VO, VMO, KMB,
+                  KO, KMO, VO, VMO, KMB, rw, half, factor,
                   K_KIND: tl.constexpr, K_BITS: tl.constexpr, V_KIND: tl.constexpr, V_BITS: tl.constexpr,
+                  ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, HP: tl.constexpr, RP: tl.constexpr,
                   BN: tl.constexpr, BG: tl.constexpr, DP: tl.constexpr):
-    """Program = (row ``r * H + h``, chunk of ``chunk`` tokens, ``BG`` queries)."""
+    """Program = (row ``r * H + h``, chunk of ``chunk`` tokens, ``BG`` queries); ``ROPE``: keys
+    stored before RoPE, token ``t`` turned to position ``t`` (``rw`` the ``half`` frequencies)."""
     row = tl.program_id(0).to(tl.int64)
     ci = tl.program_id(1)
     gs = tl.program_id(2) * BG + tl.arange(0, BG)
@@ -47,6 +72,14 @@ def _attend_paged(q_ptr, cache_ptr, table_ptr, tab_s0, len_ptr, klut, vlut, ntab
     c = tl.arange(0, DP)
     cmask = c < d
     q = tl.load(q_ptr + (row * M + gs[:, None]) * d + c[None, :], mask=gmask[:, None] & cmask[None, :], other=0.0)
+    ca, cb, cr, pmask = _pair_channels(half, INTERLEAVED, HP, RP)
+    rmask = cr < d
+    if ROPE:
+        qrow = q_ptr + (row * M + gs[:, None]) * d
+        qa = tl.load(qrow + ca[None, :], mask=gmask[:, None] & pmask[None, :], other=0.0)
+        qb = tl.load(qrow + cb[None, :], mask=gmask[:, None] & pmask[None, :], other=0.0)
+        qr = tl.load(qrow + cr[None, :], mask=gmask[:, None] & rmask[None, :], other=0.0)
+        w = tl.load(rw + tl.arange(0, HP), mask=pmask, other=0.0)
     n = tl.load(len_ptr + r)
     lo = ci * chunk
     hi = tl.minimum(lo + chunk, n)
@@ -60,18 +93,21 @@ def _attend_paged(q_ptr, cache_ptr, table_ptr, tab_s0, len_ptr, klut, vlut, ntab
         base = ((blk * H + h) * bs + t0 % bs) * sw  # the tile's first slot
         mask2 = tin[:, None] & cmask[None, :]
         # ---- keys
-        if K_KIND == 0:  # per-channel group: byte 2c of the group's float16 [2, D] is in slot 2c // KMB
-            lv = levels(cache_ptr + KO, base, tt[:, None], c[None, :], mask2, sw, d * K_BITS // 8, klut, K_BITS)
-            sb = 2 * c
-            s_ptr = cache_ptr + base + (sb // KMB) * sw + KMO + sb % KMB
-            mb = 2 * d + 2 * c
-            m_ptr = cache_ptr + base + (mb // KMB) * sw + KMO + mb % KMB
-            kt = _f16_at(m_ptr, cmask)[None, :] + lv * _f16_at(s_ptr, cmask)[None, :]
-        else:  # per-token int8
-            lv = levels(cache_ptr + KO, base, tt[:, None], c[None, :], mask2, sw, d, klut, 8)
-            kt = lv * _f16_at(cache_ptr + base + tt * sw + KMO, tin)[:, None]
-        kt = tl.where(mask2, kt, 0.0)
-        s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scaling
+        if ROPE:  # k' = f R(p) k, p = t0 + tt; the channels past the pairs pass through
+            ka = _key_cols(cache_ptr, base, tt, tin, ca, pmask, sw, d, KO, KMO, KMB, klut, K_KIND, K_BITS) * factor
+            kb = _key_cols(cache_ptr, base, tt, tin, cb, pmask, sw, d, KO, KMO, KMB, klut, K_KIND, K_BITS) * factor
+            kr = _key_cols(cache_ptr, base, tt, tin, cr, rmask, sw, d, KO, KMO, KMB, klut, K_KIND, K_BITS)
+            ang = (t0 + tt).to(tl.float32)[:, None] * w[None, :]
+            turns = tl.floor(ang * 0.15915494309189535 + 0.5)  # 2 pi = 6.28125 (exact times turns) + the rest
+            ang = (ang - turns * 6.28125) - turns * 0.0019353071795864769
+            cs = tl.cos(ang)
+            sn = tl.sin(ang)
+            s = (tl.dot(qa, tl.trans(ka * cs - kb * sn), input_precision="ieee")
+                 + tl.dot(qb, tl.trans(ka * sn + kb * cs), input_precision="ieee")
+                 + tl.dot(qr, tl.trans(kr), input_precision="ieee")) * scaling
+        else:
+            kt = _key_cols(cache_ptr, base, tt, tin, c, cmask, sw, d, KO, KMO, KMB, klut, K_KIND, K_BITS)
+            s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scaling
         s = tl.where(tin[None, :], s, -float("inf"))
         # ---- values
         if V_KIND == 0:  # codebook levels times the slot's log-coded norm
@@ -93,9 +129,10 @@ def _attend_paged(q_ptr, cache_ptr, table_ptr, tab_s0, len_ptr, klut, vlut, ntab
 
 
 def attend_paged(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor,
-                 layout, scale: float, *, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 layout, scale: float, *, splits: int | None = None, key_rope=None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kv_cache.kernels.paged.attend_paged` of validated arguments, on the device of ``q``:
-    ``(out [R, H, M, D], lse [R, H, M])`` float32. ``splits``: programs per row over the tokens."""
+    ``(out [R, H, M, D], lse [R, H, M])`` float32. ``splits``: programs per row over the tokens;
+    ``key_rope``: a :class:`~kv_cache.kernels.paged.PagedRope` (keys stored before RoPE)."""
     from ..paged import KEY_KINDS, VALUE_KINDS  # a cycle otherwise (paged imports _select)
 
     R, H, M, d = q.shape
@@ -122,11 +159,17 @@ def attend_paged(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
     ntab = layout.norm_table.to(dev).contiguous() if layout.norm_table is not None else vlut
     o = layout.offsets
     qf = q.float().contiguous()
+    if key_rope is None:
+        rw, half, factor, rope = klut, 1, 1.0, dict(ROPE=False, INTERLEAVED=False, HP=16, RP=16)
+    else:
+        rw, half, factor = key_rope.inv_freq.to(dev).contiguous(), key_rope.inv_freq.numel(), float(key_rope.scaling)
+        rope = dict(ROPE=True, INTERLEAVED=key_rope.layout == "interleaved", HP=max(16, pow2(half)),
+                    RP=max(16, pow2(d - 2 * half)))
     _attend_paged[(R * H, chunks, gblocks)](
         qf, cache, table, table.stride(0), n, klut, vlut, ntab, pm, pl, pa, chunks, H, M, d, bs, cache.shape[3],
-        chunk, scale, o[0], o[1], o[2], o[3], max(1, o[2] - o[1]),
+        chunk, scale, o[0], o[1], o[2], o[3], max(1, o[2] - o[1]), rw, half, factor,
         K_KIND=KEY_KINDS.index(layout.key_kind), K_BITS=layout.key_bits, V_KIND=VALUE_KINDS.index(layout.value_kind),
-        V_BITS=layout.value_bits, BN=BLOCK_N, BG=BG, DP=max(16, pow2(d)))
+        V_BITS=layout.value_bits, BN=BLOCK_N, BG=BG, DP=max(16, pow2(d)), **rope)
     _merge[(R * H, gblocks)](pm, pl, pa, out, lse, chunks, M, d, BG=BG, DVP=max(16, pow2(d)))
     return out.view(R, H, M, d), lse.view(R, H, M)
 
