@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from kv_cache import CompressedContext, KVzip, QuantConfig
+from kv_cache import CompressedCache, CompressedContext, KVzip, QuantConfig, SnapKV
 from kv_cache.cache import serialize
 from kv_cache.cache.serialize import load_cache, read_info, save_cache
 from kv_cache.codec import CodecBasisError, CodecSettings, load_basis, save_basis
@@ -225,6 +225,61 @@ def test_roundtrip_through_the_codec(stories, basis, tmp_path, eviction):
     assert coarse.cache.get_seq_length() == ctx.cache.get_seq_length()
     assert max(_layer_errors(ctx, coarse)) < 0.5
     assert coarse.ask("What did Tom want?", max_new_tokens=4)  # answers
+
+
+@pytest.fixture(scope="module")
+def prerope_basis(stories, tmp_path_factory):
+    model, tok = stories
+    layers, info = fit_codec_basis(model, tok, [("calib.txt", CALIB)], tokens=1024, window=256, keys_before_rope=True)
+    path = tmp_path_factory.mktemp("codec") / "stories_prerope.safetensors"
+    save_basis(path, layers, model_identity(model), info)
+    return load_basis(path)
+
+
+@pytest.mark.parametrize("eviction", [None, KVzip(budget=0.3), SnapKV(budget=0.4)], ids=["full", "kvzip", "snapkv"])
+def test_keys_coded_before_rope_come_back_at_their_positions(stories, prerope_basis, basis, tmp_path, eviction):
+    """A basis fitted on keys before RoPE (§27.6): each coded key is turned back by its arrival
+    index before its components are taken, and turned again after decoding. At the finest steps
+    the keys come back (exact: a wrong position would turn them by a wrong angle); the kept
+    tokens' positions travel in the file (the context tracks them: full precision with an
+    eviction), so KVzip's ragged heads and their tail and SnapKV's equal heads decode in place."""
+    model, tok = stories
+    assert prerope_basis.keys_before_rope and not basis.keys_before_rope
+    ctx = CompressedContext.build(model, tok, DOC, eviction=eviction)
+    assert all(layer.track_arrivals == (eviction is not None) for layer in ctx.cache.layers)
+    answer = ctx.ask("What did Tom want?", max_new_tokens=10)
+    ctx.save(tmp_path / "fine.kvc", codec=prerope_basis)
+    loaded = CompressedContext.load(tmp_path / "fine.kvc", model, tok, codec=prerope_basis)
+    assert max(_layer_errors(ctx, loaded)) < 5e-3
+    assert loaded.ask("What did Tom want?", max_new_tokens=10) == answer
+    with pytest.raises(ValueError, match="coded with basis"):
+        CompressedContext.load(tmp_path / "fine.kvc", model, tok, codec=basis)
+    # at a byte target the keys before RoPE hold no worse than after it (the same bytes)
+    n = ctx.save(tmp_path / "b.kvc", file_ratio=3.0, codec=prerope_basis)
+    m = ctx.save(tmp_path / "a.kvc", file_ratio=3.0, codec=basis)
+    before = CompressedContext.load(tmp_path / "b.kvc", model, tok, codec=prerope_basis)
+    after = CompressedContext.load(tmp_path / "a.kvc", model, tok, codec=basis)
+    assert abs(n - m) < 0.02 * m
+    assert max(_layer_errors(ctx, before)) < 0.5 and max(_layer_errors(ctx, after)) < 0.5
+
+
+def test_keys_before_rope_need_the_kept_positions(stories, prerope_basis, tmp_path):
+    model, tok = stories
+    ctx = CompressedContext.build(model, tok, DOC, eviction=KVzip(budget=0.3), track_positions=False)
+    with pytest.raises(ValueError, match="kept no positions.*track_positions=True"):
+        ctx.save(tmp_path / "x.kvc", codec=prerope_basis)
+    with pytest.raises(TypeError, match="track_positions must be True or False"):
+        CompressedCache(model.config, track_positions="yes")
+
+
+def test_basis_for_model_prefers_keys_before_rope(stories, basis, prerope_basis):
+    from pathlib import Path
+
+    from kv_cache.codec import basis_for_model
+
+    dirs = [Path(basis.path).parent, Path(prerope_basis.path).parent]
+    assert basis_for_model(stories[0], dirs).fingerprint == prerope_basis.fingerprint
+    assert basis_for_model(stories[0], dirs, keys_before_rope=False).fingerprint == basis.fingerprint
 
 
 def test_kvzap_kept_tokens_go_through_the_codec(stories, basis, tmp_path):

@@ -87,6 +87,12 @@ class CompressedCache(Cache):
         The mean share of the last queries' attention an eviction may drop (in (0, 1]) on a model
         whose every layer attends globally; a hybrid model's limit is this times its share of
         full-attention layers (:func:`~kv_cache.attention.fidelity.eviction_limit`).
+    track_positions : bool, default False
+        Keep, from the first eviction on, which arrivals each head still holds (a bitmap of one
+        bit per token seen and KV head, counted in the bytes; math dictionary §29.6) even where
+        keys are stored after RoPE: what the transform codec needs to code keys before RoPE
+        (:func:`kv_cache.save_cache` with a basis fitted before RoPE, §27.6). Layers storing keys
+        before RoPE always keep it.
 
     With both None the cache behaves exactly like ``DynamicCache``.
 
@@ -100,10 +106,12 @@ class CompressedCache(Cache):
 
     def __init__(self, config: Any, *, quant: QuantConfig | None = None, eviction: EvictionPolicy | None = None,
                  plan: Any = None, strict: bool = False, fidelity_threshold: float = FIDELITY_THRESHOLD,
-                 eviction_threshold: float = EVICTION_THRESHOLD):
+                 eviction_threshold: float = EVICTION_THRESHOLD, track_positions: bool = False):
         check_decoder(config)
         if not isinstance(strict, bool):
             raise TypeError(f"strict must be True or False; got {strict!r}")
+        if not isinstance(track_positions, bool):
+            raise TypeError(f"track_positions must be True or False; got {track_positions!r}")
         if isinstance(fidelity_threshold, bool) or not isinstance(fidelity_threshold, (int, float)) \
                 or not fidelity_threshold > 0:
             raise ValueError(f"fidelity_threshold must be a number > 0; got {fidelity_threshold!r}")
@@ -172,6 +180,8 @@ class CompressedCache(Cache):
         if quant is not None and quant.pre_rope:  # keys stored before RoPE (§29)
             for layer, frame in zip(layers, rope_frames(config, geometry.head_dim)):
                 layer.rope_frame = frame
+        for layer in layers:  # the kept arrivals' bitmap also after RoPE (the transform codec's frame, §27.6)
+            layer.track_arrivals = track_positions
         super().__init__(layers=layers)
         self._shared: dict[int, tuple] = {}
         for layer in self.layers:

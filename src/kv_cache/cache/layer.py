@@ -105,6 +105,7 @@ class CompressedLayer(PreRopeLayer, CompressOnceLayer, TiersLayer, CacheLayerMix
         self.evicted_attention: float | None = None  # the eviction check after KVzip's pass (§26.1)
         self.on_fidelity = None  # the cache's callback once this layer's check is recorded
         self.rope_frame: RopeFrame | None = None  # keys stored before RoPE (§29), set by the cache
+        self.track_arrivals = False  # keep the kept arrivals' bitmap after RoPE too (§27.6), set by the cache
         self.kept_arrivals: torch.Tensor | None = None  # [b, h, ceil(A / 8)] uint8 bitmap, after an eviction (§29.6)
         self.demoted_arrivals: torch.Tensor | None = None  # the same for the evicted tier's tokens
         self._arrived = 0  # tokens appended to the storage so far (implicit positions: the last n of them)
@@ -169,7 +170,7 @@ class CompressedLayer(PreRopeLayer, CompressOnceLayer, TiersLayer, CacheLayerMix
                 self._pending = True if acts else None
                 return given, value_states
             self._view = self.storage.attention_update(key_states, value_states) + self.demoted_blocks()
-            self._arrived += q_len
+            self._grow_arrivals(q_len)
             self._pending = True if acts else None
             return key_states, value_states
         if self.demoted is not None:
@@ -181,7 +182,7 @@ class CompressedLayer(PreRopeLayer, CompressOnceLayer, TiersLayer, CacheLayerMix
             values = torch.cat([values, value_states.to(values.dtype)], dim=2)
         else:
             keys, values = self.storage.update(key_states, value_states)
-            self._arrived += q_len
+            self._grow_arrivals(q_len)
         self._slide()  # the returned states are materialized: the window's oldest tokens can go now
         if acts:
             if self.observed:
@@ -207,9 +208,9 @@ class CompressedLayer(PreRopeLayer, CompressOnceLayer, TiersLayer, CacheLayerMix
         return -1
 
     def reset(self) -> None:
-        kept = (self.observed, self.native, self.share, self.on_fidelity, self.rope_frame)
+        kept = (self.observed, self.native, self.share, self.on_fidelity, self.rope_frame, self.track_arrivals)
         self.__init__(self.layer_idx, self.quant, self.policy, self.window)
-        self.observed, self.native, self.share, self.on_fidelity, self.rope_frame = kept
+        self.observed, self.native, self.share, self.on_fidelity, self.rope_frame, self.track_arrivals = kept
 
     def crop(self, max_length: int) -> None:
         raise RuntimeError(

@@ -52,12 +52,15 @@ class PreRopeLayer:
 
     def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store this call's keys (before RoPE) and values; the kept arrivals grow with them."""
-        q_len = keys.shape[2]
+        self.storage.append(keys, values)
+        self._grow_arrivals(keys.shape[2])
+
+    def _grow_arrivals(self, q_len: int) -> None:
+        """``q_len`` tokens arrived and were stored by every head: the kept arrivals grow with them."""
         if self.kept_arrivals is not None:
             mask = unpack_mask(self.kept_arrivals, self._arrived)
             mask = torch.cat([mask, mask.new_ones(*mask.shape[:2], q_len)], dim=2)
             self.kept_arrivals = pack_mask(mask)
-        self.storage.append(keys, values)
         self._arrived += q_len
 
     def stored_states(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +82,7 @@ class PreRopeLayer:
         eviction about to run has made one: ``batch * kv_heads * ceil(arrivals / 8)``."""
         if self.kept_arrivals is not None:
             return self.kept_arrivals.nbytes
-        if not after_eviction or self.rope_frame is None or self.storage is None:
+        if not after_eviction or not self.keeps_arrivals or self.storage is None:
             return 0
         return self.storage.batch * self.storage.heads * -(-self._arrived // 8)
 
@@ -185,8 +188,14 @@ class PreRopeLayer:
     def _keep_positions(self, keep: torch.Tensor) -> None:
         """Eviction keeps slots ``keep`` (int64 ``[batch, kv_heads, K]`` or bool masks ``[batch,
         kv_heads, T]``): the kept arrivals' bitmap follows (§29.6)."""
-        if self.rope_frame is not None:
+        if self.keeps_arrivals:
             self.kept_arrivals = self.arrivals_of(keep)
+
+    @property
+    def keeps_arrivals(self) -> bool:
+        """Whether an eviction records the arrivals each head keeps: keys stored before RoPE, or
+        a cache asked to (``track_positions``, for the transform codec's frame)."""
+        return self.rope_frame is not None or self.track_arrivals
 
 
 def _kernel_reads(rot, keys) -> bool:

@@ -205,8 +205,9 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike, *, model_config:
 
         if file_bytes is not None and (isinstance(file_bytes, bool) or not isinstance(file_bytes, int) or file_bytes < 1):
             raise ValueError(f"save_cache: file_bytes must be a positive int; got {file_bytes!r}")
+        frames = _frames(config, cache.geometry.head_dim) if getattr(codec, "keys_before_rope", False) else None
         tensors, record = encode_state(w.tensors, layers, codec, lambda t, r: len(serialized(t, r)), file_bytes,
-                                       codec_settings)
+                                       codec_settings, frames=frames)
         data = serialized(tensors, record)
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -337,8 +338,17 @@ def _decode_codec(tensors: dict[str, torch.Tensor], header: dict[str, Any], cach
         raise ValueError(f"{name} is corrupted: tokens seen must be an int in [1, {limit}] (the model's positions); "
                          f"found {tokens!r}")
     geo = cache.geometry
+    before = isinstance(record, dict) and record.get("keys_before_rope") is True
     return decode_state(tensors, record, basis, tokens_seen=tokens, layers=geo.layers, kv_heads=geo.kv_heads,
-                        head_dim=geo.head_dim, where=name)
+                        head_dim=geo.head_dim, where=name, layer_recs=header.get("layers") if before else None,
+                        frames=_frames(cache.config, geo.head_dim) if before else None)
+
+
+def _frames(config: Any, head_dim: int) -> list:
+    """Each layer's rotary frame for the transform codec's keys before RoPE (§27.6)."""
+    from .rope_frame import rope_frames
+
+    return rope_frames(config, head_dim)
 
 
 def load_cache(path: str | os.PathLike, *, model_config: Any, device: str | torch.device | None = None,

@@ -262,7 +262,9 @@ def _encode_layer(layer: CompressedLayer, i: int, w: _Writer) -> dict[str, Any]:
     out["_starts"] = None if layer._starts is None else w.tensor(f"layer{i}._starts", layer._starts)["tensor"]
     if layer.key_offset is not None:
         out["key_offset"] = w.tensor(f"layer{i}.key_offset", layer.key_offset)["tensor"]
-    if layer.rope_frame is not None:  # keys stored before RoPE: the arrivals and their bitmaps (§29.6)
+    if layer.track_arrivals:  # positions kept after RoPE too (the transform codec's frame, §27.6)
+        out["track_arrivals"] = True
+    if layer.keeps_arrivals:  # keys stored before RoPE (or tracked): the arrivals and their bitmaps (§29.6)
         out["arrived"] = int(layer._arrived)
         for name in ("kept_arrivals", "demoted_arrivals"):
             t = getattr(layer, name)
@@ -302,7 +304,11 @@ def _decode_positions(layer: CompressedLayer, d: dict[str, Any], r: _Reader) -> 
     """A layer storing keys before RoPE: its arrivals and bitmaps (§29.6), checked against what
     it holds, since a wrong position would rotate a key by the wrong angle without a sign."""
     layer._arrived = layer.seen  # files of layers without RoPE removed: their arrivals are their tokens
-    if layer.rope_frame is None:
+    tracked = d.get("track_arrivals", False)
+    if tracked is not True and tracked is not False:
+        raise ValueError(f"kv_cache file is corrupted: track_arrivals must be true or false; got {tracked!r}")
+    layer.track_arrivals = tracked or layer.track_arrivals
+    if layer.rope_frame is None and not tracked:
         if any(d.get(k) is not None for k in ("arrived", "kept_arrivals", "demoted_arrivals")):
             raise ValueError("kv_cache file is corrupted: positions saved for a layer that stores keys after RoPE")
         return

@@ -2,7 +2,8 @@
 dictionary §27.1).
 
 The model reads windows of the calibration texts in full precision; per layer, KV head and
-K / V, the PCA of the cached vectors (keys after RoPE, as cached) is written to a safetensors
+K / V, the PCA of the cached vectors (keys after RoPE, as cached; with ``--keys-before-rope``
+turned back by their positions first) is written to a safetensors
 file with a checked header (model identity, texts and their sha256, sha256 of every tensor).
 ``.kvc`` files coded with it name it by its fingerprint; a basis in ``$KV_CACHE_HOME/codecs``
 (the default output) or shipped in the package is found by it. The default texts are the
@@ -29,6 +30,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the safetensors file to write [$KV_CACHE_HOME/codecs/<model>.safetensors]")
     p.add_argument("--tokens", type=int, default=16384, help="tokens of text in all [16384]")
     p.add_argument("--window", type=int, default=2048, help="tokens per prefill window [2048]")
+    p.add_argument("--keys-before-rope", action="store_true",
+                   help="fit the key bases on keys turned back by their positions (math dictionary §27.6)")
     p.set_defaults(_run=run)
     return p
 
@@ -51,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     model, tok = load_model(args.model)
     t0 = time.perf_counter()
     layers, info = fit_codec_basis(model, tok, texts, tokens=args.tokens, window=args.window,
-                                   progress=lambda i, n: print(f"  window {i}/{n}", flush=True))
+                                   progress=lambda i, n: print(f"  window {i}/{n}", flush=True),
+                                   keys_before_rope=args.keys_before_rope)
     fingerprint = save_basis(out, layers, model_identity(model), info)
     print(f"fitted the codec basis of {len(layers)} layers of {args.model} on {info['tokens']:,} tokens "
           f"({', '.join(t['text'] for t in info['texts'])}) in {time.perf_counter() - t0:.0f} s: {out} "

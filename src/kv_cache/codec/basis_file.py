@@ -89,6 +89,12 @@ class CodecBasis:
     path: str | None = None
 
     @property
+    def keys_before_rope(self) -> bool:
+        """Whether the key bases were fitted on keys before RoPE (``info["keys"] == "before_rope"``):
+        the codec then turns each coded key back by its position first (math dictionary §27.6)."""
+        return self.info.get("keys") == "before_rope"
+
+    @property
     def heads(self) -> int:
         return next(iter(self.layers.values())).k_mean.shape[0]
 
@@ -195,9 +201,13 @@ def find_basis(fingerprint: str, directories: list[Path] | None = None) -> Codec
     return None
 
 
-def basis_for_model(model: torch.nn.Module, directories: list[Path] | None = None) -> CodecBasis | None:
-    """The basis fitted on ``model`` among the shipped ones and ``$KV_CACHE_HOME/codecs`` (None: none)."""
+def basis_for_model(model: torch.nn.Module, directories: list[Path] | None = None,
+                    keys_before_rope: bool | None = None) -> CodecBasis | None:
+    """The basis fitted on ``model`` among the shipped ones and ``$KV_CACHE_HOME/codecs`` (None:
+    none). ``keys_before_rope``: only bases fitted before (True) or after (False) RoPE; None:
+    either, one fitted before RoPE first (math dictionary §27.6)."""
     identity = model_identity(model)
+    found = []
     for d in directories if directories is not None else search_dirs():
         if not d.is_dir():
             continue
@@ -207,8 +217,10 @@ def basis_for_model(model: torch.nn.Module, directories: list[Path] | None = Non
             except (CodecBasisError, OSError, ValueError):
                 continue
             if all(head["model"].get(k) == identity.get(k) for k in IDENTITY_KEYS):
-                return load_basis(p)
-    return None
+                before = (head.get("info") or {}).get("keys") == "before_rope"
+                if keys_before_rope is None or before == keys_before_rope:
+                    found.append((not before, len(found), p))
+    return load_basis(min(found)[2]) if found else None
 
 
 def search_dirs() -> list[Path]:

@@ -19,6 +19,13 @@ Per segment (one KV head's ``T`` tokens of one layer, keys and values alike):
 * the integers go, per layer, into one range-ANS stream (:mod:`.ans`) with each component's
   Laplace scale.
 
+With a basis fitted on keys before RoPE (``CodecBasis.keys_before_rope``, math dictionary
+§27.6), each coded key is first turned back by its position, ``k = R(p)^T k' / s`` (the layer's
+:class:`~kv_cache.cache.rope_frame.RopeFrame`), and turned again after decoding; the exact tokens
+stay as they are. A token's position is its arrival index, read from the layer's record: the
+last ``n`` arrivals before any eviction, the set bits of the kept arrivals' bitmap after it
+(``CompressedCache(track_positions=True)``), so nothing is added to the file for them.
+
 Tensors added per coded tensor ``N``: ``N.tc_mean``, ``N.tc_delta``, ``N.tc_scale`` ``[segments,
 d]`` float16 and ``N.tc_exact`` ``[exact rows, d]``; per layer ``layer<i>.tc_stream`` (the ANS
 words as int32). The header's ``codec`` record names the basis by fingerprint and holds, per
@@ -77,12 +84,17 @@ class _Target:
     dtype: str
     heads: list[int]  # per segment: its KV head
     lengths: list[int]  # per segment: its tokens
+    role: str = "storage"  # "storage" (the layer's own), "rows" (a ragged layout's rows), "tail" (after them)
+    tail: int = 0  # "rows": the tokens of the ragged layout's tail, which follow every row
+
+
+ROLES = ("storage", "rows", "tail")
 
 
 def _find_targets(layer_recs: list[dict[str, Any]], tensors: dict[str, torch.Tensor]) -> list[_Target]:
     out = []
 
-    def walk(rec: Any, layer: int) -> None:
+    def walk(rec: Any, layer: int, role: str) -> None:
         if not isinstance(rec, dict):
             return
         cls, attrs = rec.get("class"), rec.get("attrs", {})
@@ -91,21 +103,75 @@ def _find_targets(layer_recs: list[dict[str, Any]], tensors: dict[str, torch.Ten
             k, n = tensors[kname], int(attrs["length"])
             if k.dim() == 4 and k.shape[0] == 1 and n > 0 and k.is_floating_point():
                 out.append(_Target(layer, (kname, vname), "heads", (1, k.shape[1], n, k.shape[3]),
-                                   str(k.dtype).removeprefix("torch."), list(range(k.shape[1])), [n] * k.shape[1]))
+                                   str(k.dtype).removeprefix("torch."), list(range(k.shape[1])), [n] * k.shape[1],
+                                   role))
         elif cls == "PackedRaggedStorage" and isinstance(attrs.get("fp_keys"), dict):
             kname, vname = attrs["fp_keys"]["tensor"], attrs["fp_values"]["tensor"]
             k, heads = tensors[kname], int(attrs["heads"])
             lengths = list(attrs["fp_lengths"]["list"])
+            tail = attrs.get("tail")
+            tail_n = int(tail["attrs"]["length"]) if isinstance(tail, dict) and tail.get("class") == \
+                "FullPrecisionStorage" else 0
             if (k.dim() == 4 and k.shape[:2] == (1, 1) and int(attrs["batch"]) == 1 and len(lengths) == heads
                     and sum(lengths) == k.shape[2] and k.shape[2] > 0 and k.is_floating_point()):
                 out.append(_Target(layer, (kname, vname), "flat", tuple(k.shape), str(k.dtype).removeprefix("torch."),
-                                   list(range(heads)), lengths))
+                                   list(range(heads)), lengths, "rows", tail_n))
         for v in attrs.values():
-            walk(v, layer)
+            walk(v, layer, "tail" if cls == "PackedRaggedStorage" else role)
 
     for i, rec in enumerate(layer_recs):
-        walk(rec.get("storage"), i)
+        walk(rec.get("storage"), i, "storage")
     return out
+
+
+def segment_positions(layer_rec: dict[str, Any], tensors: dict[str, torch.Tensor], target: _Target,
+                      where: str = "the cache") -> list[torch.Tensor]:
+    """The arrival index (the RoPE position) of every token of each segment of ``target``, int64
+    ``[T_s]``, from its layer's record (math dictionary §27.6): ``arrived`` (or ``seen``) and the
+    kept arrivals' bitmap when an eviction made one (its row ``h`` lists head ``h``'s tokens in
+    order: a ragged layout's row first, then its tail).
+
+    Raises ``ValueError`` when the positions are unknown (an evicting cache built without
+    ``track_positions``) or do not match the segments."""
+    from ..cache.positions import unpack_mask
+
+    arrived = layer_rec.get("arrived", layer_rec.get("seen"))
+    if isinstance(arrived, bool) or not isinstance(arrived, int) or arrived < 0:
+        raise ValueError(f"{where}: layer {target.layer} records no arrivals")
+    name = layer_rec.get("kept_arrivals")
+    bits = None
+    if isinstance(name, str) and name in tensors:
+        t = tensors[name]
+        if t.dtype != torch.uint8 or t.dim() != 3 or t.shape[0] != 1 or t.shape[-1] * 8 < arrived:
+            raise ValueError(f"{where}: layer {target.layer}'s kept arrivals must be uint8 [1, heads, >= "
+                             f"{-(-arrived // 8)}]; got {t.dtype} {tuple(t.shape)}")
+        bits = unpack_mask(t, arrived)[0]  # [H, A]
+    out = []
+    for h, n in zip(target.heads, target.lengths):
+        if target.role == "tail" or bits is None:
+            if target.role == "rows":
+                raise ValueError(f"{where}: layer {target.layer} evicted tokens and kept no positions: coding keys "
+                                 "before RoPE needs them (build the cache with CompressedCache(track_positions=True),"
+                                 " or code with a basis fitted after RoPE)")
+            if n > arrived:
+                raise ValueError(f"{where}: layer {target.layer} holds {n} tokens of {arrived} arrivals")
+            out.append(torch.arange(arrived - n, arrived))
+            continue
+        if h >= bits.shape[0]:
+            raise ValueError(f"{where}: layer {target.layer}'s kept arrivals have {bits.shape[0]} heads; head {h} asked")
+        held = torch.nonzero(bits[h]).flatten()
+        want = n + (target.tail if target.role == "rows" else 0)
+        if held.numel() != want:
+            raise ValueError(f"{where}: layer {target.layer} head {h} keeps {held.numel()} arrivals; its tokens "
+                             f"need {want}")
+        out.append(held[:n])
+    return out
+
+
+def _turn(x: torch.Tensor, frame, positions: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """Rows ``x`` ``[T, d]`` turned back (``inverse``: the keys before RoPE) or forth by their positions."""
+    y = frame.remove(x[None, None], positions) if inverse else frame.apply(x[None, None], positions)
+    return y[0, 0]
 
 
 def _segments(t: torch.Tensor, target: _Target) -> list[torch.Tensor]:
@@ -146,7 +212,7 @@ class Encoder:
     :meth:`encode` then allocates and codes for any budget (``None``: the finest steps)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], layer_recs: list[dict[str, Any]], basis: CodecBasis,
-                 settings: CodecSettings | None = None, version: int = CODEC_VERSION):
+                 settings: CodecSettings | None = None, version: int = CODEC_VERSION, frames: list | None = None):
         if isinstance(version, bool) or version not in READ_CODEC_VERSIONS:
             raise ValueError(f"the codec record version must be one of {READ_CODEC_VERSIONS}; got {version!r}")
         self.version = version
@@ -156,6 +222,9 @@ class Encoder:
         if not self.targets:
             raise ValueError("the codec found no full-precision K/V to code: save a cache held in full precision "
                              "(quant=None, with or without eviction); a quantized cache's codes are stored as they are")
+        if basis.keys_before_rope and (frames is None or len(frames) < len(layer_recs)):
+            raise ValueError("the codec basis was fitted on keys before RoPE: pass each layer's rotary frame "
+                             "(kv_cache.cache.rope_frame.rope_frames(model.config, head_dim))")
         self.rows: list[dict[str, Any]] = []  # one per (target, kind, segment)
         rates, dists = [], []
         for ti, tg in enumerate(self.targets):
@@ -168,10 +237,14 @@ class Encoder:
                 forward, _ = lb.matrices(kind)  # A U
                 if tensors[name].shape[-1] != U.shape[-1]:
                     raise ValueError(f"the codec basis is for head_dim {U.shape[-1]}; {name} has {tensors[name].shape[-1]}")
+                frame = frames[tg.layer] if basis.keys_before_rope and kind == "k" else None
+                where = segment_positions(layer_recs[tg.layer], tensors, tg) if frame is not None else None
                 for si, seg in enumerate(_segments(tensors[name], tg)):
                     h = tg.heads[si]
                     head, tail = _split(seg.shape[0], self.settings)
                     mid = seg[head: seg.shape[0] - tail].float()
+                    if frame is not None and mid.shape[0]:  # the keys before RoPE (§27.6)
+                        mid = _turn(mid, frame, where[si][head: seg.shape[0] - tail], inverse=True)
                     row = {"target": ti, "kind": kind, "seg": si, "exact": (head, tail), "d": seg.shape[1]}
                     if mid.shape[0]:
                         c = to_components(mid, mean[h], forward[h])  # (x - mu) A U: [Tm, d]
@@ -247,7 +320,10 @@ class Encoder:
         record = {"version": self.version, "basis": self.basis.fingerprint, "settings": asdict(self.settings),
                   "symbols_sha256": digests,
                   "targets": [{"layer": t.layer, "names": list(t.names), "layout": t.layout, "shape": list(t.shape),
-                               "dtype": t.dtype, "heads": t.heads, "lengths": t.lengths} for t in self.targets]}
+                               "dtype": t.dtype, "heads": t.heads, "lengths": t.lengths, "role": t.role,
+                               "tail": t.tail} for t in self.targets]}
+        if self.basis.keys_before_rope:
+            record["keys_before_rope"] = True
         return _Encoded(out, record, bits, distortion)
 
 
@@ -261,28 +337,29 @@ def _symbols_digest(symbols: np.ndarray) -> str:
 
 def encode_state(tensors: dict[str, torch.Tensor], layer_recs: list[dict[str, Any]], basis: CodecBasis,
                  file_bytes: Callable[[dict[str, torch.Tensor], dict[str, Any]], int], target_bytes: int | None,
-                 settings: CodecSettings | None = None, version: int = CODEC_VERSION
+                 settings: CodecSettings | None = None, version: int = CODEC_VERSION, frames: list | None = None
                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Replace the coded tensors of ``tensors`` by the codec's payload so the whole file (as
     ``file_bytes(tensors, record)`` measures it) fits ``target_bytes`` with the least squared
     error; ``target_bytes=None``: the finest steps. Returns ``(tensors, codec record)``.
     ``version``: the codec record version to write (1: readable by kv_cache releases that
-    know only the per-symbol Laplace coder).
+    know only the per-symbol Laplace coder). ``frames``: each layer's rotary frame, required by a
+    basis fitted on keys before RoPE.
 
     Raises ``ValueError`` when even skipping every component does not fit (the message gives
     the smallest file this state can make)."""
-    enc = Encoder(tensors, layer_recs, basis, settings, version)
+    enc = Encoder(tensors, layer_recs, basis, settings, version, frames)
     coded = {n for t in enc.targets for n in t.names}
     rest = {k: v for k, v in tensors.items() if k not in coded}
 
     def build(budget):
         e = enc.encode(budget)
+        e.record["distortion"] = e.distortion  # in the record measured: the file written is the file sized
         allt = {**rest, **e.tensors}
         return allt, e.record, file_bytes(allt, e.record), e
 
     if target_bytes is None:
         allt, rec, size, e = build(None)
-        rec["distortion"] = e.distortion
         return allt, rec
     allt, rec, floor, e = build(0.0)
     if floor > target_bytes:
@@ -310,7 +387,6 @@ def encode_state(tensors: dict[str, torch.Tensor], layer_recs: list[dict[str, An
         if hi - lo < 64:
             break
     allt, rec, size, e = best
-    rec["distortion"] = e.distortion
     return allt, rec
 
 
@@ -322,8 +398,12 @@ def _int(v: Any, what: str, lo: int, hi: int) -> int:
 
 
 def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasis, *, tokens_seen: int,
-                 layers: int, kv_heads: int, head_dim: int, where: str = "the file") -> dict[str, torch.Tensor]:
+                 layers: int, kv_heads: int, head_dim: int, where: str = "the file",
+                 layer_recs: list[dict[str, Any]] | None = None, frames: list | None = None
+                 ) -> dict[str, torch.Tensor]:
     """The inverse of :func:`encode_state`: ``tensors`` with the coded K/V tensors decoded.
+    A record coded before RoPE (``keys_before_rope``) needs the file's ``layer_recs`` (the
+    positions) and each layer's ``frames``.
 
     Every count in ``record`` is checked against the model's geometry and ``tokens_seen`` (itself
     checked by the caller) before anything the size of a K/V tensor is allocated: a damaged or
@@ -347,6 +427,14 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
     digests = record.get("symbols_sha256")
     if not isinstance(digests, dict):
         raise ValueError(f"{where}: malformed codec record (symbols_sha256)")
+    before = record.get("keys_before_rope", False)
+    if before is not True and before is not False:
+        raise ValueError(f"{where}: malformed codec record (keys_before_rope must be true or false; got {before!r})")
+    if before != basis.keys_before_rope:
+        raise ValueError(f"{where}: coded with keys {'before' if before else 'after'} RoPE; the basis given was "
+                         f"fitted {'before' if basis.keys_before_rope else 'after'} it")
+    if before and (layer_recs is None or frames is None or len(frames) < layers or len(layer_recs) < layers):
+        raise ValueError(f"{where}: coded with keys before RoPE: the layers' records and rotary frames are needed")
     out = dict(tensors)
     plan: dict[int, list] = {}
     seen_layers: set = set()
@@ -355,8 +443,12 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
             layer = _int(t["layer"], "layer", 0, layers - 1)
             names, layout, shape, dtype = t["names"], t["layout"], t["shape"], t["dtype"]
             heads, lengths = list(t["heads"]), list(t["lengths"])
+            role, tail_n = t.get("role", "storage"), t.get("tail", 0)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{where}: malformed codec target ({exc})") from None
+        if role not in ROLES:
+            raise ValueError(f"{where}: codec target role must be one of {list(ROLES)}; got {role!r}")
+        _int(tail_n, "tail", 0, tokens_seen)
         if layer not in basis.layers:
             raise ValueError(f"{where}: the codec basis has no layer {layer}")
         if layout not in ("heads", "flat") or dtype not in ("float32", "float16", "bfloat16"):
@@ -382,7 +474,7 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
             if n in out or any(f"{n}.tc_{s}" not in out for s in ("mean", "delta", "scale", "exact")):
                 raise ValueError(f"{where}: codec target {n!r}: its payload tensors are missing (or it is also stored)")
         seen_layers.add(layer)
-        plan.setdefault(layer, []).append((names, layout, shape, dtype, heads, lengths))
+        plan.setdefault(layer, []).append((names, layout, shape, dtype, heads, lengths, role, tail_n))
     # the streams and the symbols each holds, from the (checked) parameters
     for layer, items in plan.items():
         sname = f"layer{layer}.tc_stream"
@@ -391,7 +483,7 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
                 raise ValueError(f"{where}: layer {layer}'s coded stream is missing")
     for layer, items in sorted(plan.items()):
         scales_all, jobs = [], []
-        for names, layout, shape, dtype, heads, lengths in items:
+        for names, layout, shape, dtype, heads, lengths, *_ in items:
             for kind, n in zip(("k", "v"), names):
                 m, dl, sc, ex = (out[f"{n}.tc_{s}"] for s in ("mean", "delta", "scale", "exact"))
                 if any(x.shape != (len(lengths), head_dim) for x in (m, dl, sc)) or ex.dim() != 2 or \
@@ -436,8 +528,9 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
             raise ValueError(f"{where}: layer {layer}: the coded stream does not decode to the symbols its header "
                              "names (sha256): damaged or truncated")
         pos = 0
-        for names, layout, shape, dtype, heads, lengths in items:
+        for names, layout, shape, dtype, heads, lengths, role, tail_n in items:
             lb = basis.layers[layer]
+            target = _Target(layer, tuple(names), layout, tuple(shape), dtype, heads, lengths, role, tail_n)
             for kind, n in zip(("k", "v"), names):
                 mean_b, _, _ = lb.get(kind)
                 _, inverse = lb.matrices(kind)  # U^T A^-1
@@ -445,7 +538,9 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
                 out.pop(f"{n}.tc_scale")
                 m, dl = m.float(), dl.float()
                 t = torch.empty(shape, dtype=getattr(torch, dtype))
-                segs = _segments(t, _Target(layer, tuple(names), layout, tuple(shape), dtype, heads, lengths))
+                segs = _segments(t, target)
+                frame = frames[layer] if before and kind == "k" else None
+                at = segment_positions(layer_recs[layer], tensors, target, where) if frame is not None else None
                 erow = 0
                 for si, length in enumerate(lengths):
                     head, tail = _split(length, settings)
@@ -464,7 +559,10 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
                             q = torch.from_numpy(symbols[pos:pos + nu * tm].astype(np.float32)).view(nu, tm)
                             c[:, used] += (q * dl[si, used][:, None]).T
                             pos += nu * tm
-                        seg[head:length - tail] = (c @ inverse[heads[si]] + mean_b[heads[si]]).to(seg.dtype)
+                        x = c @ inverse[heads[si]] + mean_b[heads[si]]
+                        if frame is not None:  # coded before RoPE: turned to their positions again (§27.6)
+                            x = _turn(x, frame, at[si][head:length - tail], inverse=False)
+                        seg[head:length - tail] = x.to(seg.dtype)
                 out[n] = t
     return out
 
@@ -474,4 +572,5 @@ def fp16_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int) -> int:
     return 2 * 2 * layers * kv_heads * head_dim * tokens
 
 
-__all__ = ["CODEC_VERSION", "READ_CODEC_VERSIONS", "CodecSettings", "Encoder", "decode_state", "encode_state", "fp16_bytes"]
+__all__ = ["CODEC_VERSION", "READ_CODEC_VERSIONS", "ROLES", "CodecSettings", "Encoder", "decode_state", "encode_state",
+           "fp16_bytes", "segment_positions"]

@@ -41,7 +41,7 @@ class CompressedContext:
     def build(cls, model: torch.nn.Module, tokenizer: Any, text_or_ids: str | Sequence[int] | torch.Tensor, *,
               quant=None, eviction=None, max_tokens: int | None = None, keep: str | None = None,
               chat: bool | None = None, plan=None, strict: bool = False,
-              check: Callable[[], None] | None = None) -> "CompressedContext":
+              check: Callable[[], None] | None = None, track_positions: bool | None = None) -> "CompressedContext":
         """Prefill and compress a document (text, or token ids with their BOS if the model wants one).
 
         The document must fit the model's positions (``max_position_embeddings``; with
@@ -66,7 +66,10 @@ class CompressedContext:
         compression wrecks, or the eviction check an eviction that drops too much of what the
         prompt's last queries read, instead of warning (:class:`~kv_cache.CompressedCache`).
         ``check``: called between the prefill's layers and KVzip's chunks (:func:`prefill`); what
-        it raises stops the build.
+        it raises stops the build. ``track_positions``: keep the kept tokens' positions (one bit
+        per token and KV head, :class:`~kv_cache.CompressedCache`), so that :meth:`save` with a
+        basis fitted before RoPE can code the keys before RoPE (§27.6); None (default): where the
+        context is held in full precision after an eviction, the case the codec codes.
         """
         from ..chat import has_chat_template, split_chat
 
@@ -97,8 +100,13 @@ class CompressedContext:
                 raise ValueError("pass either plan= or quant=/eviction=, not both (a plan holds both)")
             eviction = plan.eviction()
         ids = fit_context(ids, model.config, tokenizer, eviction, max_tokens=max_tokens, keep=keep)
-        cache = (CompressedCache(model.config, plan=plan, strict=strict) if plan is not None
-                 else CompressedCache(model.config, quant=quant, eviction=eviction, strict=strict))
+        if track_positions is None:
+            held_quant = plan.quant_config() if plan is not None else quant
+            track_positions = held_quant is None and eviction is not None
+        cache = (CompressedCache(model.config, plan=plan, strict=strict, track_positions=track_positions)
+                 if plan is not None else
+                 CompressedCache(model.config, quant=quant, eviction=eviction, strict=strict,
+                                 track_positions=track_positions))
         logits, stats = prefill(model, cache, torch.tensor([ids], dtype=torch.long), tokenizer=tokenizer,
                                 last_only=True, check=check)
         return cls(model, tokenizer, cache, len(ids), logits[0, -1].float(), stats, document_tokens, suffix)

@@ -5,6 +5,12 @@ The model reads windows of the calibration texts into a full-precision
 and KV head accumulate float64 moments; :func:`~kv_cache.codec.transform.fit_basis` gives the
 mean, the basis and the variances. The default texts are the Gutenberg novels of
 ``shared/data`` other than *Moby Dick* (pg2701), on which held-out checks score.
+
+``keys_before_rope=True`` (math dictionary §27.6): each window's keys are turned back by their
+positions (the layer's :class:`~kv_cache.cache.rope_frame.RopeFrame`) before their moments are
+taken, and the keys' query metric is the queries' second moment averaged over the rotations a
+query meets a key at, ``s^2 E_p[R(p)^T E[q' q'^T] R(p)]`` (the logit ``q' . s R(p) k`` of a key
+stored before RoPE); the basis file says so (``info["keys"] = "before_rope"``).
 """
 
 from __future__ import annotations
@@ -23,12 +29,28 @@ DEFAULT_TEXTS = ("gutenberg/pg1342.txt", "gutenberg/pg345.txt", "gutenberg/pg98.
 HELD_OUT = ("pg2701",)
 
 
+def rotation_averaged(second_moment: torch.Tensor, frame, window: int, samples: int = 128) -> torch.Tensor:
+    """``s^2 mean_p R(p)^T C R(p)`` ``[d, d]`` float64 over ``samples`` positions ``p`` spread over
+    ``[0, window)``: the second moment of the queries a key stored before RoPE meets (``C`` the
+    post-RoPE queries' ``[d, d]`` second moment, ``s`` the frame's attention scaling)."""
+    from ..compression.rope import rotate
+
+    d = second_moment.shape[-1]
+    pos = torch.linspace(0, window - 1, samples).round().long()
+    eye = torch.eye(d, dtype=torch.float32).expand(samples, 1, d, d)
+    rt = rotate(eye, pos[:, None, None], frame.inv_freq, 1.0, frame.layout).double()[:, 0]  # [P, d, d]: R(p)^T
+    c = second_moment.double()
+    return (rt @ c @ rt.transpose(-1, -2)).mean(0) * frame.scaling ** 2
+
+
 def collect_moments(model: torch.nn.Module, token_windows: Sequence[torch.Tensor],
-                    progress: Callable[[int, int], None] | None = None) -> dict[int, dict[str, list]]:
+                    progress: Callable[[int, int], None] | None = None,
+                    frames: list | None = None) -> dict[int, dict[str, list]]:
     """Per layer and kind (``"k"``/``"v"``), per KV head, the float64 moments of the cached vectors
     of every window (``[1, T]`` token ids each); ``"q"``: per KV head, the sum of ``q q^T`` over
     the post-RoPE queries of its group (read by a forward hook on the attention modules, removed
-    after each window; absent where a module has no ``q_proj``)."""
+    after each window; absent where a module has no ``q_proj``). ``frames``: per layer, keys
+    are turned back by their positions in the window first (None there: as they arrive)."""
     from ..cache import CompressedCache
     from ..context import prefill
 
@@ -68,6 +90,8 @@ def collect_moments(model: torch.nn.Module, token_windows: Sequence[torch.Tensor
             if st is None:
                 continue
             keys, values = st.read()  # [1, H, T, d]
+            if frames is not None and frames[i] is not None:  # the keys before RoPE (§27.6)
+                keys = frames[i].remove(keys.float(), torch.arange(keys.shape[2]))
             rec = moments.setdefault(i, {"k": [None] * keys.shape[1], "v": [None] * keys.shape[1]})
             for kind, t in (("k", keys), ("v", values)):
                 for h in range(t.shape[1]):
@@ -81,11 +105,19 @@ def collect_moments(model: torch.nn.Module, token_windows: Sequence[torch.Tensor
 
 
 def fit_codec_basis(model: torch.nn.Module, tokenizer: Any, texts: Sequence[tuple[str, str]], *, tokens: int = 16384,
-                    window: int = 2048, progress: Callable[[int, int], None] | None = None
-                    ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, Any]]:
+                    window: int = 2048, progress: Callable[[int, int], None] | None = None,
+                    keys_before_rope: bool = False) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, Any]]:
     """Fit the bases on ``tokens`` tokens split evenly over ``texts`` (``(name, text)`` pairs),
-    in windows of ``window`` tokens. Returns ``(layers, info)`` for
-    :func:`~kv_cache.codec.basis_file.save_basis`."""
+    in windows of ``window`` tokens; ``keys_before_rope``: the key bases on keys turned back by
+    their positions (§27.6; a model without RoPE, or with multimodal RoPE, is refused). Returns
+    ``(layers, info)`` for :func:`~kv_cache.codec.basis_file.save_basis`."""
+    if not isinstance(keys_before_rope, bool):
+        raise TypeError(f"keys_before_rope must be True or False; got {keys_before_rope!r}")
+    frames = None
+    if keys_before_rope:
+        from ..cache.rope_frame import rope_frames
+
+        frames = rope_frames(model.config, kv_geometry(model.config).head_dim)
     if not texts:
         raise ValueError("fit_codec_basis: give at least one calibration text")
     for name, _ in texts:
@@ -109,13 +141,16 @@ def fit_codec_basis(model: torch.nn.Module, tokenizer: Any, texts: Sequence[tupl
             windows.append(torch.tensor([chunk]))
     if not windows:
         raise ValueError(f"fit_codec_basis: the texts hold fewer than one window of {window} tokens")
-    moments = collect_moments(model, windows, progress)
+    moments = collect_moments(model, windows, progress, frames)
     layers = {}
     for i, rec in moments.items():
         out = {}
         metrics = None
         if rec.get("q"):  # keys: PCA after the query metric (the logits' error), where queries were read
-            metrics = [query_metric(ss, n) for ss, n in rec["q"]]
+            if frames is not None and frames[i] is not None:  # what a key stored before RoPE meets
+                metrics = [query_metric(rotation_averaged(ss, frames[i], window), n) for ss, n in rec["q"]]
+            else:
+                metrics = [query_metric(ss, n) for ss, n in rec["q"]]
             out["k_metric"] = torch.stack(metrics).float()
         for kind in ("k", "v"):
             fits = [fit_basis(m, metrics[h] if (kind == "k" and metrics) else None) for h, m in enumerate(rec[kind])]
@@ -124,6 +159,8 @@ def fit_codec_basis(model: torch.nn.Module, tokenizer: Any, texts: Sequence[tupl
             out[f"{kind}_var"] = torch.stack([f[2] for f in fits])
         layers[i] = out
     info = {"texts": used, "windows": len(windows), "window": window, "tokens": sum(u["tokens"] for u in used)}
+    if keys_before_rope:
+        info["keys"] = "before_rope"
     return layers, info
 
 

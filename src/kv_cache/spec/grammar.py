@@ -199,7 +199,8 @@ def _ours(spec: str, parts: list[str]) -> Method:
             from transformers import DynamicCache
 
             return DynamicCache(), contextlib.nullcontext
-        cache = CompressedCache(model.config, quant=quant, eviction=policy)
+        # file<R>: the kept tokens' positions travel, so the codec may code keys before RoPE (§27.6)
+        cache = CompressedCache(model.config, quant=quant, eviction=policy, track_positions=file_ratio is not None)
         # Always inside compress(): attention reads the compressed storage (and feeds the policy).
         return cache, lambda: compress(model, cache)
 
