@@ -237,6 +237,43 @@ def test_positions_travel_through_eviction(policy):
     assert (outs[0] - outs[1]).abs().max() < 0.05 * outs[0].abs().max()
 
 
+@pytest.mark.parametrize("policy", [H2O(budget=40, recent_window=8), SnapKV(budget=40, recent_window=8),
+                                    SnapKV(budget=0.3, recent_window=4, scope="model")],
+                         ids=["h2o", "snapkv", "snapkv-model"])
+def test_positions_tracked_after_rope_name_the_kept_tokens(policy):
+    """``CompressedCache(track_positions=True)`` stores keys after RoPE (as given) and keeps
+    which arrivals each head holds, through a prefill's eviction and H2O's eviction at every
+    decoded token: the key in each kept slot is the full cache's key at that position (up to the
+    float32 rounding of a batched prefill against single steps; a wrong position is off by O(1))
+    (what the transform codec relies on to code keys before RoPE, §27.6)."""
+    model = _model()
+    ids = torch.randint(3, 256, (1, 70), generator=torch.Generator().manual_seed(4))
+    full = DynamicCache()
+    with torch.no_grad():
+        model(ids, past_key_values=full)
+    cache = CompressedCache(model.config, eviction=policy, track_positions=True, fidelity_threshold=1e9)
+    _run(model, cache, ids, 56, True)
+    for i, layer in enumerate(cache.layers):
+        assert layer.kept_arrivals is not None and layer.rope_frame is None
+        want = full.layers[i].keys  # [1, H, 70, d]
+        pos = layer.stored_positions()
+        lengths = layer.storage.head_lengths()
+        keys = layer.stored_states()[0]
+        for h in range(pos.shape[1]):
+            n = int(lengths[0, h])
+            p = pos[0, h, pos.shape[2] - n:]
+            # a decoded token's key past layer 0 depends on the evicted cache it attended: prompt tokens there
+            sel = torch.ones_like(p, dtype=torch.bool) if i == 0 else p < 56
+            assert int(sel.sum()) >= 8
+            got = keys[0, h, keys.shape[2] - n:]
+            torch.testing.assert_close(got[sel], want[0, h, p[sel]], rtol=1e-4, atol=1e-5)
+    untracked = CompressedCache(model.config, eviction=policy, fidelity_threshold=1e9)
+    _run(model, untracked, ids, 56, True)
+    assert all(layer.kept_arrivals is None for layer in untracked.layers)
+    held = cache.memory_report().indices_bytes - untracked.memory_report().indices_bytes
+    assert held == sum(layer.kept_arrivals.nbytes for layer in cache.layers) > 0  # the bitmap is counted
+
+
 @pytest.mark.parametrize("policy", [None, H2O(budget=56, recent_window=8), SnapKV(budget=56, recent_window=8)],
                          ids=["no-eviction", "h2o", "snapkv"])
 @pytest.mark.parametrize("layout", ["channel", "token"])
