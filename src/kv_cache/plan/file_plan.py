@@ -78,7 +78,8 @@ def plan_file(model: torch.nn.Module, tokenizer: Any, ids: Sequence[int], file_r
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "probe.kvc"
         for b in cands:
-            cache = CompressedCache(model.config, eviction=None if b is None else KVzip(budget=b))
+            cache = CompressedCache(model.config, eviction=None if b is None else KVzip(budget=b),
+                                    track_positions=b is not None)  # a basis fitted before RoPE needs them (§27.6)
             with torch.no_grad():
                 last, _ = prefill(model, cache, prefix, tokenizer=tokenizer, last_only=True)
             try:
