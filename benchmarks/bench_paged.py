@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from kv_cache.integrations.vllm.attention import _cached_by_torch
-from kv_cache.integrations.vllm.blocks import slot_layout
+from kv_cache.integrations.vllm.blocks import paged_rope, slot_layout
 from kv_cache.integrations.vllm.codecs import PagedCodec, value_rotations, write_slots
 from kv_cache.kernels import backend
 from kv_cache.kernels.paged import attend_paged
@@ -71,9 +71,17 @@ def _cache(codec: PagedCodec, r: int, n: int, h: int, bs: int, seed: int = 0):
     v = torch.randn(r, n, h, codec.head_dim, generator=g)
     rot = value_rotations(codec, 0, h)
     t = torch.arange(n)
+    extra = {"rope": _frame(codec.head_dim), "positions": t} if codec.pre_rope else {}
     for i in range(r):
-        write_slots(cache, k[i], v[i], table[i, t // bs].long() * bs + t % bs, codec, rot)
+        write_slots(cache, k[i], v[i], table[i, t // bs].long() * bs + t % bs, codec, rot, **extra)
     return cache, table, k, v
+
+
+def _frame(d: int):
+    """A plain RoPE frame (base 10,000, every channel turned) for the codecs storing keys before RoPE."""
+    from kv_cache.cache.rope_frame import RopeFrame
+
+    return RopeFrame(1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d)), 1.0, "half")
 
 
 def main() -> None:
@@ -112,11 +120,12 @@ def main() -> None:
                     vd = v.permute(0, 2, 1, 3).contiguous().to(dt)
                     dense[dt] = (kd, vd)
             layout = slot_layout(codec)
+            rope = paged_rope(_frame(d)) if codec.pre_rope else None
             times = {
-                "paged-kernel": _median_ms(lambda: attend_paged(q, cache, table, lengths, layout, d ** -0.5),
+                "paged-kernel": _median_ms(lambda: attend_paged(q, cache, table, lengths, layout, d ** -0.5, rope),
                                            args.warmup, args.repeats),
                 "gather+decode": _median_ms(lambda: _cached_by_torch(q, cache, table.long(), lengths, codec,
-                                                                     d ** -0.5, 8), args.warmup, args.repeats),
+                                                                     d ** -0.5, 8, rope), args.warmup, args.repeats),
             }
             for dt, label in ((torch.bfloat16, "sdpa-bf16"), (torch.float32, "sdpa-fp32")):
                 kd, vd = dense[dt]
@@ -142,7 +151,9 @@ def main() -> None:
                  f"chunk of {pc}": dr * 4 * bs + torch.arange(pc)}
         for label, slots in cases.items():
             n_ = slots.numel()
-            t_ = {kind: _median_ms(lambda: write_slots(cache, kx[:n_], vx[:n_], slots, codec, rot, kernels=flag),
+            extra = {"rope": _frame(d), "positions": torch.arange(n_)} if codec.pre_rope else {}
+            t_ = {kind: _median_ms(lambda: write_slots(cache, kx[:n_], vx[:n_], slots, codec, rot, kernels=flag,
+                                                       **extra),
                                    args.warmup, args.repeats * 3)
                   for kind, flag in (("compiled", None), ("torch", False))}
             writes.append({"codec": name, "case": label, "ms": t_})
@@ -151,7 +162,8 @@ def main() -> None:
               "machine": f"{platform.machine()}, {platform.processor() or '?'}", "rows": rows,
               "writes": writes}
     RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"bench_paged_h{h}g{g}d{d}_bs{bs}_dec{args.decode}_pre{args.prefill}"
+    pre_rope = any(PagedCodec(n, d).pre_rope for n in args.codecs.split(","))
+    stem = RESULTS / f"bench_paged_h{h}g{g}d{d}_bs{bs}_dec{args.decode}_pre{args.prefill}{'_prerope' if pre_rope else ''}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     stem.with_suffix(".md").write_text(_markdown(result))
     print(f"wrote {stem}.json / .md")

@@ -150,7 +150,7 @@ def attend(
 
 def _cached_by_kernels(qf: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, n_cached: torch.Tensor,
                        codec: PagedCodec, scale: float, blocks_per_step: int,
-                       key_rope: PagedRope | None) -> tuple[torch.Tensor, torch.Tensor]:
+                       key_rope: PagedRope | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(output, log-sum-exp)`` of queries ``qf`` ``[R, H, M, D]`` over each request's cached
     tokens, read by the kernels through the block table, in place (``blocks_per_step`` unused)."""
     return attend_paged(qf, cache, table, n_cached.to(table.device), slot_layout(codec), scale, key_rope)
@@ -158,7 +158,7 @@ def _cached_by_kernels(qf: torch.Tensor, cache: torch.Tensor, table: torch.Tenso
 
 def _cached_by_torch(qf: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, n_cached: torch.Tensor,
                      codec: PagedCodec, scale: float, blocks_per_step: int,
-                     key_rope: PagedRope | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     key_rope: PagedRope | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(output, log-sum-exp)`` of queries ``qf`` ``[R, H, M, D]`` over each request's cached
     tokens: ``blocks_per_step`` blocks at a time decoded, attended with torch's flash kernel, dropped."""
     r, h, m, d = qf.shape
