@@ -479,6 +479,24 @@ def test_file_planner_measures_each_budget(stories, basis):
         plan_file(model, tok, ids, 0.5, basis=basis)
 
 
+def test_file_planner_measures_both_bases(stories, basis, prerope_basis):
+    """Given the bases fitted before and after RoPE, every budget is measured with each, and the
+    pair of least held-out loss is chosen (§27.6)."""
+    from kv_cache.plan.file_plan import plan_file
+
+    model, tok = stories
+    ids = tok(DOC, add_special_tokens=False)["input_ids"][:160]
+    plan = plan_file(model, tok, ids, 1.5, basis=[prerope_basis, basis], probe_tokens=32, candidates=[0.5, None])
+    assert [b for b, _, _ in plan.measured] == [0.5, 0.5, None, None]
+    assert plan.measured_bases == ["before RoPE", "after RoPE"] * 2
+    i = min(range(4), key=lambda j: plan.measured[j][1])
+    assert plan.budget == plan.measured[i][0]
+    assert plan.basis is (prerope_basis, basis)[i % 2]
+    assert "keys coded" in plan.describe() and "before RoPE: nll" in plan.describe()
+    with pytest.raises(ValueError, match="needs a codec basis"):
+        plan_file(model, tok, ids, 1.5, basis=[], probe_tokens=32)
+
+
 def test_compress_cli_file_ratio_is_checked_before_the_model_loads(tmp_path, capsys):
     from kv_cache.cli import main
 

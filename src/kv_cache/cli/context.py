@@ -161,8 +161,13 @@ def run_compress(args: argparse.Namespace) -> int:
     if args.method == "file-plan":
         from ..plan.file_plan import plan_file
 
+        from ..codec import basis_for_model
+
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or len(ids)
-        fplan = plan_file(model, tok, ids[: min(len(ids), limit // 2)], args.file_ratio, basis=basis)
+        bases = [b for b in (basis_for_model(model, keys_before_rope=True), basis_for_model(model, keys_before_rope=False))
+                 if b is not None]  # keys coded before and after RoPE: chosen by measurement too (§27.6)
+        fplan = plan_file(model, tok, ids[: min(len(ids), limit // 2)], args.file_ratio, basis=bases)
+        basis = fplan.basis or basis
         print(fplan.describe())
         args.method = "full" if fplan.budget is None else f"kvzip@{fplan.budget:g}"
         spec = args.method

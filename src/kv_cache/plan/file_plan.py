@@ -9,7 +9,9 @@ of 1,792 tokens; at 4,096 tokens and 20x, ``3 / R`` keeps every single needle an
 the least perplexity; on Qwen2.5 at 1,792 tokens ``8 / R`` is far better than ``5 / R``, math
 dictionary §27.4), saved through the codec at ratio
 ``R``, loaded back, and the held-out tokens are scored teacher-forced; the budget of least loss
-wins. The whole document is then compressed with it.
+wins. The whole document is then compressed with it. Given several bases (the model's fitted
+before and after RoPE, math dictionary §27.6), every budget is measured with each, and the pair
+of least loss wins.
 """
 
 from __future__ import annotations
@@ -29,17 +31,28 @@ DEFAULT_FACTORS = (0.6, 0.8, 1.0, 1.6)
 
 @dataclass
 class FilePlan:
-    """The chosen KVzip budget (None: every token) and what each candidate measured:
-    ``(budget, held-out NLL per token, file bytes)``."""
+    """The chosen KVzip budget (None: every token) and basis, and what each candidate measured:
+    ``(budget, held-out NLL per token, file bytes)``, with the basis of each in ``measured_bases``
+    (``"before RoPE"`` / ``"after RoPE"``)."""
 
     budget: float | None
     file_ratio: float
     measured: list[tuple[float | None, float, int]] = field(default_factory=list)
+    basis: Any = None
+    measured_bases: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
-        rows = ", ".join(f"{'all' if b is None else f'kvzip@{b:g}'}: nll {n:.3f} ({s:,} B)" for b, n, s in self.measured)
+        several = len(set(self.measured_bases)) > 1
+        rows = ", ".join(f"{'all' if b is None else f'kvzip@{b:g}'}{f' {k}' if several else ''}: nll {n:.3f} "
+                         f"({s:,} B)" for (b, n, s), k in zip(self.measured, self.measured_bases or [""] * len(self.measured)))
         chosen = "all tokens" if self.budget is None else f"KVzip keeping {self.budget:g}"
+        if several and self.basis is not None:
+            chosen += f", keys coded {_kind(self.basis)}"
         return f"file ratio {self.file_ratio:g}: {chosen} (held-out tail of the document, {rows})"
+
+
+def _kind(basis: Any) -> str:
+    return "before RoPE" if getattr(basis, "keys_before_rope", False) else "after RoPE"
 
 
 def candidate_budgets(file_ratio: float, factors: Sequence[float] = DEFAULT_FACTORS) -> list[float | None]:
@@ -57,6 +70,7 @@ def plan_file(model: torch.nn.Module, tokenizer: Any, ids: Sequence[int], file_r
               probe_tokens: int = 64, candidates: Sequence[float | None] | None = None,
               settings: Any = None) -> FilePlan:
     """Measure each candidate budget on ``ids`` (see the module docstring); the best one.
+    ``basis``: a :class:`~kv_cache.codec.CodecBasis`, or several (each budget measured with each).
 
     Raises ``ValueError`` for a ratio below 1, a document too short to hold out ``probe_tokens``
     (fewer than 4 times that many tokens), or a target no candidate fits."""
@@ -69,12 +83,15 @@ def plan_file(model: torch.nn.Module, tokenizer: Any, ids: Sequence[int], file_r
     if isinstance(file_ratio, bool) or not isinstance(file_ratio, (int, float)) or not 1 <= file_ratio < math.inf:
         raise ValueError(f"file_ratio must be a finite number >= 1; got {file_ratio!r}")
     cands = list(candidates) if candidates is not None else candidate_budgets(file_ratio)
+    bases = list(basis) if isinstance(basis, (list, tuple)) else [basis]
+    if not bases or any(b is None for b in bases):
+        raise ValueError("plan_file needs a codec basis (or several); got none")
     if len(ids) < 4 * probe_tokens:
-        return FilePlan(cands[len(cands) // 2], float(file_ratio))
+        return FilePlan(cands[len(cands) // 2], float(file_ratio), basis=bases[0])
     prefix = torch.tensor([list(ids[:-probe_tokens])])
     tail = torch.tensor([list(ids[-probe_tokens:])])
     target = int(fp16_kv_bytes(model.config, prefix.shape[1]) / file_ratio)
-    measured, errors = [], []
+    measured, used, errors = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "probe.kvc"
         for b in cands:
@@ -82,21 +99,23 @@ def plan_file(model: torch.nn.Module, tokenizer: Any, ids: Sequence[int], file_r
                                     track_positions=b is not None)  # a basis fitted before RoPE needs them (§27.6)
             with torch.no_grad():
                 last, _ = prefill(model, cache, prefix, tokenizer=tokenizer, last_only=True)
-            try:
-                size = save_cache(cache, path, model_config=model.config, codec=basis, file_bytes=target,
-                                  codec_settings=settings)
-            except ValueError as exc:  # this budget's exact tokens alone overflow the target
-                errors.append(f"{b}: {exc}")
-                continue
-            loaded, _ = load_cache(path, model_config=model.config, codec=basis)
-            with compress(model, loaded), torch.no_grad():
-                logits = forward_at(model, loaded, tail[:, :-1], prefix.shape[1])
-            all_logits = torch.cat([last[:, -1:].float(), logits], dim=1)[0]
-            measured.append((b, F.cross_entropy(all_logits, tail[0]).item(), size))
+            for basis_ in bases:
+                try:
+                    size = save_cache(cache, path, model_config=model.config, codec=basis_, file_bytes=target,
+                                      codec_settings=settings)
+                except ValueError as exc:  # this budget's exact tokens alone overflow the target
+                    errors.append(f"{b}: {exc}")
+                    continue
+                loaded, _ = load_cache(path, model_config=model.config, codec=basis_)
+                with compress(model, loaded), torch.no_grad():
+                    logits = forward_at(model, loaded, tail[:, :-1], prefix.shape[1])
+                all_logits = torch.cat([last[:, -1:].float(), logits], dim=1)[0]
+                measured.append((b, F.cross_entropy(all_logits, tail[0]).item(), size))
+                used.append(basis_)
     if not measured:
         raise ValueError(f"no candidate budget fits a file ratio of {file_ratio:g}: {'; '.join(errors)}")
-    best = min(measured, key=lambda m: m[1])
-    return FilePlan(best[0], float(file_ratio), measured)
+    i = min(range(len(measured)), key=lambda j: measured[j][1])
+    return FilePlan(measured[i][0], float(file_ratio), measured, used[i], [_kind(u) for u in used])
 
 
 __all__ = ["DEFAULT_FACTORS", "FilePlan", "candidate_budgets", "plan_file"]
