@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import kv_cache
 from kv_cache import H2O, CompressedCache, QuantConfig, SnapKV, StreamingLLM
-from kv_cache.cache.positions import unpack_mask
+from kv_cache.compression.positions import unpack_mask
 from kv_cache.cache.rope_frame import rope_frames
 from kv_cache.spec import parse_ours
 
@@ -114,7 +114,7 @@ def test_models_the_frame_cannot_serve_are_refused(kind, kw, match):
 
 # ---------------------------------------------------------------------- the kept arrivals' bitmap
 def test_the_bitmap_round_trips_and_reads_right_aligned():
-    from kv_cache.cache.positions import kept_mask, pack_mask, slot_positions, unpack_mask
+    from kv_cache.compression.positions import kept_mask, pack_mask, slot_positions, unpack_mask
 
     mask = torch.rand(2, 3, 21, generator=torch.Generator().manual_seed(0)) < 0.4
     packed = pack_mask(mask)

@@ -6,7 +6,7 @@ removed at the arrival index it came in with, and its readers (the reference pat
 view, the fidelity check, KVzip's repeat pass, sessions) take the keys rotated back at those
 positions, the offset added first. Until the first eviction a head's ``n`` slots are the last
 ``n`` arrivals; after it the layer holds a bitmap of the arrivals each head keeps
-(:mod:`.positions`), gathered by every eviction and grown by every append.
+(:mod:`kv_cache.compression.positions`), gathered by every eviction and grown by every append.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..attention.flat import FlatRaggedBlock
 from ..attention.key_offset import unshift_keys
 from ..kernels import KeyRope
 from .packed import Rotation
-from .positions import kept_mask, pack_mask, slot_positions, unpack_mask
+from ..compression.positions import kept_mask, pack_mask, slot_positions, unpack_mask
 from .ragged import dense_read
 
 
@@ -44,7 +44,7 @@ class PreRopeLayer:
     def stored_positions(self) -> torch.Tensor:
         """``[n]`` (no eviction yet: the last ``n`` arrivals) or ``[batch, kv_heads, n]`` int64
         (each head's kept arrivals, right-aligned in a ragged layout's slots): the arrival index
-        of every stored slot (:mod:`.positions`)."""
+        of every stored slot (:mod:`kv_cache.compression.positions`)."""
         n = 0 if self.storage is None else self.storage.length
         if self.kept_arrivals is None:
             return torch.arange(self._arrived - n, self._arrived, device=self.device)

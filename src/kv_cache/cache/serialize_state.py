@@ -28,7 +28,7 @@ from ..policies.base import LATER_FIELDS, at_hidden_default
 from .config import LATER_FIELDS as QUANT_LATER_FIELDS, QuantConfig
 from .layer import CompressedLayer
 from .packed import PackedKV, Rotation
-from .positions import unpack_mask
+from ..compression.positions import unpack_mask
 from . import packed_ragged as _packed_ragged  # noqa: F401  (registers the ragged layouts)
 from . import ragged as _ragged  # noqa: F401
 from .storage import LAYOUTS

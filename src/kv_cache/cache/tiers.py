@@ -17,7 +17,7 @@ from ..attention.blocks import FullBlock, RaggedBlock
 from ..attention.key_offset import unshift_keys
 from .packed import gather_tokens
 from .packed_ragged import PackedRaggedStorage
-from .positions import slot_positions, unpack_mask
+from ..compression.positions import slot_positions, unpack_mask
 from .ragged import dense_read
 from .storage import LayerStorage, make_storage
 

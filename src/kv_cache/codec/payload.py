@@ -41,6 +41,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..compression.positions import unpack_mask
 from . import ans
 from .allocation import MAX_SYMBOL, MIN_SCALE, allocate, laplace_scale, rd_table, round_half
 from .basis_file import CodecBasis
@@ -133,8 +134,6 @@ def segment_positions(layer_rec: dict[str, Any], tensors: dict[str, torch.Tensor
 
     Raises ``ValueError`` when the positions are unknown (an evicting cache built without
     ``track_positions``) or do not match the segments."""
-    from ..cache.positions import unpack_mask
-
     arrived = layer_rec.get("arrived", layer_rec.get("seen"))
     if isinstance(arrived, bool) or not isinstance(arrived, int) or arrived < 0:
         raise ValueError(f"{where}: layer {target.layer} records no arrivals")
