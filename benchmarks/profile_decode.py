@@ -4,7 +4,9 @@ alternating between the caches (the machine's drift falls on every cache alike).
 For each method spec (the ``kvcache eval`` grammar; ours run inside :func:`kv_cache.compress`)
 the script prefills the same ``--context`` tokens of *Moby Dick* into its own cache, then decodes
 ``--steps`` rounds; in each round every cache takes one greedy step in turn. It prints per cache
-the median step time and its ratio to the first method's (the full cache by default), and, from
+the median step time and its ratio to the first method's (the full cache by default; each cache's
+hooks are installed only while it steps, :func:`kv_cache.compress` around each step, outside the
+time), and, from
 ``cProfile`` over ``--profile-steps`` further steps per cache (its own overhead inflates the
 Python share, so read the shares, not the profiled times), the share of the step spent in the
 library's compiled kernels (the extension's functions), in torch's operators (the model's linear
@@ -56,11 +58,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
 
+    import contextlib
     import cProfile
     import pstats
 
     import torch
 
+    from kv_cache import CompressedCache, compress
     from kv_cache.generation import forward_at
     from kv_cache.models import load_model, shared_data_dir
 
@@ -70,35 +74,43 @@ def main(argv=None) -> int:
     ids = tok(text[: args.context * 8], return_tensors="pt").input_ids[:, : args.context]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     state = {}
+
+    def scope(cache):
+        """The cache's own hooks, only while it steps: one cache's hooks never see another's step."""
+        return compress(model, cache) if isinstance(cache, CompressedCache) else contextlib.nullcontext()
+
+    def step(m: str) -> float:
+        st = state[m]
+        with scope(st[0]):
+            t0 = time.perf_counter()
+            logits = forward_at(model, st[0], st[1], st[2])
+            dt = time.perf_counter() - t0
+        st[1], st[2] = logits[:, -1:].argmax(-1), st[2] + 1
+        return dt
+
     with torch.no_grad():
         for m in methods:
             pre = _prepare(m, model, tok, ids)
-            state[m] = [pre, pre.logits[:, -1:].argmax(-1), args.context]
+            pre.scope.close()  # each prefill under its own hooks, then closed
+            state[m] = [pre.cache, pre.logits[:, -1:].argmax(-1), args.context]
         for m in methods:  # warm-up: two steps each
             for _ in range(2):
-                st = state[m]
-                logits = forward_at(model, st[0].cache, st[1], st[2])
-                st[1], st[2] = logits[:, -1:].argmax(-1), st[2] + 1
+                step(m)
         times = {m: [] for m in methods}
         for _ in range(args.steps):
             for m in methods:
-                st = state[m]
-                t0 = time.perf_counter()
-                logits = forward_at(model, st[0].cache, st[1], st[2])
-                times[m].append(time.perf_counter() - t0)
-                st[1], st[2] = logits[:, -1:].argmax(-1), st[2] + 1
+                times[m].append(step(m))
         profiles = {}
         for m in methods:
-            st = state[m]
             prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.profile_steps):
-                logits = forward_at(model, st[0].cache, st[1], st[2])
-                st[1], st[2] = logits[:, -1:].argmax(-1), st[2] + 1
-            prof.disable()
+            with scope(state[m][0]):
+                prof.enable()
+                for _ in range(args.profile_steps):
+                    st = state[m]
+                    logits = forward_at(model, st[0], st[1], st[2])
+                    st[1], st[2] = logits[:, -1:].argmax(-1), st[2] + 1
+                prof.disable()
             profiles[m] = pstats.Stats(prof).stats  # {func: (cc, nc, tottime, cumtime, callers)}
-        for m in methods:
-            state[m][0].scope.close()
 
     base = statistics.median(times[methods[0]])
     lines = [f"# Where a decoding step goes: {args.model}, {args.context} tokens", "",
