@@ -87,6 +87,7 @@ class _Target:
     lengths: list[int]  # per segment: its tokens
     role: str = "storage"  # "storage" (the layer's own), "rows" (a ragged layout's rows), "tail" (after them)
     tail: int = 0  # "rows": the tokens of the ragged layout's tail, which follow every row
+    mixed: bool = False  # "rows": the layout also holds sinks or packed tokens (a quantized layout)
 
 
 ROLES = ("storage", "rows", "tail")
@@ -113,10 +114,13 @@ def _find_targets(layer_recs: list[dict[str, Any]], tensors: dict[str, torch.Ten
             tail = attrs.get("tail")
             tail_n = int(tail["attrs"]["length"]) if isinstance(tail, dict) and tail.get("class") == \
                 "FullPrecisionStorage" else 0
+            packed = attrs.get("packed_lengths")
+            mixed = (isinstance(tail, dict) and tail.get("class") != "FullPrecisionStorage") or \
+                (isinstance(packed, dict) and any(packed.get("list") or []))
             if (k.dim() == 4 and k.shape[:2] == (1, 1) and int(attrs["batch"]) == 1 and len(lengths) == heads
                     and sum(lengths) == k.shape[2] and k.shape[2] > 0 and k.is_floating_point()):
                 out.append(_Target(layer, (kname, vname), "flat", tuple(k.shape), str(k.dtype).removeprefix("torch."),
-                                   list(range(heads)), lengths, "rows", tail_n))
+                                   list(range(heads)), lengths, "rows", tail_n, mixed))
         for v in attrs.values():
             walk(v, layer, "tail" if cls == "PackedRaggedStorage" else role)
 
@@ -134,6 +138,10 @@ def segment_positions(layer_rec: dict[str, Any], tensors: dict[str, torch.Tensor
 
     Raises ``ValueError`` when the positions are unknown (an evicting cache built without
     ``track_positions``) or do not match the segments."""
+    if target.mixed:
+        raise ValueError(f"{where}: layer {target.layer} holds a quantized ragged layout (sinks or packed tokens "
+                         "beside its full-precision rows): keys before RoPE are coded for full-precision caches only; "
+                         "code it with a basis fitted after RoPE (basis_for_model(model, keys_before_rope=False))")
     arrived = layer_rec.get("arrived", layer_rec.get("seen"))
     if isinstance(arrived, bool) or not isinstance(arrived, int) or arrived < 0:
         raise ValueError(f"{where}: layer {target.layer} records no arrivals")
