@@ -34,7 +34,6 @@ coded tensor, its shape, dtype, layout and segments.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
