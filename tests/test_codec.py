@@ -627,6 +627,7 @@ def test_the_file_records_the_layout_it_is_loaded_into(stories, basis, tmp_path,
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_shipped_smollm2_basis_codes_keys_before_rope_closer():
     """Golden, SmolLM2 with the shipped bases: the basis found for the model is the one fitted
     before RoPE, and at 20x a KVzip-kept context's keys come back closer in the query metric
@@ -635,6 +636,8 @@ def test_shipped_smollm2_basis_codes_keys_before_rope_closer():
     Measured (about 1,100 wikitext tokens, KVzip 25%, one metric for both: the post-RoPE
     queries'): mean relative key error 0.081 before RoPE against 0.119 after, the files within
     4 bytes of each other."""
+    import tempfile
+
     from kv_cache.codec import basis_for_model
     from kv_cache.models import load_model, shared_data_dir
 
@@ -644,7 +647,7 @@ def test_shipped_smollm2_basis_codes_keys_before_rope_closer():
     text = (shared_data_dir() / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")[:5000]
     ctx = CompressedContext.build(model, tok, text, eviction=KVzip(budget=0.25), chat=False)
     errors = {}
-    with __import__("tempfile").TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         for name, b in (("before", before), ("after", after)):
             size = ctx.save(f"{tmp}/{name}.kvc", file_ratio=20, codec=b)
             back = CompressedContext.load(f"{tmp}/{name}.kvc", model, tok, codec=b)
