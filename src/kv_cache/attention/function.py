@@ -38,6 +38,7 @@ from .blocks import attend_new, fused_decode, join_new_token, merge, reconstruct
 from .fidelity import (FIDELITY_QUERIES, checked_rows, layer_output_error, masked_attention,
                               query_attention)
 from .key_offset import lse_shift, unshift_keys
+from .reconstruction import one_pass_available, repeat_chunk_attention
 from .dense import apply_learned_sinks, attend_positions, attend_positions_observed, materialize
 
 ATTENTION_NAME = "kv_cache"
@@ -278,8 +279,9 @@ def _blocks(layer, view, q, key, value, scaling, G, L, starts, new_valid, need_l
 def _reconstruction_pass(layer, query, q, key, value, scaling: float, G: int,
                          learned: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """KVzip's repeat chunk on a full-attention layer (batch 1, nothing stored): the output
-    attends to every stored token and causally to the chunk (one fused sdpa call over the
-    full-precision states, or with ``learned`` sinks or ``softcap`` the chunked path by positions,
+    attends to every stored token and causally to the chunk (on CPU, output and scores from the
+    same flash passes: :func:`.reconstruction.repeat_chunk_attention`; elsewhere one sdpa call over
+    the full-precision states; with ``learned`` sinks or ``softcap`` the chunked path by positions,
     which returns the log-sum-exp the sinks need and caps every logit); the layer receives the
     chunk's reconstruction scores (:func:`.blocks.reconstruction_scores`: of the soft-capped
     logits, without the learned sinks' share; math dictionary §19.3, §22.4)."""
@@ -287,6 +289,10 @@ def _reconstruction_pass(layer, query, q, key, value, scaling: float, G: int,
     sinks, start, end = layer.reconstructing
     keys, values = layer.reconstruction_states()  # [B, Hkv, T, d], dequantized when packed, offset added back
     key = unshift_keys(key, layer.view_offset)
+    if learned is None and softcap is None and one_pass_available(query, values):  # output and scores in one pass
+        out, scores = repeat_chunk_attention(query, keys, values, key, value, scaling, sinks, start, end)
+        layer.observe_reconstruction(scores)
+        return out.to(query.dtype)
     T = keys.shape[2]
     all_k, all_v = torch.cat([keys, key.to(keys.dtype)], 2), torch.cat([values, value.to(values.dtype)], 2)
     if learned is None and softcap is None:

@@ -1,0 +1,89 @@
+"""Where a method's prefill goes: a plain prefill and the method's (KVzip's repeat pass included),
+timed back to back in one process, with ``cProfile``'s top functions of the method's prefill.
+
+For each method spec (the ``kvcache eval`` grammar) the script times a plain prefill
+(transformers' ``DynamicCache``) of the same ``--context`` tokens of *Moby Dick*, then the
+method's own prefill (:func:`kv_cache.eval.prefilled.prefill_method`: the context and, for
+KVzip, its reconstruction pass), then profiles one more of the method's prefills. It prints the
+ratio of the two timed prefills and the profile's top functions by own time (cProfile's overhead
+is small here: the time is in torch's operators).
+
+Run: ``python benchmarks/profile_prefill.py [--model qwen2.5-0.5b] [--context 4096] [--methods 8x]
+[--out benchmarks/results]``; writes ``profile_prefill_<model>_ctx<N>_<methods>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-0.5b")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--methods", default="8x")
+    ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+
+    import cProfile
+    import pstats
+
+    import torch
+
+    from kv_cache.eval.prefill_cost import plain_prefill_seconds
+    from kv_cache.eval.prefilled import prefill_method
+    from kv_cache.models import load_model, shared_data_dir
+    from kv_cache.spec.grammar import parse_method
+
+    torch.set_num_threads(2)
+    model, tok = load_model(args.model)
+    text = (shared_data_dir() / "gutenberg" / "pg2701.txt").read_text().replace("\r\n", "\n")
+    ids = tok(text[: args.context * 8], return_tensors="pt").input_ids[:, : args.context]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    lines = [f"# Where a prefill goes: {args.model}, {args.context} tokens", "",
+             f"`python benchmarks/profile_prefill.py --model {args.model} --context {args.context} --methods "
+             f"{','.join(methods)}`; torch {torch.__version__}, 2 threads; each method's prefill timed right "
+             "after a plain prefill of the same tokens.", "",
+             "| method | plain prefill | method's prefill | ratio |", "|---|---:|---:|---:|"]
+    tops = []
+    with torch.no_grad():
+        for m in methods:
+            method = parse_method(m)
+            plain = plain_prefill_seconds(model, ids, last_only=True)
+            t0 = time.perf_counter()
+            pre = prefill_method(model, method, ids, tok, last_only=True)
+            seconds = time.perf_counter() - t0
+            pre.scope.close()
+            del pre
+            lines.append(f"| `{m}` | {plain:.2f} s | {seconds:.2f} s | {seconds / plain:.2f}x |")
+            prof = cProfile.Profile()
+            prof.enable()
+            pre = prefill_method(model, method, ids, tok, last_only=True)
+            prof.disable()
+            pre.scope.close()
+            del pre
+            st = pstats.Stats(prof).stats
+            total = sum(v[2] for v in st.values())
+            tops += ["", f"Top functions by own time, `{m}` (one profiled prefill, {total:.1f} s):", "",
+                     "| function | calls | own s | share |", "|---|---:|---:|---:|"]
+            for (file, line, name), (_, nc, tottime, _, _) in sorted(st.items(), key=lambda kv: kv[1][2],
+                                                                     reverse=True)[: args.top]:
+                where = name if file == "~" else f"{Path(file).name}:{line} {name}"
+                tops.append(f"| `{where}` | {nc} | {tottime:.2f} | {100 * tottime / total:.0f}% |")
+    text_out = "\n".join(lines + tops) + "\n"
+    print(text_out)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = (f"profile_prefill_{Path(str(args.model)).name}_ctx{args.context}_"
+            f"{'-'.join(m.replace('@', '') for m in methods)}.md")
+    (out / name).write_text(text_out)
+    print(f"wrote {out / name}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
