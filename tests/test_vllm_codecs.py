@@ -6,7 +6,7 @@ These import no vLLM (the codecs and the attention are pure torch), so they run 
 import pytest
 import torch
 
-from kv_cache.integrations.vllm.attention import attend
+from kv_cache.integrations.vllm.attention import attend, attend_batch
 from kv_cache.integrations.vllm.codecs import (
     CODECS, KEY_GROUP, PagedCodec, first_kv_head, read_blocks, value_rotations, write_slots,
 )
@@ -25,7 +25,7 @@ def _fill(codec, n_tokens, bs=64, heads=3, chunks=(None,), seed=0, blocks=(5, 1,
     v = torch.randn(n_tokens, heads, d, generator=g)
     blk = torch.tensor(blocks)
     slots = blk[torch.arange(n_tokens) // bs] * bs + torch.arange(n_tokens) % bs
-    cache = torch.zeros(8, heads, bs, codec.slot_bytes, dtype=torch.uint8)
+    cache = torch.zeros(max(8, max(blocks) + 1), heads, bs, codec.slot_bytes, dtype=torch.uint8)
     rot = value_rotations(codec, 3, heads)
     k, extra = written(codec.name, k, torch.arange(n_tokens), d)  # pre-RoPE codecs: keys as vLLM turns them
     start = 0
@@ -173,6 +173,98 @@ def test_attend_batched_decode_rows_are_independent(kernels):
     one = attend(q[1:], cache, table[1:], torch.tensor([39]), k2[None, 39:], v2[None, 39:], codec, rot, 0.125,
                  kernels=kernels)
     torch.testing.assert_close(both[1:], one, rtol=1e-5, atol=1e-6)
+
+
+def _batch(codec, plan, heads=3, bs=64, seed=0):
+    """A vLLM-like flat batch: request i has ``plan[i] = (cached, scheduled)`` tokens, written into
+    its own blocks. Returns q [N, 3 * heads, D], cache, table, query_start, seq_lens, k/v of the
+    step [N, heads, D], rotation, and each request's full keys/values [T, heads, D] (decoded)."""
+    d = codec.head_dim
+    nb = max(-(-(c + s) // bs) for c, s in plan)
+    cache = torch.zeros(len(plan) * nb + 1, heads, bs, codec.slot_bytes, dtype=torch.uint8)
+    table, ks, vs, full = [], [], [], []
+    rot = None
+    for i, (c, s) in enumerate(plan):
+        blocks = tuple(range(1 + i * nb, 1 + (i + 1) * nb))  # block 0 stays unused
+        part, k, v, blk, rot = _fill(codec, c + s, bs=bs, heads=heads, blocks=blocks, seed=seed + i)
+        cache[list(blocks)] = part[list(blocks)]
+        kh, vh = _decoded(cache, blk, codec, rot, c + s)
+        table.append(blk)
+        ks.append(k[c:])
+        vs.append(v[c:])
+        full.append((torch.cat((kh[:c], k[c:])), torch.cat((vh[:c], v[c:]))))
+    lens = [s for _, s in plan]
+    query_start = torch.tensor([0] + lens).cumsum(0)
+    seq_lens = torch.tensor([c + s for c, s in plan])
+    g = torch.Generator().manual_seed(seed + 99)
+    q = torch.randn(int(query_start[-1]), 3 * heads, d, generator=g)
+    return q, cache, torch.stack(table), query_start, seq_lens, torch.cat(ks), torch.cat(vs), rot, full
+
+
+MIXED = [(99, 1), (63, 40), (0, 17), (1, 1), (150, 1), (0, 1), (64, 64)]
+"""(cached, scheduled) tokens per request: decodes, prefill continuations, first chunks, a token alone."""
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["per-request", "one-call"])
+@pytest.mark.parametrize("name", CODECS)
+def test_attend_batch_matches_a_dense_softmax_per_request(name, kernels):
+    """Every token of a mixed batch against softmax over its request's decoded cache and its own
+    causal step tokens; the one compiled call (or its torch reference where the build is off) and
+    the per-request path alike."""
+    codec = PagedCodec(name, 64)
+    q, cache, table, qs, seq, k, v, rot, full = _batch(codec, MIXED)
+    out = attend_batch(q, cache, table, qs, seq, k, v, codec, rot, 0.125, kernels=kernels,
+                       key_rope=key_rope_for(name))
+    assert out.shape == q.shape and out.dtype == torch.float32
+    for i, (c, s) in enumerate(MIXED):
+        kh, vh = full[i]
+        a = int(qs[i])
+        keys = kh.permute(1, 0, 2).repeat_interleave(3, 0)
+        vals = vh.permute(1, 0, 2).repeat_interleave(3, 0)
+        mask = torch.ones(s, c + s, dtype=torch.bool).tril(c)
+        ref = torch.nn.functional.scaled_dot_product_attention(q[a:a + s].permute(1, 0, 2), keys, vals,
+                                                               attn_mask=mask, scale=0.125).permute(1, 0, 2)
+        torch.testing.assert_close(out[a:a + s], ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["q4d", "q4db", "q8"])
+def test_one_call_equals_the_per_request_path(name):
+    codec = PagedCodec(name, 128)
+    q, cache, table, qs, seq, k, v, rot, _ = _batch(codec, [(300, 1), (200, 64), (0, 33), (31, 1)], heads=2, seed=4)
+    kw = dict(key_rope=key_rope_for(name, 128))
+    one = attend_batch(q, cache, table, qs, seq, k, v, codec, rot, 0.09, kernels=True, **kw)
+    each = attend_batch(q, cache, table, qs, seq, k, v, codec, rot, 0.09, kernels=False, **kw)
+    torch.testing.assert_close(one, each, rtol=1e-4, atol=1e-5)
+
+
+def test_one_call_reference_and_errors():
+    """The torch composition (the oracle off the CPU) equals the call; bad metadata raises with
+    what was expected and what came."""
+    from kv_cache.integrations.vllm.blocks import slot_layout
+    from kv_cache.kernels.paged_batch import attend_paged_batch, reference_attend_paged_batch
+
+    codec = PagedCodec("q4d", 64)
+    q, cache, table, qs, seq, k, v, rot, _ = _batch(codec, MIXED)
+    lay = slot_layout(codec)
+    got = attend_paged_batch(q, cache, table, qs, seq, k, v, lay, 0.125, rot)
+    ref = reference_attend_paged_batch(q, cache, table, qs, seq, k, v, lay, 0.125, rot)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="query_start must be an int"):
+        attend_paged_batch(q, cache, table, qs[:-1], seq, k, v, lay, 0.125)
+    with pytest.raises(ValueError, match="seq_lens must count"):
+        attend_paged_batch(q, cache, table, qs, seq - 30, k, v, lay, 0.125)
+    with pytest.raises(ValueError, match="rise from"):
+        attend_paged_batch(q, cache, table, qs.flip(0), seq, k, v, lay, 0.125)
+    with pytest.raises(ValueError, match="k_new must be"):
+        attend_paged_batch(q, cache, table, qs, seq, k[:, :2], v, lay, 0.125)
+    with pytest.raises(ValueError, match="value_rotation must be"):
+        attend_paged_batch(q, cache, table, qs, seq, k, v, lay, 0.125, rot[:2])
+    with pytest.raises(ValueError, match="multiple of the cache's 3 kv heads"):
+        attend_paged_batch(q[:, :8], cache, table, qs, seq, k, v, lay, 0.125)
+    bad = table.clone()
+    bad[0, 0] = 10_000
+    with pytest.raises(ValueError, match="outside the cache"):
+        attend_paged_batch(q, cache, bad, qs, seq, k, v, lay, 0.125)
 
 
 def test_settings_parse_and_refuse():

@@ -11,6 +11,12 @@ buffer:
 * ``torch`` (``KV_CACHE_KERNELS=torch``, or a device neither serves): the part is decoded and
   attended with torch's CPU flash kernel, then dropped.
 
+:func:`attend_batch` is what the backend calls once per layer and step: on a CPU with the
+compiled kernels, one call for every request of the batch (decoding rows and prefill chunks
+alike), the step's own tokens, the merge and the value rotation inside it
+(:func:`kv_cache.kernels.paged_batch.attend_paged_batch`); otherwise :func:`attend` for the
+decoding requests together and for each prefill chunk.
+
 A request's context is split in two: the ``n_cached`` tokens before this step, read from the
 codes, and the step's own tokens (``Q`` queries), attended in full precision with a causal mask,
 as vLLM's ``turboquant_attn.py`` does for prefill. (They were also written to the cache before
@@ -25,6 +31,7 @@ import torch
 
 from ...kernels import backend
 from ...kernels.paged import PagedRope, attend_paged, turn_keys
+from ...kernels.paged_batch import attend_paged_batch
 from .blocks import slot_layout
 from .codecs import PagedCodec, read_blocks
 
@@ -186,3 +193,66 @@ def _cached_by_torch(qf: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
             mask = torch.zeros(r, 1, 1, c * bs, device=dev).masked_fill(~visible[:, None, None, :], float("-inf"))
         state = _merge(state, _flash(qf, k, v, False, scale, mask))
     return state
+
+
+def attend_batch(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    codec: PagedCodec,
+    rotation: torch.Tensor | None,
+    scale: float,
+    blocks_per_step: int = 8,
+    kernels: bool | None = None,
+    key_rope: PagedRope | None = None,
+) -> torch.Tensor:
+    """One step's attention for every request of a vLLM batch.
+
+    Parameters
+    ----------
+    q : torch.Tensor, ``[N, Hq, D]``
+        The step's queries; request ``r`` owns rows ``query_start[r] .. query_start[r + 1]``.
+    cache, codec, rotation, scale, blocks_per_step, key_rope : as :func:`attend`
+    block_table : torch.Tensor, int, ``[R, max_blocks]``
+    query_start : torch.Tensor, int, ``[R + 1]`` (CPU)
+    seq_lens : torch.Tensor, int, ``[R]`` (CPU): tokens of each request including the step's
+    k_new, v_new : torch.Tensor, ``[N, H, D]``, the step's keys and values
+    kernels : bool, optional
+        The one compiled call (True, where the compiled CPU kernels serve ``q``'s device) or
+        :func:`attend` per group of requests (False); None: the compiled call where it serves.
+
+    Returns
+    -------
+    torch.Tensor, float32, ``[N, Hq, D]`` (rows past ``query_start[-1]`` are 0)
+    """
+    if codec.pre_rope and key_rope is None:
+        raise ValueError(f"kv_cache codec {codec.name!r} stores keys before RoPE: pass key_rope (the layer's frame)")
+    if kernels is None:
+        kernels = backend(q.device) == "compiled"
+    if kernels:
+        return attend_paged_batch(q, cache, block_table, query_start, seq_lens, k_new, v_new, slot_layout(codec),
+                                  scale, rotation, key_rope if codec.pre_rope else None)
+    n, hq, d = q.shape
+    out = torch.zeros(n, hq, d, dtype=torch.float32, device=q.device)
+    qsl = query_start.tolist()
+    seq = seq_lens.tolist()
+    decodes = [i for i in range(len(seq)) if qsl[i + 1] - qsl[i] == 1]
+    if decodes:
+        idx = torch.tensor([qsl[i] for i in decodes], device=q.device)
+        rows = torch.tensor(decodes, device=block_table.device)
+        n_cached = torch.tensor([seq[i] - 1 for i in decodes])
+        res = attend(q[idx][:, None], cache, block_table[rows], n_cached, k_new[idx][:, None], v_new[idx][:, None],
+                     codec, rotation, scale, blocks_per_step, key_rope=key_rope)
+        out[idx] = res[:, 0]
+    for i in range(len(seq)):
+        a, b = qsl[i], qsl[i + 1]
+        if b - a <= 1:
+            continue
+        res = attend(q[None, a:b], cache, block_table[i:i + 1], torch.tensor([seq[i] - (b - a)]), k_new[None, a:b],
+                     v_new[None, a:b], codec, rotation, scale, blocks_per_step, key_rope=key_rope)
+        out[a:b] = res[0]
+    return out

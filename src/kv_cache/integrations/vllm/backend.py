@@ -10,9 +10,9 @@ it as the spec's ``state_content_bytes``), so the block manager sizes the pool, 
 capacity, from the bytes the codec really holds. Codec layouts: :mod:`.codecs`.
 
 Per step: ``do_kv_cache_update`` encodes the step's keys and values into their slots; ``forward``
-attends each request over its earlier tokens read from the codes, block by block
-(:func:`.attention.attend`), plus the step's own tokens in full precision. Decode requests of a
-batch are attended together; each prefill chunk on its own.
+attends every request over its earlier tokens read from the codes plus the step's own tokens in
+full precision (:func:`.attention.attend_batch`): on a CPU one compiled call per layer for the
+whole batch, decoding rows and prefill chunks alike.
 
 The codecs storing keys before RoPE (``q4db``, ``q3db``, ``q2db``) encode inside ``forward``
 (``forward_includes_kv_cache_update``), where the batch's metadata gives each token's position
@@ -41,7 +41,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from .attention import attend
+from .attention import attend_batch
 from .blocks import paged_rope
 from .codecs import CODECS, KEY_GROUP, PagedCodec, first_kv_head, value_rotations, write_slots
 from .settings import PluginSettings
@@ -268,29 +268,14 @@ class KVCacheCodecImpl(AttentionImpl[KVCacheCodecMetadata]):
             pos = self.positions(attn_metadata.query_start_loc, attn_metadata.seq_lens)[:n]
             write_slots(kv_cache, key[:n], value[:n], attn_metadata.slot_mapping[:n], codec, rot,
                         rope=frame, positions=pos)
-        qsl = attn_metadata.query_start_loc.tolist()
-        seq = attn_metadata.seq_lens.tolist()
         out = output[:n].view(n, self.num_heads, self.head_size)
         q = query[:n].view(n, self.num_heads, self.head_size)
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
-        step = self.settings.blocks_per_step
-        decodes = [i for i in range(len(seq)) if qsl[i + 1] - qsl[i] == 1]
-        if decodes:
-            idx = torch.tensor([qsl[i] for i in decodes])
-            rows = torch.tensor(decodes)
-            n_cached = torch.tensor([seq[i] - 1 for i in decodes])
-            res = attend(q[idx][:, None], kv_cache, attn_metadata.block_table[rows], n_cached, k[idx][:, None],
-                         v[idx][:, None], codec, rot, self.scale, step, key_rope=key_rope)
-            out[idx] = res[:, 0].to(out.dtype)
-        for i in range(len(seq)):
-            a, b = qsl[i], qsl[i + 1]
-            if b - a <= 1:
-                continue
-            res = attend(q[None, a:b], kv_cache, attn_metadata.block_table[i:i + 1],
-                         torch.tensor([seq[i] - (b - a)]), k[None, a:b], v[None, a:b], codec, rot,
-                         self.scale, step, key_rope=key_rope)
-            out[a:b] = res[0].to(out.dtype)
+        res = attend_batch(q, kv_cache, attn_metadata.block_table, attn_metadata.query_start_loc,
+                           attn_metadata.seq_lens, k, v, codec, rot, self.scale, self.settings.blocks_per_step,
+                           key_rope=key_rope)
+        out.copy_(res)
         return output
 
 

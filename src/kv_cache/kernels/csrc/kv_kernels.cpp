@@ -282,8 +282,20 @@ enum PagedKey : int { kPagedKeyChannel = 0, kPagedKeyInt8 = 1 };
 enum PagedValue : int { kPagedValueLevels = 0, kPagedValueInt8 = 1, kPagedValueChannelGroups = 2 };
 constexpr int kPagedChannelGroup = 32;  // channels per scale of per-token channel-grouped values
 
+// One span of attend_paged_batch's work (see paged_span in kv_paged_impl.h).
+struct PagedSpan {
+  int64_t r = 0, h = 0;              // request and kv head
+  int64_t t_begin = 0, t_end = 0;    // cached tokens of the request, or (fresh) the step's tokens
+  int M = 0;                         // query rows
+  int Q = 0;                         // batch mode: the request's step tokens (row g: query head h G + g / Q,
+                                     // token q0 + g % Q); 0: attend_paged's [R * H, M, D] rows
+  int64_t q0 = 0;                    // the request's first row of q, k_new, v_new (batch mode)
+  bool fresh = false;                // the step's own tokens from k_new / v_new, causal
+  int64_t part = 0;                  // the span's first partial row in pm / pl / pacc
+};
+
 struct PagedArgs {
-  const float* q;        // [R * H, M, D]
+  const float* q;        // [R * H, M, D]; batch mode: [N, Hq, D]
   int M = 0, D = 0;
   int64_t H = 0;
   const uint8_t* cache;  // [blocks, H, bs, sw]
@@ -301,6 +313,11 @@ struct PagedArgs {
   float *pm, *pl, *pacc;              // [items, M], [items, M], [items, M, pad(D)]
   const KeyRope* rope = nullptr;      // keys stored before RoPE: token t turned to position t (tab, half,
                                       // interleaved, factor; no positions array)
+  // batch mode (attend_paged_batch)
+  int64_t Hq = 0;
+  int G = 0;
+  const float *knew = nullptr, *vnew = nullptr;  // [N, H, D] the step's keys and values
+  const PagedSpan* spans = nullptr;
 };
 
 // q[c] = number of midpoints strictly below x[c] / s (the nearest level; ties go down);
@@ -895,6 +912,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &kvk::dequantize, "fused unpack + dequantize (see kv_cache.kernels.ops.dequantize_block)");
   m.def("attend", &kvk::attend, "attention from packed codes (see kv_cache.kernels.ops.attend_block)");
   m.def("attend_paged", &kvk::attend_paged, "attention read from paged slots through a block table (see kv_cache.kernels.paged)");
+  m.def("attend_paged_batch", &kvk::attend_paged_batch, "a step's attention for every request in one call: paged codes plus the step's own tokens (see kv_cache.kernels.paged_batch)");
   m.def("write_paged", &kvk::write_paged, "encode tokens into paged slots in place (see kv_cache.kernels.paged.write_paged)");
   m.def("compact_rows", &kvk::compact_rows, "in-place gather of sorted kept tokens per row (see ops.compact_rows_)");
   m.def("isa", &kvk::isa_name, "name of the code path a call with this isa flag takes");

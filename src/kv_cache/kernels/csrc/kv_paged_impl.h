@@ -12,14 +12,14 @@
 // Values: codebook levels times a per-token 8-bit log-coded norm, per-token int8, or per token
 // and 32-channel group uniform (v = m_j + s_j * code).
 
-// One work item: tokens [ci * chunk, min(n_r, (ci + 1) * chunk)) of row (r, h) for all M
-// queries of the row; writes the chunk's (max, sum, unnormalized output) like attend_item.
-static void attend_paged_item(const PagedArgs& a, int64_t item, Scratch& s) {
-  const int64_t row = item / a.chunks, ci = item % a.chunks;
-  const int64_t r = row / a.H, h = row % a.H;
-  const int M = a.M, D = a.D, dp = pad_to(a.D);
-  const int64_t n = a.len[r];
-  const int64_t t_begin = ci * a.chunk, t_end = std::min<int64_t>(n, t_begin + a.chunk);
+// One span of one request and kv head, for its M query rows: tokens [t_begin, t_end) read from
+// the cache (cached tokens of the request), or, with sp.fresh, the step's own tokens
+// [t_begin, t_end) of k_new / v_new in full precision, query row g seeing token t only when
+// t <= its token index (causal). Writes the span's (max, sum, unnormalized output) at sp.part.
+static void paged_span(const PagedArgs& a, const PagedSpan& sp, Scratch& s) {
+  const int64_t r = sp.r, h = sp.h;
+  const int M = sp.M, D = a.D, dp = pad_to(a.D);
+  const int64_t t_begin = sp.t_begin, t_end = sp.t_end;
   constexpr int T = kTile;
   const int J = D / kPagedChannelGroup;  // KIVI value groups per token
   const size_t sizes[] = {
@@ -51,7 +51,8 @@ static void attend_paged_item(const PagedArgs& a, int64_t item, Scratch& s) {
     m[g] = -std::numeric_limits<float>::infinity();
     l[g] = 0.0f;
     float* qrow = qs + static_cast<size_t>(g) * dp;
-    const float* qin = a.q + (row * M + g) * static_cast<int64_t>(D);
+    const float* qin = sp.Q ? a.q + ((sp.q0 + g % sp.Q) * a.Hq + h * a.G + g / sp.Q) * static_cast<int64_t>(D)
+                            : a.q + ((r * a.H + h) * M + g) * static_cast<int64_t>(D);
     for (int c = 0; c < D; ++c) qrow[c] = a.scaling * qin[c];
     std::fill(qrow + D, qrow + dp, 0.0f);
     std::fill(qt + static_cast<size_t>(g) * dp, qt + static_cast<size_t>(g + 1) * dp, 0.0f);
@@ -62,7 +63,31 @@ static void attend_paged_item(const PagedArgs& a, int64_t item, Scratch& s) {
     return h2f(u);
   };
   const int64_t W_ = a.sw;  // slot bytes (W is the vector width)
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += T) {
+  if (sp.fresh) {  // the step's own tokens in full precision, causal
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += T) {
+      const int nt = static_cast<int>(std::min<int64_t>(T, t_end - t0));
+      for (int t = 0; t < nt; ++t) {
+        const int64_t src = ((sp.q0 + t0 + t) * a.H + h) * static_cast<int64_t>(D);
+        std::memcpy(Kb + static_cast<size_t>(t) * dp, a.knew + src, sizeof(float) * D);
+        std::memcpy(Vb + static_cast<size_t>(t) * dp, a.vnew + src, sizeof(float) * D);
+      }
+      dots(qs, dp, M, Kb, dp, nt, dp, S, T);
+      for (int g = 0; g < M; ++g) {
+        const int64_t i = g % sp.Q;  // the row's token index in the step
+        float* srow = S + g * T;
+        if (i < t0) {  // nothing of this tile is visible to the row: no share
+          std::fill(srow, srow + nt, 0.0f);
+          continue;
+        }
+        for (int t = static_cast<int>(std::max<int64_t>(0, i - t0 + 1)); t < nt; ++t)
+          srow[t] = -std::numeric_limits<float>::infinity();
+        const float alpha = softmax_tile(srow, nt, m[g], l[g]);
+        if (alpha != 1.0f) scale_row(acc + static_cast<size_t>(g) * dp, dp, alpha);
+      }
+      accum(S, T, M, Vb, dp, nt, dp, acc, dp);
+    }
+  }
+  for (int64_t t0 = sp.fresh ? t_end : t_begin; t0 < t_end; t0 += T) {
     const int nt = static_cast<int>(std::min<int64_t>(T, t_end - t0));
     const int64_t blk = a.table[r * a.tpitch + t0 / a.bs];
     const uint8_t* slot = a.cache + ((blk * a.H + h) * a.bs + t0 % a.bs) * W_;
@@ -154,9 +179,28 @@ static void attend_paged_item(const PagedArgs& a, int64_t item, Scratch& s) {
     accum(S, T, M, Vb, dp, nt, dp, acc, dp);
   }
   for (int g = 0; g < M; ++g) {
-    a.pm[item * M + g] = m[g];
-    a.pl[item * M + g] = l[g];
-    std::memcpy(a.pacc + (item * M + g) * static_cast<int64_t>(dp), acc + static_cast<size_t>(g) * dp,
+    a.pm[sp.part + g] = m[g];
+    a.pl[sp.part + g] = l[g];
+    std::memcpy(a.pacc + (sp.part + g) * static_cast<int64_t>(dp), acc + static_cast<size_t>(g) * dp,
                 sizeof(float) * dp);
   }
+}
+
+// One work item of attend_paged: tokens [ci * chunk, min(n_r, (ci + 1) * chunk)) of row (r, h)
+// for all M queries of the row.
+static void attend_paged_item(const PagedArgs& a, int64_t item, Scratch& s) {
+  const int64_t row = item / a.chunks, ci = item % a.chunks;
+  PagedSpan sp;
+  sp.r = row / a.H;
+  sp.h = row % a.H;
+  sp.t_begin = ci * a.chunk;
+  sp.t_end = std::min<int64_t>(a.len[sp.r], sp.t_begin + a.chunk);
+  sp.M = a.M;
+  sp.part = item * a.M;
+  paged_span(a, sp, s);
+}
+
+// One span of attend_paged_batch (its items, listed by the host).
+static void attend_paged_batch_item(const PagedArgs& a, int64_t item, Scratch& s) {
+  paged_span(a, a.spans[item], s);
 }
