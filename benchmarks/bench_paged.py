@@ -17,6 +17,18 @@ Variants, each the cached part's ``(out, lse)``:
 * ``sdpa-bf16`` / ``sdpa-fp32``: torch's flash attention over contiguous full-precision ``[R,
   H, N, D]`` keys and values (no paging, no decoding): the floor a full-precision cache sets.
 
+And one layer's whole serving step (``step`` rows, what the backend's ``forward`` runs): the
+cached part, the step's own tokens (causal), the merge and the value rotation, for the same
+decode and prefill shapes:
+
+* ``one-call``: :func:`kv_cache.integrations.vllm.attention.attend_batch` on the compiled
+  kernels, one call for the batch (:func:`kv_cache.kernels.paged_batch.attend_paged_batch`);
+* ``per-request``: the path before it: the compiled paged kernel for the cached part of the
+  decoding requests together and of each prefill chunk, torch's flash kernel for the chunk's own
+  tokens, the merges and rotations in torch;
+* ``sdpa-bf16``: torch's flash attention over the same tokens in contiguous bf16 (causal
+  for the chunk), the full-precision floor.
+
 And the slot writes of one layer's step (``write`` rows): one decoded token, one token for each of
 ``R`` requests (each re-encodes its 32-slot key group), and a prefill chunk of ``C`` tokens, with
 the compiled writer (:func:`kv_cache.kernels.paged.write_paged`) against the torch encoder
@@ -40,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from kv_cache.integrations.vllm.attention import _cached_by_torch
+from kv_cache.integrations.vllm.attention import _cached_by_torch, attend_batch
 from kv_cache.integrations.vllm.blocks import paged_rope, slot_layout
 from kv_cache.integrations.vllm.codecs import PagedCodec, value_rotations, write_slots
 from kv_cache.kernels import backend
@@ -139,6 +151,7 @@ def main() -> None:
                          "slot_bytes": codec.slot_bytes, "kv_mib_codes": kv_bytes / 2**20,
                          "kv_mib_bf16": r * n * h * 4 * d / 2**20, "ms": times})
             print(shape, name, {k_: round(v_, 3) for k_, v_ in times.items()}, flush=True)
+    steps = _steps(args, h, g, d, bs, {"decode": (dr, dn, 1), "prefill": (1, pn, pc)})
     writes = []
     for name in args.codecs.split(","):
         codec = PagedCodec(name, d)
@@ -160,13 +173,45 @@ def main() -> None:
             print("write", name, label, {k_: round(v_, 3) for k_, v_ in t_.items()}, flush=True)
     result = {"args": vars(args), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "machine": f"{platform.machine()}, {platform.processor() or '?'}", "rows": rows,
-              "writes": writes}
+              "steps": steps, "writes": writes}
     RESULTS.mkdir(exist_ok=True)
     pre_rope = any(PagedCodec(n, d).pre_rope for n in args.codecs.split(","))
     stem = RESULTS / f"bench_paged_h{h}g{g}d{d}_bs{bs}_dec{args.decode}_pre{args.prefill}{'_prerope' if pre_rope else ''}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     stem.with_suffix(".md").write_text(_markdown(result))
     print(f"wrote {stem}.json / .md")
+
+
+def _steps(args, h: int, g: int, d: int, bs: int, shapes: dict) -> list:
+    """One layer's serving step (module docstring, ``step`` rows) per shape and codec: ms of the
+    one compiled call, of the per-request path, and of bf16 sdpa over the same tokens."""
+    rows = []
+    for shape, (r, n, c) in shapes.items():
+        gen = torch.Generator().manual_seed(11)
+        q = torch.randn(r * c, h * g, d, generator=gen)
+        k_new = torch.randn(r * c, h, d, generator=gen)
+        v_new = torch.randn(r * c, h, d, generator=gen)
+        query_start = torch.arange(r + 1, dtype=torch.int64) * c
+        seq_lens = torch.full((r,), n + c, dtype=torch.int64)
+        for name in args.codecs.split(","):
+            codec = PagedCodec(name, d)
+            cache, table, k, v = _cache(codec, r, n, h, bs)
+            rot = value_rotations(codec, 0, h)
+            rope = paged_rope(_frame(d)) if codec.pre_rope else None
+            times = {label: _median_ms(lambda: attend_batch(q, cache, table, query_start, seq_lens, k_new, v_new,
+                                                            codec, rot, d ** -0.5, kernels=flag, key_rope=rope),
+                                       args.warmup, args.repeats)
+                     for label, flag in (("one-call", True), ("per-request", False))}
+            qd = q.view(r, c, h * g, d).transpose(1, 2).bfloat16()
+            kd = torch.cat((k.permute(0, 2, 1, 3), k_new.view(r, c, h, d).transpose(1, 2)), 2).bfloat16()
+            vd = torch.cat((v.permute(0, 2, 1, 3), v_new.view(r, c, h, d).transpose(1, 2)), 2).bfloat16()
+            mask = None if c == 1 else torch.ones(c, n + c, dtype=torch.bool).tril(n)
+            times["sdpa-bf16"] = _median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=mask, scale=d ** -0.5, enable_gqa=True), args.warmup, args.repeats)
+            rows.append({"shape": shape, "requests": r, "cached_tokens": n, "step_tokens": c, "codec": name,
+                         "ms": times})
+            print("step", shape, name, {k_: round(v_, 3) for k_, v_ in times.items()}, flush=True)
+    return rows
 
 
 def _markdown(result: dict) -> str:
@@ -191,6 +236,17 @@ def _markdown(result: dict) -> str:
                      f"{r['kv_mib_bf16']:.1f} | {t['paged-kernel']:.2f} | {t['gather+decode']:.2f} | "
                      f"{t['sdpa-bf16']:.2f} | {t['sdpa-fp32']:.2f} | {t['paged-kernel'] / t['sdpa-bf16']:.2f}x | "
                      f"{t['paged-kernel'] / t['gather+decode']:.2f}x |")
+    if result.get("steps"):
+        lines += ["", "One layer's serving step: cached codes, the step's own tokens, merge, rotation (ms):", "",
+                  "| shape | codec | one call | per request | sdpa bf16 | one call / per request | one call x bf16 |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in result["steps"]:
+            t = r["ms"]
+            shape = (f"decode {r['requests']} req x {r['cached_tokens']} + 1" if r["shape"] == "decode"
+                     else f"prefill chunk {r['step_tokens']} over {r['cached_tokens']}")
+            lines.append(f"| {shape} | `{r['codec']}` | {t['one-call']:.2f} | {t['per-request']:.2f} | "
+                         f"{t['sdpa-bf16']:.2f} | {t['one-call'] / t['per-request']:.2f}x | "
+                         f"{t['one-call'] / t['sdpa-bf16']:.2f}x |")
     if result.get("writes"):
         lines += ["", "Slot writes of one layer's step (ms; both store the same bytes):", "",
                   "| codec | case | compiled writer | torch encoder | compiled / torch |", "|---|---|---|---|---|"]

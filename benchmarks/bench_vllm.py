@@ -61,7 +61,8 @@ def child(args: argparse.Namespace, config: str) -> dict:
     from vllm import LLM
 
     kw = dict(model=args.model, max_model_len=args.max_model_len, enforce_eager=True, max_num_batched_tokens=256,
-              enable_chunked_prefill=True, dtype="bfloat16", seed=0, max_num_seqs=max(args.concurrency))
+              enable_chunked_prefill=True, dtype="bfloat16", seed=0, max_num_seqs=max(args.concurrency),
+              disable_log_stats=False)  # per-request scheduler timestamps: how many ran at once
     if not float(args.kv_space_gib).is_integer():  # VLLM_CPU_KVCACHE_SPACE takes whole GiB only
         kw["kv_cache_memory_bytes"] = int(args.kv_space_gib * 2**30)
     if config == "fp8":
@@ -106,8 +107,9 @@ def _measure(args: argparse.Namespace, config: str, llm, t_start: float) -> dict
         res = llm.generate(prompts, greedy, use_tqdm=False)
         wall = time.perf_counter() - t0
         gen = sum(len(r.outputs[0].token_ids) for r in res)
-        out["throughput"][str(n)] = {"output_tok_s": gen / wall, "wall_s": wall, "output_tokens": gen}
-        _progress(config, f"throughput @{n}: {gen / wall:.2f} tok/s", t_start)
+        out["throughput"][str(n)] = {"output_tok_s": gen / wall, "wall_s": wall, "output_tokens": gen,
+                                     **running_at_once(res)}
+        _progress(config, f"throughput @{n}: {gen / wall:.2f} tok/s, {out['throughput'][str(n)]}", t_start)
 
     if "ppl" not in args.phases:
         return out
@@ -147,6 +149,32 @@ def _measure(args: argparse.Namespace, config: str, llm, t_start: float) -> dict
     return out
 
 
+def running_at_once(results) -> dict:
+    """``{"max_running", "mean_running", "preemptions"}`` from vLLM's per-request scheduler stats
+    (``RequestOutput.metrics``: first scheduled and last token timestamps of the engine core):
+    the most requests between their first scheduling and their last token at one time, the
+    time-weighted mean of that count, and the requests' preemptions in all. ``{}`` when the
+    engine keeps no such stats."""
+    spans, preempted = [], 0
+    for r in results:
+        m = getattr(r, "metrics", None)
+        if m is None or not getattr(m, "scheduled_ts", 0) or not getattr(m, "last_token_ts", 0):
+            return {}
+        spans.append((m.scheduled_ts, m.last_token_ts))
+        preempted += int(getattr(m, "num_preemptions", 0))
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    now = best = 0
+    area, last = 0.0, events[0][0] if events else 0.0
+    for t, d in events:
+        area += now * (t - last)
+        last = t
+        now += d
+        best = max(best, now)
+    width = (events[-1][0] - events[0][0]) if events else 0.0
+    return {"max_running": best, "mean_running": area / width if width > 0 else float(best),
+            "preemptions": preempted}
+
+
 def run_config(args: argparse.Namespace, config: str) -> dict:
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -180,6 +208,22 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
     return row
 
 
+def _tput_cell(row: dict, base: dict | None, n: int) -> str:
+    """``tok/s (x auto; k at once)`` of one throughput run (``-`` when not run)."""
+    t = row.get("throughput", {}).get(str(n))
+    if t is None:
+        return "–"
+    cell = f"{t['output_tok_s']:.2f}"
+    notes = []
+    bt = (base or {}).get("throughput", {}).get(str(n))
+    if bt and row is not base:
+        notes.append(f"{t['output_tok_s'] / bt['output_tok_s']:.2f}x")
+    if "max_running" in t:
+        notes.append(f"{t['max_running']} at once, mean {t['mean_running']:.1f}"
+                     + (f", {t['preemptions']} preempted" if t.get("preemptions") else ""))
+    return cell + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def markdown(report: dict) -> str:
     rows = report["rows"]
     base = next((r for r in rows if r["config"] == "auto"), None)
@@ -196,8 +240,7 @@ def markdown(report: dict) -> str:
     for r in rows:
         cap = r.get("capacity_tokens")
         ratio = f"{cap / base['capacity_tokens']:.2f}x" if cap and base and base.get("capacity_tokens") else "–"
-        tput = [f"{r['throughput'][str(n)]['output_tok_s']:.2f}" if str(n) in r.get("throughput", {}) else "–"
-                for n in a["concurrency"]]
+        tput = [_tput_cell(r, base, n) for n in a["concurrency"]]
         ppl = f"{r['ppl']:.3f}" if "ppl" in r else "–"
         dppl = (f"{100 * (r['ppl'] / base['ppl'] - 1):+.2f}%" if "ppl" in r and base and "ppl" in base else "–")
         needle = f"{r['needle']['accuracy']:.0%}" if "needle" in r else "–"
@@ -210,7 +253,10 @@ def markdown(report: dict) -> str:
         lines += ["", "Configurations that did not run here:"]
         lines += [f"- `{r['config']}`: {r['error']}" for r in notes]
     lines += ["", "Throughput: output tokens / wall time of one `generate` over N concurrent requests of "
-              f"{a['prompt_tokens']} prompt tokens and {a['gen_tokens']} greedy tokens each (prefill included). "
+              f"{a['prompt_tokens']} prompt tokens and {a['gen_tokens']} greedy tokens each (prefill included; "
+              "in brackets: the ratio to auto's, and how many requests ran at once, from vLLM's per-request "
+              "scheduler timestamps: the most between a request's first scheduling and its last token, and "
+              "the time-weighted mean). "
               "kv_cache's attention reads the codes block by block with an online softmax, through the path in the "
               "JSON's `attention_path` (`kernels`: the library's compiled CPU kernels read the codes in place; "
               "`torch`: each part decoded, then torch's CPU flash kernel), against vLLM's compiled CPU kernels "
@@ -236,6 +282,7 @@ def main() -> None:
     ap.add_argument("--needle-tokens", type=int, default=4096)
     ap.add_argument("--needle-depths", default="0.1,0.5,0.9")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    ap.add_argument("--tag", default="", help="appended to the output files' stem (e.g. the case measured)")
     ap.add_argument("--phases", default="throughput,ppl,needle",
                     help="measurements to run after the capacity (comma-separated subset)")
     ap.add_argument("--keep-logs", action="store_true", help="keep each child's log as <out>/bench_vllm_<config>.log")
@@ -258,7 +305,8 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"vllm_{Path(args.model).name.replace('-hf', '')}_cpu_kv{args.kv_space_gib:g}gib"
+    stem = f"vllm_{Path(args.model).name.replace('-hf', '')}_cpu_kv{args.kv_space_gib:g}gib" + (
+        f"_{args.tag}" if args.tag else "")
     rows = []
     for config in args.configs.split(","):
         row = run_config(args, config)

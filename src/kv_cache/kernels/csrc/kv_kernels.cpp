@@ -38,6 +38,7 @@ constexpr int kPad = 16;        // decoded rows are padded to a multiple of this
 constexpr int kTile = 32;       // attention: tokens decoded per tile (L1-resident)
 constexpr int kTokChunk = 64;   // (de)quantize: tokens per work item
 constexpr int kPrefetchTiles = 1;  // attention: tiles requested ahead of the one being decoded
+constexpr int kWideRows = 16;  // query rows from which a key tile is transposed for the dots (dots_wide)
 
 static inline int pad_to(int n) { return (n + kPad - 1) / kPad * kPad; }
 

@@ -790,6 +790,38 @@ static void dots(const float* Q, int ldq, int G, const float* K, int ldk, int T,
   }
 }
 
+// Many query rows against one tile of up to kTile keys: S[g*lds + t] = Q[g] . K[t] for g < G,
+// t < kTile (columns past nt are 0), from the tile's transpose kt [D, kTile] (scratch, written
+// here): each query channel is broadcast against every key of the tile at once, no horizontal
+// sums. For many rows (a prefill chunk's queries) this beats dots, which transposes nothing.
+template <int RB>
+static inline void dots_wide_block(const float* Q, int ldq, const float* kt, int D, float* S, int lds) {
+  constexpr int NV = kTile / W;
+  vf acc[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = vzero();
+  for (int c = 0; c < D; ++c) {
+    vf k[NV];
+    for (int j = 0; j < NV; ++j) k[j] = vload(kt + c * kTile + j * W);
+    for (int r = 0; r < RB; ++r) {
+      const vf q = vset1(Q[r * ldq + c]);
+      for (int j = 0; j < NV; ++j) acc[r][j] = vfma(q, k[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NV; ++j) vstore(S + r * lds + j * W, acc[r][j]);
+}
+
+static void dots_wide(const float* Q, int ldq, int G, const float* K, int ldk, int nt, int D, float* S, int lds,
+                      float* kt) {
+  for (int c = 0; c < D; ++c)
+    for (int t = 0; t < kTile; ++t) kt[c * kTile + t] = t < nt ? K[static_cast<int64_t>(t) * ldk + c] : 0.0f;
+  constexpr int RB = W == 16 ? 8 : (W == 8 ? 2 : 1);  // accumulators RB * kTile / W: 16 (avx512), 8 (avx2)
+  int g = 0;
+  for (; g + RB <= G; g += RB) dots_wide_block<RB>(Q + static_cast<int64_t>(g) * ldq, ldq, kt, D, S + g * lds, lds);
+  for (; g < G; ++g) dots_wide_block<1>(Q + static_cast<int64_t>(g) * ldq, ldq, kt, D, S + g * lds, lds);
+}
+
 // A[g*lda + c] += sum_t P[g*ldp + t] * V[t*ldv + c] for g < GB, c in [c0, c0 + NV*W)
 template <int GB, int NV>
 static inline void accum_block(const float* P, int ldp, const float* V, int ldv, int T, int c0, float* A, int lda) {

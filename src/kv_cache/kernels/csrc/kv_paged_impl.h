@@ -33,14 +33,23 @@ static void paged_span(const PagedArgs& a, const PagedSpan& sp, Scratch& s) {
       static_cast<size_t>(T) * (2 * J + 1),  // per-token factors / KIVI scales and minima
       3 * static_cast<size_t>(M),   // m l bK
       2 * static_cast<size_t>(dp),  // rc rs: the angles of keys before RoPE
+      static_cast<size_t>(dp) * T,  // kt: a key tile's transpose (many rows: dots_wide)
   };
-  float* buf[10];
+  float* buf[11];
   carve(s.f0, sizes, buf);
   float *qs = buf[0], *qt = buf[1], *Kb = buf[2], *Vb = buf[3], *S = buf[4], *acc = buf[5];
   float *sK = buf[6], *mK = sK + dp, *f = buf[7], *m = buf[8];
   float* l = m + M;
   float* bK = l + M;
   float *rc = buf[9], *rs = rc + dp;
+  float* kt = buf[10];
+  // S = Q K^T for `rows` query rows against a tile of nt keys: transposed for many rows
+  auto tile_dots = [&](const float* Qr, int rows, int nt, float* Sr) {
+    if (rows >= kWideRows)
+      dots_wide(Qr, dp, rows, Kb, dp, nt, D, Sr, T, kt);
+    else
+      dots(Qr, dp, rows, Kb, dp, nt, dp, Sr, T);
+  };
   const KeyRope* rope = a.rope;
   std::fill(Kb, Kb + sizes[2], 0.0f);
   std::fill(Vb, Vb + sizes[3], 0.0f);
@@ -64,6 +73,7 @@ static void paged_span(const PagedArgs& a, const PagedSpan& sp, Scratch& s) {
   };
   const int64_t W_ = a.sw;  // slot bytes (W is the vector width)
   if (sp.fresh) {  // the step's own tokens in full precision, causal
+    const int Q = sp.Q, G = M / sp.Q;  // row g * Q + i: query head g of the kv head, step token i
     for (int64_t t0 = t_begin; t0 < t_end; t0 += T) {
       const int nt = static_cast<int>(std::min<int64_t>(T, t_end - t0));
       for (int t = 0; t < nt; ++t) {
@@ -71,20 +81,19 @@ static void paged_span(const PagedArgs& a, const PagedSpan& sp, Scratch& s) {
         std::memcpy(Kb + static_cast<size_t>(t) * dp, a.knew + src, sizeof(float) * D);
         std::memcpy(Vb + static_cast<size_t>(t) * dp, a.vnew + src, sizeof(float) * D);
       }
-      dots(qs, dp, M, Kb, dp, nt, dp, S, T);
-      for (int g = 0; g < M; ++g) {
-        const int64_t i = g % sp.Q;  // the row's token index in the step
-        float* srow = S + g * T;
-        if (i < t0) {  // nothing of this tile is visible to the row: no share
-          std::fill(srow, srow + nt, 0.0f);
-          continue;
+      // only the rows of tokens i >= t0 see any key of this tile: per query head, rows [t0, Q)
+      for (int gq = 0; gq < G; ++gq) {
+        const int row0 = gq * Q + static_cast<int>(t0), rows = Q - static_cast<int>(t0);
+        float* Sr = S + static_cast<size_t>(row0) * T;
+        tile_dots(qs + static_cast<size_t>(row0) * dp, rows, nt, Sr);
+        for (int j = 0; j < rows; ++j) {  // token t0 + j sees the tile's keys t <= j
+          float* srow = Sr + static_cast<size_t>(j) * T;
+          for (int t = j + 1; t < nt; ++t) srow[t] = -std::numeric_limits<float>::infinity();
+          const float alpha = softmax_tile(srow, nt, m[row0 + j], l[row0 + j]);
+          if (alpha != 1.0f) scale_row(acc + static_cast<size_t>(row0 + j) * dp, dp, alpha);
         }
-        for (int t = static_cast<int>(std::max<int64_t>(0, i - t0 + 1)); t < nt; ++t)
-          srow[t] = -std::numeric_limits<float>::infinity();
-        const float alpha = softmax_tile(srow, nt, m[g], l[g]);
-        if (alpha != 1.0f) scale_row(acc + static_cast<size_t>(g) * dp, dp, alpha);
+        accum(Sr, T, rows, Vb, dp, nt, dp, acc + static_cast<size_t>(row0) * dp, dp);
       }
-      accum(S, T, M, Vb, dp, nt, dp, acc, dp);
     }
   }
   for (int64_t t0 = sp.fresh ? t_end : t_begin; t0 < t_end; t0 += T) {
@@ -123,7 +132,7 @@ static void paged_span(const PagedArgs& a, const PagedSpan& sp, Scratch& s) {
           rope_advance(rc, rs, rope->tab, rope->half, 1u);
         rope_row(Kb + static_cast<size_t>(t) * dp, rc, rs, rope->half, rope->interleaved);
       }
-      dots(qs, dp, M, Kb, dp, nt, dp, S, T);
+      tile_dots(qs, M, nt, S);
     } else if (a.k_kind == kPagedKeyChannel) {
       // the group's metadata: 32 slots x kmb bytes = float16 [2, D] (scales, then minima)
       uint8_t* gm = reinterpret_cast<uint8_t*>(half);
@@ -144,13 +153,13 @@ static void paged_span(const PagedArgs& a, const PagedSpan& sp, Scratch& s) {
         }
         bK[g] = vhsum(bacc);
       }
-      dots(qt, dp, M, Kb, dp, nt, dp, S, T);
+      tile_dots(qt, M, nt, S);
       for (int g = 0; g < M; ++g)
         for (int t = 0; t < nt; ++t) S[g * T + t] += bK[g];
     } else {  // per-token int8: s_t = scale_t * (q . (byte - 128))
       for (int t = 0; t < nt; ++t) f[t] = f16(slot + t * W_ + a.kmo);
       decode_tile<kTokenScale>(slot + a.ko, W_, nt, D, 8, a.klut, f, 1, Kb, dp);
-      dots(qs, dp, M, Kb, dp, nt, dp, S, T);
+      tile_dots(qs, M, nt, S);
     }
     // ---- online softmax: S becomes exp(s - m)
     for (int g = 0; g < M; ++g) {
