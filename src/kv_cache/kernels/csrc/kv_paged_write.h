@@ -12,6 +12,14 @@
 static inline float rne(float x) { return std::nearbyint(x); }  // default FE_TONEAREST: half to even
 static inline float f16_round(float x) { return f16_to_f32(f32_to_f16(x)); }
 
+// torch.round's half-to-even for |x| < 2**22 without a libm call: adding 1.5 * 2**23 leaves no
+// fraction bits, so the float addition rounds to nearest even (the default rounding mode).
+static inline float rne_small(float x) {
+  const float big = 12582912.0f;
+  return std::fabs(x) < 4194304.0f ? (x + big) - big : std::nearbyint(x);
+}
+
+
 // d codes (each < 2**bits) -> d * bits / 8 bytes (packing.py: LSB first, 3-bit in 24-bit words)
 static inline void pack_codes(const uint8_t* q, int d, int bits, uint8_t* out) {
   if (bits == 8) {
@@ -53,7 +61,7 @@ static void encode_int8(const float* x, int d, uint8_t* codes, uint8_t* meta) {
   for (int c = 0; c < d; ++c) amax = std::max(amax, std::fabs(x[c]));
   const float s = f16_round(amax / 127.0f);
   for (int c = 0; c < d; ++c) {
-    const float q = s > 0 ? rne(x[c] / s) : 0.0f;
+    const float q = s > 0 ? rne_small(x[c] / s) : 0.0f;
     codes[c] = static_cast<uint8_t>(std::min(127.0f, std::max(-127.0f, q)) + 128.0f);
   }
   put_f16(meta, s);
@@ -107,7 +115,7 @@ static void encode_value(const WriteArgs& a, const float* x, uint8_t* slot, uint
     }
     const float s = f16_round((mx - mn) / top), m = f16_round(mn);
     for (int c = 0; c < kPagedChannelGroup; ++c) {
-      const float v = s > 0 ? rne((g[c] - m) / s) : 0.0f;
+      const float v = s > 0 ? rne_small((g[c] - m) / s) : 0.0f;
       q[j * kPagedChannelGroup + c] = static_cast<uint8_t>(std::min(top, std::max(0.0f, v)));
     }
     put_f16(slot + a.vmo + 2 * j, s);
@@ -116,62 +124,86 @@ static void encode_value(const WriteArgs& a, const float* x, uint8_t* slot, uint
   pack_codes(q, D, a.v_bits, slot + a.vo);
 }
 
+// Scratch of encode_key_group, one per thread (no allocation per group).
+struct KeyGroupScratch {
+  std::vector<float> vals, s0, m0, s, m;
+  std::vector<uint8_t> valid, meta, q;
+  void fit(int D, int T) {
+    vals.resize(static_cast<size_t>(T) * D);
+    for (auto* v : {&s0, &m0, &s, &m}) v->resize(D);
+    valid.resize(T);
+    meta.resize(4 * D);
+    q.resize(D);
+  }
+};
+
 // one key group (32 slots of one block and kv head): stored tokens [0, first) decoded, the new
 // ones written at their offsets, the group re-encoded on the widened grid
 static void encode_key_group(const WriteArgs& a, uint8_t* g0, const float* const* news, const int* within, int n_new,
-                             std::vector<float>& vals, std::vector<uint8_t>& q) {
-  const int D = a.D, T = kPagedChannelGroup;
-  const int kcb = D * a.k_bits / 8, kmb = 4 * D / T;
+                             KeyGroupScratch& w) {
+  const int D = a.D, T = kPagedChannelGroup, bits = a.k_bits;
+  const int kmb = 4 * D / T;
+  w.fit(D, T);
+  float* vals = w.vals.data();
+  float *s0 = w.s0.data(), *m0 = w.m0.data(), *s = w.s.data(), *m = w.m.data();
+  uint8_t *valid = w.valid.data(), *meta = w.meta.data(), *q = w.q.data();
   int first = T;
   for (int i = 0; i < n_new; ++i) first = std::min(first, within[i]);
-  vals.assign(static_cast<size_t>(T) * D, 0.0f);
-  std::vector<uint8_t> valid(T, 0);
+  std::fill(valid, valid + T, 0);
   if (first > 0) {  // the group's metadata: float16 [2, D] over the 32 slots' kmb bytes
-    std::vector<uint8_t> meta(4 * D);
-    for (int t = 0; t < T; ++t) std::memcpy(meta.data() + t * kmb, g0 + t * a.sw + a.kmo, kmb);
-    std::vector<float> s0(D), m0(D);
+    for (int t = 0; t < T; ++t) std::memcpy(meta + t * kmb, g0 + t * a.sw + a.kmo, kmb);
     for (int c = 0; c < D; ++c) {
-      s0[c] = get_f16(meta.data() + 2 * c);
-      m0[c] = get_f16(meta.data() + 2 * (D + c));
+      s0[c] = get_f16(meta + 2 * c);
+      m0[c] = get_f16(meta + 2 * (D + c));
     }
     for (int t = 0; t < first; ++t) {
       const uint8_t* p = g0 + t * a.sw + a.ko;
-      float* row = vals.data() + t * D;
-      for (int c = 0; c < D; ++c) row[c] = m0[c] + static_cast<float>(code_at(p, c, a.k_bits)) * s0[c];
+      float* row = vals + t * D;
+      if (bits == 4) {
+        for (int c = 0; c < D; c += 2) {
+          row[c] = m0[c] + static_cast<float>(p[c >> 1] & 15) * s0[c];
+          row[c + 1] = m0[c + 1] + static_cast<float>(p[c >> 1] >> 4) * s0[c + 1];
+        }
+      } else {
+        for (int c = 0; c < D; ++c) row[c] = m0[c] + static_cast<float>(code_at(p, c, bits)) * s0[c];
+      }
       valid[t] = 1;
     }
   }
   for (int i = 0; i < n_new; ++i) {
-    std::memcpy(vals.data() + within[i] * D, news[i], sizeof(float) * D);
+    std::memcpy(vals + within[i] * D, news[i], sizeof(float) * D);
     valid[within[i]] = 1;
   }
-  const float top = static_cast<float>((1 << a.k_bits) - 1);
-  std::vector<float> s(D), m(D);
+  const float top = static_cast<float>((1 << bits) - 1);
   for (int c = 0; c < D; ++c) {
-    float mn = std::numeric_limits<float>::infinity(), mx = -mn;
-    for (int t = 0; t < T; ++t)
-      if (valid[t]) {
-        mn = std::min(mn, vals[t * D + c]);
-        mx = std::max(mx, vals[t * D + c]);
-      }
+    s[c] = std::numeric_limits<float>::infinity();  // the running minimum, then the scale
+    m[c] = -std::numeric_limits<float>::infinity();  // the running maximum, then the minimum
+  }
+  for (int t = 0; t < T; ++t) {
+    if (!valid[t]) continue;
+    const float* row = vals + t * D;
+    for (int c = 0; c < D; ++c) {
+      s[c] = std::min(s[c], row[c]);
+      m[c] = std::max(m[c], row[c]);
+    }
+  }
+  for (int c = 0; c < D; ++c) {
+    const float mn = s[c], mx = m[c];
     s[c] = f16_round((mx - mn) / top);
     m[c] = f16_round(mn);
+    put_f16(meta + 2 * c, s[c]);
+    put_f16(meta + 2 * (D + c), m[c]);
   }
-  std::vector<uint8_t> meta(4 * D);
-  for (int c = 0; c < D; ++c) {
-    put_f16(meta.data() + 2 * c, s[c]);
-    put_f16(meta.data() + 2 * (D + c), m[c]);
-  }
-  q.resize(D);
   for (int t = 0; t < T; ++t) {
     uint8_t* slot = g0 + t * a.sw;
+    const float* row = vals + t * D;  // rows of no token are encoded from zeros, as before
+    if (!valid[t]) std::fill(vals + t * D, vals + (t + 1) * D, 0.0f);
     for (int c = 0; c < D; ++c) {
-      const float v = s[c] > 0 ? rne((vals[t * D + c] - m[c]) / s[c]) : 0.0f;
+      const float v = s[c] > 0 ? rne_small((row[c] - m[c]) / s[c]) : 0.0f;
       q[c] = static_cast<uint8_t>(std::min(top, std::max(0.0f, v)));
     }
-    pack_codes(q.data(), D, a.k_bits, slot + a.ko);
-    std::memcpy(slot + a.kmo, meta.data() + t * kmb, kmb);
-    (void)kcb;
+    pack_codes(q, D, bits, slot + a.ko);
+    std::memcpy(slot + a.kmo, meta + t * kmb, kmb);
   }
 }
 
@@ -221,13 +253,16 @@ void write_paged(at::Tensor& cache, const at::Tensor& key, const at::Tensor& val
   const int D = a.D;
   auto slot_of = [&](int64_t s, int64_t h) { return base + (((s / bs) * H + h) * bs + s % bs) * a.sw; };
   // values and int8 keys: per token and head
-#pragma omp parallel for if (N * H > 64)
-  for (int64_t i = 0; i < N * H; ++i) {
-    const int64_t n = i / H, h = i % H;
+#pragma omp parallel if (N * H > 64)
+  {
     std::vector<uint8_t> q(D);
-    uint8_t* slot = slot_of(sp[n], h);
-    encode_value(a, vp + i * D, slot, q.data());
-    if (a.k_kind == kPagedKeyInt8) encode_int8(kp + i * D, D, slot + a.ko, slot + a.kmo);
+#pragma omp for
+    for (int64_t i = 0; i < N * H; ++i) {
+      const int64_t n = i / H, h = i % H;
+      uint8_t* slot = slot_of(sp[n], h);
+      encode_value(a, vp + i * D, slot, q.data());
+      if (a.k_kind == kPagedKeyInt8) encode_int8(kp + i * D, D, slot + a.ko, slot + a.kmo);
+    }
   }
   if (a.k_kind != kPagedKeyChannel) return;
   // keys: the touched groups, each with its new tokens (in order)
@@ -240,21 +275,25 @@ void write_paged(at::Tensor& cache, const at::Tensor& key, const at::Tensor& val
     if (i == 0 || order[i].first != order[i - 1].first) starts.push_back(i);
   starts.push_back(N);
   const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
-#pragma omp parallel for if (groups * H > 4)
-  for (int64_t gi = 0; gi < groups * H; ++gi) {
-    const int64_t u = gi / H, h = gi % H;
-    const int64_t b0 = starts[u], b1 = starts[u + 1];
-    const int64_t gid = order[b0].first;
-    const int64_t first_slot = gid * kPagedChannelGroup;
-    std::vector<const float*> news(b1 - b0);
-    std::vector<int> within(b1 - b0);
-    for (int64_t j = b0; j < b1; ++j) {
-      const int64_t n = order[j].second;
-      news[j - b0] = kp + (n * H + h) * D;
-      within[j - b0] = static_cast<int>(sp[n] - first_slot);
+#pragma omp parallel if (groups * H > 4)
+  {
+    KeyGroupScratch w;
+    std::vector<const float*> news;
+    std::vector<int> within;
+#pragma omp for
+    for (int64_t gi = 0; gi < groups * H; ++gi) {
+      const int64_t u = gi / H, h = gi % H;
+      const int64_t b0 = starts[u], b1 = starts[u + 1];
+      const int64_t gid = order[b0].first;
+      const int64_t first_slot = gid * kPagedChannelGroup;
+      news.resize(b1 - b0);
+      within.resize(b1 - b0);
+      for (int64_t j = b0; j < b1; ++j) {
+        const int64_t n = order[j].second;
+        news[j - b0] = kp + (n * H + h) * D;
+        within[j - b0] = static_cast<int>(sp[n] - first_slot);
+      }
+      encode_key_group(a, slot_of(first_slot, h), news.data(), within.data(), static_cast<int>(b1 - b0), w);
     }
-    std::vector<float> vals;
-    std::vector<uint8_t> q;
-    encode_key_group(a, slot_of(first_slot, h), news.data(), within.data(), static_cast<int>(b1 - b0), vals, q);
   }
 }
