@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .blocks import STAT_CHUNK_BYTES
+from .blocks import STAT_CHUNK_BYTES, merge
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -106,10 +106,7 @@ def repeat_chunk_attention(
         rest_k = torch.cat([stored_keys[:, :, sinks:start], stored_keys[:, :, end:]], 2)
         rest_v = torch.cat([stored_values[:, :, sinks:start], stored_values[:, :, end:]], 2)
         parts.append(_flash(qg, rest_k, rest_v, scaling, False))
-    lse = torch.stack([p[1] for p in parts])  # [n, B, H, G * L]
-    top = lse.amax(0)
-    w = torch.exp(lse - top)  # each part's share, up to the common normalizer
-    out = sum(p[0].float() * w[i, ..., None] for i, p in enumerate(parts)) / w.sum(0)[..., None]
+    out, _ = merge([(o.float(), lse) for o, lse in parts])  # one softmax over the parts (§16)
     scores = _max_probability(qg, stored_keys[:, :, start:end], lse_restricted, scaling)
     out = out.reshape(B, H * G, L, -1).transpose(1, 2).to(dtype)
     return out, scores

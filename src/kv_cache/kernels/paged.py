@@ -165,11 +165,16 @@ class PagedRope:
             raise ValueError(f"PagedRope.scaling must be a finite number > 0; got {f!r}")
 
 
-def _kind_ids(layout: SlotLayout) -> tuple[int, int]:
+def kind_ids(layout: SlotLayout) -> tuple[int, int]:
+    """The compiled kernels' ids of ``layout``'s key and value kinds (indices in :data:`KEY_KINDS` /
+    :data:`VALUE_KINDS`)."""
     return KEY_KINDS.index(layout.key_kind), VALUE_KINDS.index(layout.value_kind)
 
 
-def _check(q, cache, block_table, lengths, layout, key_rope=None) -> None:
+def check_paged_args(q, cache, block_table, lengths, layout, key_rope=None) -> None:
+    """Validate a paged read's arguments (:func:`attend_paged`'s; ``q`` ``[R, H, M, D]``): types,
+    the cache's shape and slot bytes against ``layout``, the block size, the table and lengths
+    against ``R``, and ``key_rope`` against the head size. Raises ``TypeError``/``ValueError``."""
     if not isinstance(layout, SlotLayout):
         raise TypeError(f"layout must be a SlotLayout; got {type(layout).__name__}")
     if key_rope is not None:
@@ -229,7 +234,7 @@ def attend_paged(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
     ValueError
         Shapes or dtypes that do not match, or a block id outside the cache.
     """
-    _check(q, cache, block_table, lengths, layout, key_rope)
+    check_paged_args(q, cache, block_table, lengths, layout, key_rope)
     r, h, m, d = q.shape
     ext = _select.compiled_for((q, cache, block_table, lengths))
     if ext is not None:
@@ -237,7 +242,7 @@ def attend_paged(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         out = torch.empty_like(qf)
         lse = torch.empty(r * h, m, dtype=torch.float32)
         klut, vlut = layout.luts("cpu")
-        kk, vk = _kind_ids(layout)
+        kk, vk = kind_ids(layout)
         ext.attend_paged(qf, cache.contiguous(), block_table.to(torch.int32), lengths.long().contiguous(), kk,
                          layout.key_bits, klut, vk, layout.value_bits, vlut, layout.norm_table,
                          list(layout.offsets[:4]), float(scale), out, lse, _build.isa_flag(),
@@ -287,7 +292,7 @@ def write_paged(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
         return False
     from ..compression.codebook import LOG_SCALE_MIN_EXP, LOG_SCALE_STEP, log_scale_range
 
-    kk, vk = _kind_ids(layout)
+    kk, vk = kind_ids(layout)
     mids = None
     if layout.value_kind == "levels_token_norm":
         lv = layout.value_levels
@@ -374,7 +379,7 @@ def reference_attend_paged(q: torch.Tensor, cache: torch.Tensor, block_table: to
     """:func:`attend_paged` in torch: each request's blocks decoded (:func:`decode_slots`, keys
     turned by :func:`turn_keys` under ``key_rope``), then attended in float32. Same arguments and
     returns."""
-    _check(q, cache, block_table, lengths, layout, key_rope)
+    check_paged_args(q, cache, block_table, lengths, layout, key_rope)
     r, h, m, d = q.shape
     bs = cache.shape[2]
     out = torch.zeros(r, h, m, d, dtype=torch.float32, device=q.device)
@@ -397,5 +402,5 @@ def reference_attend_paged(q: torch.Tensor, cache: torch.Tensor, block_table: to
     return out, lse
 
 
-__all__ = ["GROUP", "KEY_KINDS", "VALUE_KINDS", "PagedRope", "SlotLayout", "attend_paged", "decode_slots",
-           "reference_attend_paged", "turn_keys", "write_paged"]
+__all__ = ["GROUP", "KEY_KINDS", "VALUE_KINDS", "PagedRope", "SlotLayout", "attend_paged", "check_paged_args",
+           "decode_slots", "kind_ids", "reference_attend_paged", "turn_keys", "write_paged"]

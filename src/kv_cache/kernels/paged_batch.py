@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import _build, _select
-from .paged import PagedRope, SlotLayout, _check, _kind_ids, attend_paged
+from .paged import PagedRope, SlotLayout, attend_paged, check_paged_args, kind_ids
 
 
 def _check_batch(q, cache, block_table, query_start, seq_lens, k_new, v_new, layout, value_rotation, key_rope):
@@ -41,7 +41,7 @@ def _check_batch(q, cache, block_table, query_start, seq_lens, k_new, v_new, lay
                          f"{tuple(query_start.shape)}")
     h = cache.shape[1] if isinstance(cache, torch.Tensor) and cache.dim() == 4 else -1
     # the paged part's own checks, on a [R, H, 1, D] stand-in for the queries
-    _check(q.new_empty(max(r, 0), max(h, 0), 1, d), cache, block_table, seq_lens, layout, key_rope)
+    check_paged_args(q.new_empty(max(r, 0), max(h, 0), 1, d), cache, block_table, seq_lens, layout, key_rope)
     if hq % h:
         raise ValueError(f"q has {hq} query heads, not a multiple of the cache's {h} kv heads")
     for name, t in (("k_new", k_new), ("v_new", v_new)):
@@ -106,7 +106,7 @@ def attend_paged_batch(q: torch.Tensor, cache: torch.Tensor, block_table: torch.
                                             scale, value_rotation, key_rope)
     out = torch.zeros(q.shape, dtype=torch.float32)
     klut, vlut = layout.luts("cpu")
-    kk, vk = _kind_ids(layout)
+    kk, vk = kind_ids(layout)
     vinv = None if value_rotation is None else value_rotation.float().transpose(-1, -2).contiguous()
     ext.attend_paged_batch(q.float().contiguous(), cache.contiguous(), block_table.to(torch.int32),
                            query_start.long().contiguous(), seq_lens.long().contiguous(),
