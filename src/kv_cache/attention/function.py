@@ -119,15 +119,16 @@ def compressed_attention(
             return _reconstruction_pass(layer, query, q, key, value, scaling, G, sinks, softcap), None
         new_valid = _new_token_valid(attention_mask, L)
         starts = layer.stored_starts(new_valid, L)  # [B, Hkv] leading padding slots among the stored ones
+        checking = layer.checks_fidelity(view, L)
+        if checking and layer.checks_eviction:  # before the call: a policy acting in it evicts (KVzap once)
+            layer.record_query_attention(_last_queries_attention(layer, q, key, scaling, G, L, softcap, new_valid))
         if softcap is not None or layer.reconstructing is not None or _window_hides(layer, view, L):
             out, lse = _positional(layer, view, q, key, value, scaling, G, L, starts, new_valid, softcap)
         else:
             out, lse = _blocks(layer, view, q, key, value, scaling, G, L, starts, new_valid, sinks is not None)
             if sinks is not None and layer.view_offset is not None:  # learned sinks see true logits (§25)
                 lse = lse + lse_shift(q, layer.view_offset, scaling)
-        if layer.checks_fidelity(view, L):
-            if layer.checks_eviction:
-                layer.record_query_attention(_last_queries_attention(layer, q, key, scaling, G, L, softcap, new_valid))
+        if checking:
             layer.record_fidelity(*_prefill_error(layer, q, key, value, scaling, G, L, softcap, new_valid))
     finally:
         layer.attention_done()

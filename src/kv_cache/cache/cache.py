@@ -228,6 +228,8 @@ class CompressedCache(Cache):
         total_valid = max(int(sum(pending[i][1][b].sum() for i in order)) for b in range(B))
         total_budget = sum(pending[i][3] * pending[i][0].shape[1] for i in order)
         if total_valid <= total_budget:
+            if self._checks_after_forward(order):
+                self._check_eviction()
             return
         floor = pending[order[0]][4]
 
@@ -246,6 +248,15 @@ class CompressedCache(Cache):
         masks = select(total_budget)
         for i in order:
             self.layers[i].apply_keep_masks(masks[i], in_place=not pending[i][5])
+        if self._checks_after_forward(order):
+            self._check_eviction()
+
+    def _checks_after_forward(self, order: list[int]) -> bool:
+        """Whether the shared eviction that just acted is checked now: a one-shot eviction inside
+        the prefill's forward (KVzap with ``decoding=False``); KVzip's is checked once its repeat
+        pass is over (:meth:`finish_reconstruction`)."""
+        layer = self.layers[order[0]]
+        return layer.checks_eviction and not layer.policy.needs_reconstruction
 
     def _budget_for_ratio(self, select, order: list[int], budget: int, most: int, ratio: float, batch: int) -> int:
         """The largest model-wide token budget in ``[budget, most]`` whose cache holds at most
@@ -314,6 +325,12 @@ class CompressedCache(Cache):
         then run the eviction check (§26.1)."""
         for layer in self.layers:
             layer.finish_reconstruction()
+        self._check_eviction()
+
+    def _check_eviction(self) -> None:
+        """The eviction check (§26.1) once a one-shot eviction acted on every layer: warn, or
+        raise with ``strict``, when the prompt's last queries' attention on what was dropped is
+        past the limit."""
         for layer in self.layers:  # a layer the budget did not reach dropped nothing
             if layer.state.pop(RECENT_ATTENTION, None) is not None:
                 layer.evicted_attention = 0.0

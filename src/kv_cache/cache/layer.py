@@ -304,10 +304,14 @@ class CompressedLayer(PreRopeLayer, CompressOnceLayer, TiersLayer, CacheLayerMix
 
     @property
     def checks_eviction(self) -> bool:
-        """Whether this layer's eviction follows the prefill's forward (KVzip's repeat pass) and
-        drops what it does not keep: the eviction check (§26.1) then needs the prompt's last
+        """Whether this layer's eviction follows the prefill's forward (KVzip's repeat pass, or KVzap
+        acting once after the prefill under a model-wide budget, as the presets and plans use it)
+        and drops what it does not keep: the eviction check (§26.1) then needs the prompt's last
         queries' attention, recorded at the fidelity check."""
-        return self.policy is not None and self.policy.needs_reconstruction and not self.tiered
+        pol = self.policy
+        once = pol is not None and (pol.needs_reconstruction
+                                    or (pol.needs_hidden and pol.prefill_only and pol.scope == "model"))
+        return once and not self.tiered
 
     def record_query_attention(self, attention: torch.Tensor) -> None:
         """``attention`` ``[batch, kv_heads, T]``: the mean probabilities of the prompt's last

@@ -43,7 +43,7 @@ def add_parsers(sub) -> None:
                      help=f"a method spec of `kvcache eval` (quantization and/or eviction) [{DEFAULT_METHOD}]")
     how.add_argument("--ratio", default=None,
                      help="a size instead of a method: the preset plan for this ratio vs fp16 (e.g. 8 or 8x), "
-                          "sized for this document (kv_cache.plan.preset_plan)")
+                          "sized for this document (kv_cache.plan.model_preset_plan)")
     how.add_argument("--plan", default=None, help="a plan file written by `kvcache plan`")
     c.add_argument("--file-ratio", type=float, default=None, metavar="R",
                    help="transform-code the file to fp16 K/V bytes / R (kv_cache.codec, the model's calibrated "
@@ -141,7 +141,7 @@ def run_compress(args: argparse.Namespace) -> int:
     if args.file_ratio is not None and args.method is None:
         args.method = "file-plan"  # chosen below, once the model is loaded
     if args.ratio is not None:
-        from ..plan import parse_target, preset_plan
+        from ..plan import model_preset_plan, parse_target
 
         target = f"{parse_target(args.ratio if str(args.ratio).lower().endswith('x') else float(args.ratio)):g}x"
         spec = target
@@ -172,13 +172,12 @@ def run_compress(args: argparse.Namespace) -> int:
         args.method = "full" if fplan.budget is None else f"kvzip@{fplan.budget:g}"
         spec = args.method
     if args.ratio is not None:  # the preset sized for this document's length
-        dtype = next(model.parameters()).dtype
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or len(ids)
-        plan = preset_plan(model.config, target, context_tokens=min(len(ids), limit), dtype=dtype)
+        plan = model_preset_plan(model, target, context_tokens=min(len(ids), limit))
         kept = fit_context(ids, model.config, tok, plan.eviction(), max_tokens=args.max_tokens, keep=args.keep,
                            names=("--max-tokens ", "--keep "))
         if len(kept) != min(len(ids), limit):
-            plan = preset_plan(model.config, target, context_tokens=len(kept), dtype=dtype)
+            plan = model_preset_plan(model, target, context_tokens=len(kept))
         quant, eviction = plan.quant_config(), plan.eviction()
         print(plan.describe())
     else:

@@ -12,6 +12,7 @@ calibrate  fit calibrated KV rotations of a model on a text (QuantConfig(rotatio
 calibrate-scorer  fit a KVzap scorer (KVzip's scores predicted from hidden states): KVzap(scorer=...)
 allocate   choose key/value bits per layer under an average budget (QuantConfig(layer_bits=...))
 plan       a cache plan from a byte target (kvcache plan --ratio 8 -o plan.json)
+preset-scorers  measure KVzip against KVzap in a model's presets; record which the presets use
 compress   compress a document once into a file (kvcache compress doc.txt -o doc.kvc --method kvzip@0.3)
 ask        answer questions from that file (kvcache ask doc.kvc "question" ...)
 serve      an OpenAI-compatible server over compressed contexts (pip install kv_cache[serve])
@@ -210,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .plan import add_parser as _add_plan
 
     _add_plan(sub)
+    from .preset_scorers import add_parser as _add_preset_scorers
+
+    _add_preset_scorers(sub)
     from .context import add_parsers as _add_context
 
     _add_context(sub)
@@ -229,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()  # the CLI owns the terminal; library code never does this
         if args.command == "bill":
             return _run_bill(args)
-        if args.command in ("calibrate", "calibrate-scorer", "calibrate-codec", "allocate", "plan", "compress", "ask", "serve",
+        if args.command in ("calibrate", "calibrate-scorer", "calibrate-codec", "allocate", "plan", "preset-scorers", "compress", "ask", "serve",
                             "contexts"):
             return args._run(args)
         return _run_eval(args)

@@ -51,7 +51,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ..models import load_model
-    from ..plan import plan_for, preset_plan
+    from ..plan import model_preset_plan, plan_for
 
     if args.context is not None and args.context < 1:
         raise ValueError(f"--context must be >= 1; got {args.context}")
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     text = None if args.preset else calibration_text(args.text, DEFAULT_TEXT)[1]  # before the model loads
     model, tok = load_model(args.model)
     if args.preset:
-        plan = preset_plan(model.config, target, context_tokens=args.context, dtype=next(model.parameters()).dtype)
+        plan = model_preset_plan(model, target, context_tokens=args.context)
     else:
         plan = plan_for(model, tok, target=target, bytes_per_token=args.bytes_per_token, max_bytes=args.max_bytes,
                         calibration_text=text, context_tokens=args.context, windows=args.windows,

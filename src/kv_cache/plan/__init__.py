@@ -10,5 +10,7 @@ Nothing in :mod:`kv_cache.compression` or :mod:`kv_cache.kernels` imports from h
 
 from .plan import CachePlan, LayerPlan  # noqa: E402
 from .planner import PRESETS, parse_target, plan_for, predict_bytes, preset_plan  # noqa: E402
+from .preset_scorers import model_preset_plan, preset_scorer  # noqa: E402
 
-__all__ = ["PRESETS", "CachePlan", "LayerPlan", "parse_target", "plan_for", "predict_bytes", "preset_plan"]
+__all__ = ["PRESETS", "CachePlan", "LayerPlan", "model_preset_plan", "parse_target", "plan_for", "predict_bytes",
+           "preset_plan", "preset_scorer"]

@@ -207,9 +207,10 @@ def _with_prediction(config: Any, plan: CachePlan, context_tokens: int, dtype: t
 
 def _evicting(scorer: str, budget: float, ratio: float, scorer_path: str | None = None):
     """The plans' eviction at ``budget``, grown to ``ratio`` once its scores are known (§19.6):
-    ``"kvzip"`` (with the continuation score, §19.7) or ``"kvzap"`` (acting once, after the prefill)."""
+    ``"kvzip"`` or ``"kvzap"`` (acting once, after the prefill), each with the continuation score (§19.7)."""
     if scorer == "kvzap":
-        return KVzap(budget=budget, target_ratio=ratio, decoding=False, scorer=scorer_path)
+        return KVzap(budget=budget, target_ratio=ratio, decoding=False, scorer=scorer_path,
+                     continuation_queries=CONTINUATION_QUERIES)
     return KVzip(budget=budget, target_ratio=ratio, continuation_queries=CONTINUATION_QUERIES)
 
 
@@ -240,7 +241,8 @@ def _largest_budget(config: Any, layout: QuantConfig, ratio: float, context_toke
 
 
 def preset_plan(config: Any, target: Any = "8x", *, context_tokens: int | None = None,
-                dtype: torch.dtype = torch.float32) -> CachePlan:
+                dtype: torch.dtype = torch.float32, scorer: str = "kvzip",
+                scorer_path: str | None = None) -> CachePlan:
     """The documented default plan for ``target`` (see the module docstring), sized for
     ``context_tokens`` (default :data:`DEFAULT_CONTEXT`, capped at the model's positions).
 
@@ -250,7 +252,14 @@ def preset_plan(config: Any, target: Any = "8x", *, context_tokens: int | None =
     2-bit codes if even 1% misses. On a model with
     sliding-window layers: the widest layout of :data:`HYBRID_LADDER` that reaches the ratio with
     no eviction; past the ladder, its narrowest layout (K3V2) plus KVzip keeping the largest
-    fraction that reaches it (it drops the fewest tokens), then 2-bit codes as above."""
+    fraction that reaches it (it drops the fewest tokens), then 2-bit codes as above.
+
+    ``scorer`` (one of :data:`PLAN_SCORERS`) is the eviction's: ``"kvzap"`` sizes the same layouts
+    with KVzap's learned scores (``scorer_path``, or None: the scorer shipped for the model, bound
+    when the cache is used), with the same continuation score as KVzip's (§19.7).
+    :func:`~kv_cache.plan.preset_scorers.model_preset_plan` picks the scorer measured for a model."""
+    if scorer not in PLAN_SCORERS:
+        raise ValueError(f"scorer must be one of {list(PLAN_SCORERS)}; got {scorer!r}")
     ratio = parse_target(target)
     T = context_tokens or _default_context(config)
     name = target if isinstance(target, str) else f"{ratio:g}x"
@@ -261,12 +270,12 @@ def preset_plan(config: Any, target: Any = "8x", *, context_tokens: int | None =
             if plan.predicted["ratio"] >= ratio:
                 return plan
         evicting = CANDIDATE_LAYOUTS[HYBRID_LADDER[-1]]  # past the ladder, the layout that drops the fewest tokens
-    plan = _largest_budget(config, evicting, ratio, T, dtype, name)
+    plan = _largest_budget(config, evicting, ratio, T, dtype, name, scorer, scorer_path)
     heavy = plan is None or (plan.policy is not None and plan.policy.budget < HEAVY_EVICTION)
     if heavy and evicting is CANDIDATE_LAYOUTS["q4d"] and _keys_before_rope_serve(config):
-        plan = _largest_budget(config, PRE_ROPE_EVICTING, ratio, T, dtype, name) or plan
+        plan = _largest_budget(config, PRE_ROPE_EVICTING, ratio, T, dtype, name, scorer, scorer_path) or plan
     if plan is None:
-        plan = _largest_budget(config, CANDIDATE_LAYOUTS["q2d"], ratio, T, dtype, name)
+        plan = _largest_budget(config, CANDIDATE_LAYOUTS["q2d"], ratio, T, dtype, name, scorer, scorer_path)
     if plan is None:
         raise ValueError(f"no plan reaches {ratio:g}x at {T} tokens: even 2-bit codes keeping 1% of the tokens hold "
                          "more; lower the target")

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..compression.scorer_file import Scorer, ScorerFileError, load_scorer, model_identity, read_header
+from ..compression.selection import reduce_gqa, window_attention
 from .base import EvictionPolicy, ScoreInputs, check_target_ratio
 
 SCORERS_DIR = Path(__file__).resolve().parent.parent / "assets" / "kvzap_scorers"
@@ -75,6 +76,13 @@ class KVzap(EvictionPolicy):
         tokens (never fewer than ``budget``) whose cache still holds at most
         ``fp16 bytes / target_ratio``, measured on the layout itself (math dictionary §19.6, as
         :class:`KVzip`'s). The measured plans set it (:func:`kv_cache.plan.plan_for`).
+    continuation_queries : int, default 0
+        ``n > 0`` (with ``decoding=False``): a token's log score is the larger of the predicted one
+        and the log of the attention the prompt's last ``n`` queries give it (summed over them, the
+        largest over the query heads of its KV head), taken from the prefill's own attention call:
+        :class:`KVzip`'s continuation score (math dictionary §19.7) on KVzap's log scale (§24.4).
+        The presets set it to ``kv_cache.plan.CONTINUATION_QUERIES`` where they evict with KVzap.
+        0 (default): the learned scores alone.
     """
 
     budget: int | float = 0.25
@@ -87,9 +95,9 @@ class KVzap(EvictionPolicy):
     evict_every: int = 16
     decoding: bool = True
     target_ratio: float | None = None
+    continuation_queries: int = 0
     _bound: Scorer | None = field(default=None, init=False, repr=False, compare=False)
 
-    needs_attention: ClassVar[bool] = False
     needs_hidden: ClassVar[bool] = True
     """The layer hands :meth:`score` the hidden states entering its attention (``inputs.hidden``),
     captured by :func:`kv_cache.compress`."""
@@ -108,8 +116,24 @@ class KVzap(EvictionPolicy):
         if self.target_ratio is not None and self.decoding:
             raise ValueError("KVzap.target_ratio sizes the eviction after the prefill, which decoding=True would "
                              "shrink back to the budget at the next eviction: pass decoding=False with it")
+        n = self.continuation_queries
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"KVzap.continuation_queries must be an int >= 0; got {n!r}")
+        if n and self.decoding:
+            raise ValueError("KVzap.continuation_queries scores the prompt once, after the prefill; while decoding the "
+                             "later evictions would compare those scores with learned ones only: pass decoding=False "
+                             "with it")
         if self.scorer is not None and not isinstance(self.scorer, (str, Path)):
             raise ValueError(f"KVzap.scorer must be a path (str) or None; got {type(self.scorer).__name__}")
+
+    @property
+    def needs_attention(self) -> bool:  # type: ignore[override]
+        """True with ``continuation_queries``: the prompt's last queries' attention is observed."""
+        return self.continuation_queries > 0
+
+    def query_window(self, q_len: int, budget_tokens: int) -> int:
+        """The prompt's last ``continuation_queries`` queries (their attention is the continuation score)."""
+        return min(q_len, self.continuation_queries)
 
     @property
     def prefill_only(self) -> bool:  # type: ignore[override]
@@ -164,6 +188,22 @@ class KVzap(EvictionPolicy):
             n = min(old, acc.shape[-1])
             total[..., old - n:old] = acc[..., acc.shape[-1] - n:].to(total.device, torch.float32)
         total[..., old:] = new
+        if self.continuation_queries:
+            total = torch.maximum(total, self._continuation(inputs, h).to(total.device))
         if self.decoding:
             inputs.state["kvzap"] = total.to(STATE_DTYPE)
         return total
+
+    def _continuation(self, inputs: ScoreInputs, kv_heads: int) -> torch.Tensor:
+        """``[batch, kv_heads, T]`` float32: the log of the attention the prompt's last
+        ``continuation_queries`` queries give each slot (summed over them, the largest over the
+        query heads of its KV head; -inf where none). From the attention call's own sums
+        (``inputs.attention``) or, on the reference path, from ``inputs.query`` and ``inputs.keys``."""
+        attention = inputs.attention
+        if attention is None:
+            if inputs.query is None or inputs.keys is None:
+                raise RuntimeError("KVzap.continuation_queries needs the prompt's last queries, which no hook "
+                                   "observed: run the model inside `with kv_cache.compress(model, cache):`")
+            attention = window_attention(inputs.query, inputs.keys, scaling=inputs.scaling,
+                                         key_valid=inputs.key_valid).sum(2)  # [b, q_heads, T]
+        return reduce_gqa(attention.float(), kv_heads, "max").log()

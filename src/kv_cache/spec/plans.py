@@ -27,8 +27,9 @@ def plan_file(spec: str, m: re.Match[str]) -> Method:
 
 
 def preset(spec: str, m: re.Match[str]) -> Method:
-    """``<r>x``: ``kv_cache.plan.preset_plan`` for that ratio, sized once per model (not per sample)."""
-    from ..plan import parse_target, preset_plan
+    """``<r>x``: ``kv_cache.plan.model_preset_plan`` for that ratio (evicting with the scorer
+    measured for the model), sized once per model (not per sample)."""
+    from ..plan import model_preset_plan, parse_target
 
     ratio, made = parse_target(m.string), {}
 
@@ -36,6 +37,6 @@ def preset(spec: str, m: re.Match[str]) -> Method:
         key = (id(model), next(model.parameters()).dtype)
         if key not in made:
             made.clear()
-            made[key] = preset_plan(model.config, m.string, dtype=key[1])
+            made[key] = model_preset_plan(model, m.string)
         return made[key]
     return _planned(spec, get, f"kv_cache preset {ratio:g}x")

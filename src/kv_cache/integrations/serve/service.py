@@ -161,13 +161,12 @@ class Service:
         ``tokens``) or plan (then ``plan`` is the :class:`~kv_cache.plan.CachePlan` and ``quant``
         None); ``invalid_method`` when it does not parse or does not fit this model."""
         from ...spec import method_settings
-        from ...plan import CachePlan, preset_plan
+        from ...plan import CachePlan, model_preset_plan
 
         try:
             if req.preset is not None:
                 limit = max_positions(self.model.config) or tokens
-                plan = preset_plan(self.model.config, req.preset, context_tokens=min(tokens, limit),
-                                   dtype=next(self.model.parameters()).dtype)
+                plan = model_preset_plan(self.model, req.preset, context_tokens=min(tokens, limit))
                 return None, plan.eviction(), plan, req.preset
             if req.plan is not None:
                 self.files.check_plan_object(req.plan)  # names no file: decoding it opens none

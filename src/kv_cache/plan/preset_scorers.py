@@ -1,0 +1,178 @@
+"""Which eviction scores a preset uses on a model: KVzip, or KVzap where it measured as well.
+
+KVzip's scores need a second pass over the context (its repeat chunks, math dictionary §19.3):
+the presets that evict with it prefill at 2.4-3x a plain prefill. KVzap's learned scores come
+from the prefill's own pass (1.0x, §24). Each ranks tokens differently, so a preset evicts with
+KVzap on a model only where KVzap was measured, on calibration text (never an evaluation text),
+to cost no more than KVzip there (:func:`choose`), and the measurement is shipped with the
+package next to the model's KVzap scorer (:data:`RECORD`, written by ``kvcache preset-scorers``).
+
+* :func:`measure` builds each preset with both scorers (:func:`~kv_cache.plan.planner.preset_plan`'s
+  ``scorer=``), runs both over the same calibration windows
+  (:func:`~kv_cache.plan.measure.continuation_cost`) and returns the record's entry;
+* :func:`choose` is the rule: KVzap where its perplexity over the full cache's is within
+  :data:`TOLERANCE` of KVzip's and neither the fidelity nor the eviction check warned on it;
+* :func:`preset_scorer` reads the record for a model: the scorer chosen at the measured ratio
+  nearest to the one asked (on a log scale), ``"kvzip"`` for a model with no entry or no shipped
+  scorer; :func:`model_preset_plan` is the preset built with it, what every caller holding a
+  model runs (``kvcache eval``'s ``<r>x``, the server, ``kvcache compress --ratio``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..compression.scorer_file import model_identity
+from ..policies.kvzap import SCORERS_DIR, KVzap, shipped_scorer
+
+RECORD = SCORERS_DIR / "presets.json"
+"""The shipped measurements: one entry per model (matched by its identity, as the scorer files)."""
+
+FORMAT = 1
+TOLERANCE = 0.003
+"""How much higher KVzap's continuation perplexity (over the full cache's) may be than KVzip's on
+the calibration windows for a preset to use it: 0.3 points, the tolerance the presets' quality
+is held to when the way they evict changes."""
+
+MEASURED_TARGETS = ("4x", "8x", "16x")
+"""The presets, each of which evicts at 4K tokens on an all-global model (``4x`` keeps about 79%:
+4-bit codes alone hold about 3.5x)."""
+
+
+def choose(kvzip: dict[str, Any], kvzap: dict[str, Any]) -> str:
+    """``"kvzap"`` or ``"kvzip"`` from two :func:`~kv_cache.plan.measure.continuation_cost` results
+    of the same preset on the same windows (see :data:`TOLERANCE`)."""
+    for name, cost in (("kvzip", kvzip), ("kvzap", kvzap)):
+        missing = [k for k in ("delta_ppl", "warned") if k not in cost]
+        if missing:
+            raise ValueError(f"the {name} cost lacks {missing}; pass continuation_cost()'s result")
+    if kvzap["warned"]:
+        return "kvzip"
+    return "kvzap" if kvzap["delta_ppl"] <= kvzip["delta_ppl"] + TOLERANCE else "kvzip"
+
+
+def measure(model: Any, tokenizer: Any, calibration_text: str, *, source: str,
+            targets: Sequence[str] = MEASURED_TARGETS, context_tokens: int = 4096, continuation: int = 256,
+            windows: int = 2, scorer_path: str | os.PathLike | None = None, progress=None) -> dict[str, Any]:
+    """The record's entry for ``model``: every preset of ``targets`` built with each scorer and
+    measured on the same windows of ``calibration_text`` (``source`` names it in the entry).
+    ``scorer_path``: KVzap's scorer file (None: the one shipped for the model); the record is then
+    kept in the same directory (:func:`preset_scorer` looks for it there).
+
+    Returns ``{"model": identity, "scorer_file", "calibration": {...}, "targets": {target:
+    {"kvzip": cost, "kvzap": cost, "seconds": {...}, "scorer": choice}}}`` where each cost holds the
+    mean KL, the perplexity over the full cache's and the checks' figures, and ``seconds`` the
+    time each took over the windows (prefill, eviction and the scored continuation).
+    """
+    from .measure import calibration_windows, continuation_cost, reference_log_probs
+    from .planner import parse_target, preset_plan
+
+    identity = model_identity(model)
+    path = shipped_scorer(identity) if scorer_path is None else Path(scorer_path)
+    if path is None:
+        raise ValueError(f"no KVzap scorer is shipped for this model ({identity['model_type']}, "
+                         f"{identity['num_layers']} layers): fit one with `kvcache calibrate-scorer` into "
+                         f"{SCORERS_DIR} first; until then the presets evict with KVzip")
+    KVzap(scorer=str(path)).bind(model)  # refuses a scorer fitted on another model, naming the fix
+    names = [f"{parse_target(t):g}x" for t in targets]
+    if not names:
+        raise ValueError("targets must name at least one preset, e.g. ['8x', '16x']")
+    wins = calibration_windows(tokenizer, calibration_text, context_tokens, continuation, windows)
+    reference = reference_log_probs(model, tokenizer, wins, context_tokens)
+    dtype = next(model.parameters()).dtype
+    out: dict[str, Any] = {}
+    for name in names:
+        row: dict[str, Any] = {"seconds": {}}
+        for scorer in ("kvzip", "kvzap"):
+            plan = preset_plan(model.config, name, context_tokens=context_tokens, dtype=dtype, scorer=scorer,
+                               scorer_path=None if scorer_path is None else str(path))
+            t0 = time.perf_counter()
+            cost = continuation_cost(model, tokenizer, plan, wins, context_tokens, reference)
+            row["seconds"][scorer] = round(time.perf_counter() - t0, 2)
+            row[scorer] = {**cost, "budget": None if plan.policy is None else plan.policy.budget,
+                           "fingerprint": plan.fingerprint}
+            if progress is not None:
+                progress(name, scorer, row[scorer])
+        if row["kvzip"]["budget"] is None:  # the preset evicts nothing here: there is no scorer to choose
+            row["scorer"] = "kvzip"
+        else:
+            row["scorer"] = choose(row["kvzip"], row["kvzap"])
+        out[name] = row
+    return {"model": identity, "scorer_file": path.name,
+            "calibration": {"text": source, "windows": len(wins), "context_tokens": context_tokens,
+                            "continuation": continuation, "tolerance": TOLERANCE},
+            "targets": out}
+
+
+def read_record(path: str | os.PathLike = RECORD) -> list[dict[str, Any]]:
+    """The entries of a record file (none when the file does not exist); raises on a malformed one."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), list):
+        raise ValueError(f"{path}: not a preset-scorer record of format {FORMAT} "
+                         "(rewrite it with `kvcache preset-scorers`)")
+    return data["entries"]
+
+
+def write_entry(entry: dict[str, Any], path: str | os.PathLike = RECORD) -> Path:
+    """Add ``entry`` to the record (replacing the one of the same model), written atomically."""
+    path = Path(path)
+    entries = [e for e in read_record(path) if e.get("model") != entry["model"]] + [entry]
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"format": FORMAT, "entries": entries}, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _chosen(model: Any, target: Any, record: str | os.PathLike) -> tuple[str, Path | None]:
+    """``(scorer, scorer file)`` for ``target`` on ``model`` (see :func:`preset_scorer`)."""
+    from .planner import parse_target
+
+    ratio = parse_target(target)
+    identity = model_identity(model)
+    entry = next((e for e in read_record(record) if e.get("model") == identity), None)
+    if entry is None or not entry.get("targets"):
+        return "kvzip", None
+    path = Path(record).parent / str(entry.get("scorer_file", ""))
+    if not path.is_file() or shipped_scorer(identity, path.parent) != path:
+        return "kvzip", None  # the measured scorer is not beside the record (or not this model's)
+    nearest = min(entry["targets"], key=lambda t: abs(math.log(parse_target(t) / ratio)))
+    scorer = entry["targets"][nearest].get("scorer")
+    if scorer not in ("kvzip", "kvzap"):
+        raise ValueError(f"{record}: the {nearest} entry names scorer {scorer!r}; expected 'kvzip' or 'kvzap'")
+    return scorer, path
+
+
+def preset_scorer(model: Any, target: Any, record: str | os.PathLike = RECORD) -> str:
+    """The eviction scorer (``"kvzip"`` or ``"kvzap"``) a preset of ``target`` uses on ``model``:
+    the one chosen at the recorded ratio nearest to ``target`` (log scale) for this model,
+    ``"kvzip"`` when the record holds no entry for it or its scorer file is not beside the record."""
+    return _chosen(model, target, record)[0]
+
+
+def model_preset_plan(model: Any, target: Any, *, context_tokens: int | None = None,
+                      record: str | os.PathLike = RECORD):
+    """:func:`~kv_cache.plan.planner.preset_plan` for ``model`` in its dtype, evicting with the
+    scorer :func:`preset_scorer` reads for it (what ``kvcache eval``'s ``<r>x``, the server's
+    presets and ``kvcache compress --ratio`` run). With the shipped record the plan names no
+    scorer file (KVzap finds the shipped one); with another record, the file beside it."""
+    from .planner import preset_plan
+
+    scorer, path = _chosen(model, target, record)
+    shipped = Path(record).resolve() == RECORD.resolve()
+    return preset_plan(model.config, target, context_tokens=context_tokens, dtype=next(model.parameters()).dtype,
+                       scorer=scorer, scorer_path=None if scorer == "kvzip" or shipped else str(path))
+
+
+__all__ = ["FORMAT", "MEASURED_TARGETS", "RECORD", "TOLERANCE", "choose", "measure", "model_preset_plan", "preset_scorer",
+           "read_record", "write_entry"]

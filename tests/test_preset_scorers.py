@@ -1,0 +1,196 @@
+"""Which eviction the presets use per model (KVzip, or KVzap where it measured as well), KVzap's
+continuation score and its eviction check: the rule and the record (model-free), then on
+stories260K with a scorer fitted here."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kv_cache
+from kv_cache import CompressedCache, KVzap, KVzip, QuantConfig
+from kv_cache.cache.cache import FidelityWarning
+from kv_cache.compression.scorer_file import model_identity, save_scorer
+from kv_cache.plan import model_preset_plan, preset_plan, preset_scorer
+from kv_cache.plan.planner import CONTINUATION_QUERIES
+from kv_cache.plan.preset_scorers import TOLERANCE, choose, measure, read_record, write_entry
+from kv_cache.plan.scorer_training import fit_scorer
+from kv_cache.policies.base import ScoreInputs
+
+STORY = "Once upon a time there was a little girl named Lily. She liked to play with her toys in the park. " * 6
+TEXT = Path(__file__).read_text()  # calibration text the tiny model tokenizes; never an evaluation text
+
+
+# ----------------------------------------------------------------------------------- model-free
+def _cost(delta, warned=False, kl=0.01):
+    return {"kl": kl, "delta_ppl": delta, "warned": warned}
+
+
+def test_choose_kvzap_only_within_the_tolerance_and_quiet():
+    assert choose(_cost(0.010), _cost(0.009)) == "kvzap"
+    assert choose(_cost(0.010), _cost(0.010 + TOLERANCE * 0.99)) == "kvzap"
+    assert choose(_cost(0.010), _cost(0.010 + TOLERANCE * 1.01)) == "kvzip"
+    assert choose(_cost(0.010), _cost(-0.5, warned=True)) == "kvzip"  # a check warned on it: never
+    with pytest.raises(ValueError, match=r"kvzap cost lacks \['warned'\]"):
+        choose(_cost(0.0), {"delta_ppl": 0.0})
+
+
+def test_record_read_write(tmp_path):
+    record = tmp_path / "presets.json"
+    assert read_record(record) == []
+    a = {"model": {"m": 1}, "targets": {"8x": {"scorer": "kvzap"}}}
+    b = {"model": {"m": 2}, "targets": {"8x": {"scorer": "kvzip"}}}
+    write_entry(a, record)
+    write_entry(b, record)
+    write_entry({**a, "targets": {"8x": {"scorer": "kvzip"}}}, record)  # the same model: replaced
+    got = read_record(record)
+    assert len(got) == 2 and {e["model"]["m"]: e["targets"]["8x"]["scorer"] for e in got} == {1: "kvzip", 2: "kvzip"}
+    assert not list(tmp_path.glob("*.tmp"))
+    record.write_text(json.dumps({"format": 99, "entries": []}))
+    with pytest.raises(ValueError, match="not a preset-scorer record of format 1"):
+        read_record(record)
+
+
+def test_kvzap_continuation_validation():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="continuation_queries must be an int >= 0"):
+            KVzap(decoding=False, continuation_queries=bad)
+    with pytest.raises(ValueError, match="decoding=False"):
+        KVzap(continuation_queries=8)
+    pol = KVzap(decoding=False, continuation_queries=8)
+    assert pol.needs_attention and not KVzap().needs_attention
+    assert pol.query_window(5, 100) == 5 and pol.query_window(50, 100) == 8
+    assert "continuation_queries" not in repr(KVzap()) and "continuation_queries=8" in repr(pol)
+    with pytest.raises(ValueError, match="scorer must be one of"):
+        preset_plan(object(), "8x", scorer="h2o")
+
+
+# ----------------------------------------------------------------------------------- stories260K
+@pytest.fixture(scope="module")
+def scorer_dir(stories, tmp_path_factory):
+    model, tok = stories
+    sc = fit_scorer(model, tok, TEXT, tokens=1200, window=200, max_tokens_per_window=150)
+    d = tmp_path_factory.mktemp("preset_scorers")
+    save_scorer(d / "stories_linear.safetensors", sc)
+    return d
+
+
+def test_continuation_score_is_the_larger_of_the_two(stories, scorer_dir):
+    """A slot's log score is max(predicted, log of the last queries' summed attention, the largest
+    over the query heads of its KV head)."""
+    model, _ = stories
+    pol = KVzap(decoding=False, continuation_queries=4, scorer=str(scorer_dir / "stories_linear.safetensors"))
+    pol.bind(model)
+    cfg = model.config
+    H, Hq, T = cfg.num_key_value_heads, cfg.num_attention_heads, 12
+    hidden = torch.randn(1, T, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    learned = pol._bound.score(0, hidden)  # [1, H, T]
+    attention = torch.full((1, Hq, T), 1e-30)
+    attention[0, 0, 3] = 3.5  # one query head gives slot 3 most of four queries' attention
+    got = pol.score(ScoreInputs(shape=(1, H, T), keys=None, query=None, key_valid=None, scaling=1.0, state={},
+                                attention=attention, attention_queries=4, hidden=hidden))
+    head = 0  # the KV head of query head 0
+    assert got[0, head, 3] == pytest.approx(math.log(3.5))
+    others = torch.ones(T, dtype=torch.bool)
+    others[3] = False
+    assert torch.allclose(got[0, head, others], learned[0, head, others])
+    with pytest.raises(RuntimeError, match="compress"):
+        pol.score(ScoreInputs(shape=(1, H, T), keys=None, query=None, key_valid=None, scaling=1.0, state={},
+                              hidden=hidden))
+
+
+def test_native_and_reference_paths_agree_with_continuation(stories, scorer_dir):
+    model, tok = stories
+    ids = tok(STORY, return_tensors="pt").input_ids
+    outs = []
+    for attention in ("native", "reference"):
+        pol = KVzap(budget=0.3, scope="head", decoding=False, continuation_queries=16,
+                    scorer=str(scorer_dir / "stories_linear.safetensors"))
+        cache = CompressedCache(model.config, eviction=pol)
+        with kv_cache.compress(model, cache, attention=attention):
+            out = model.generate(ids, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        outs.append((out, torch.stack([layer.head_lengths() for layer in cache.layers])))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert int(outs[0][1].sum()) < ids.shape[1] * model.config.num_hidden_layers * model.config.num_key_value_heads
+
+
+def test_kvzap_once_runs_the_eviction_check(stories, scorer_dir):
+    """KVzap acting once under a model-wide budget (the presets' form) drops tokens after the
+    prefill's forward: the eviction check (§26.1) measures it and warns past its limit."""
+    model, tok = stories
+    ids = tok(STORY, return_tensors="pt").input_ids
+    path = str(scorer_dir / "stories_linear.safetensors")
+    cache = CompressedCache(model.config, eviction=KVzap(budget=0.2, decoding=False, scorer=path))
+    with torch.no_grad():
+        kv_cache.prefill(model, cache, ids, last_only=True)
+    shares = cache.memory_report().evicted_attention
+    assert len(shares) == model.config.num_hidden_layers and all(0.0 <= s <= 1.0 for s in shares.values())
+    assert all(not layer.state for layer in cache.layers)  # the recorded attention is dropped, never held
+    strict = CompressedCache(model.config, eviction=KVzap(budget=0.2, decoding=False, scorer=path),
+                             eviction_threshold=1e-6)
+    with pytest.warns(FidelityWarning, match="evict"), torch.no_grad():
+        kv_cache.prefill(model, strict, ids, last_only=True)
+    decoding = CompressedCache(model.config, eviction=KVzap(budget=0.2, scorer=path))  # evicts all along: unchecked
+    with torch.no_grad():
+        kv_cache.prefill(model, decoding, ids, last_only=True)
+    assert decoding.memory_report().evicted_attention == {}
+
+
+def test_measure_record_and_presets(stories, scorer_dir):
+    """``measure`` builds the preset with both scorers on the same windows; the record beside the
+    scorer file makes the model's presets evict with the chosen one, at the nearest measured ratio."""
+    model, tok = stories
+    path = scorer_dir / "stories_linear.safetensors"
+    entry = measure(model, tok, TEXT, source="test_preset_scorers.py", targets=["5x"], context_tokens=200,
+                    continuation=16, windows=1, scorer_path=path)
+    row = entry["targets"]["5x"]
+    assert entry["model"] == model_identity(model) and entry["scorer_file"] == path.name
+    assert row["scorer"] == choose(row["kvzip"], row["kvzap"])
+    assert row["kvzip"]["budget"] == row["kvzap"]["budget"] and row["kvzip"]["fingerprint"] != row["kvzap"]["fingerprint"]
+    assert set(row["seconds"]) == {"kvzip", "kvzap"} and all(c["kl"] >= 0 for c in (row["kvzip"], row["kvzap"]))
+    record = write_entry(entry, scorer_dir / "presets.json")
+    assert preset_scorer(model, "5x", record) == row["scorer"]
+    # the choice at each measured ratio, the nearest one (log scale) for the others
+    forced = {**entry, "targets": {"4.5x": {"scorer": "kvzap"}, "9x": {"scorer": "kvzip"}}}
+    write_entry(forced, record)
+    assert [preset_scorer(model, t, record) for t in ("4.5x", "6x", "6.5x", "9x", "20x")] == [
+        "kvzap", "kvzap", "kvzip", "kvzip", "kvzip"]
+    plan = model_preset_plan(model, "5x", context_tokens=200, record=record)
+    assert isinstance(plan.policy, KVzap) and plan.policy.continuation_queries == CONTINUATION_QUERIES
+    assert plan.policy.scorer == str(path) and not plan.policy.decoding
+    other = model_preset_plan(model, "12x", context_tokens=200, record=record)
+    assert isinstance(other.policy, KVzip)
+    # the KVzap preset runs: it prefills in one pass and reaches its ratio
+    cache = CompressedCache(model.config, plan=plan)
+    ids = tok(STORY * 2, return_tensors="pt").input_ids[:, :200]
+    with torch.no_grad():
+        kv_cache.prefill(model, cache, ids, last_only=True)
+    assert cache.memory_report().ratio >= 5.0
+    # no entry, or the scorer file not beside the record: KVzip
+    assert preset_scorer(model, "5x", scorer_dir / "missing.json") == "kvzip"
+    elsewhere = scorer_dir / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(record, elsewhere / "presets.json")
+    assert preset_scorer(model, "4.5x", elsewhere / "presets.json") == "kvzip"
+    # the shipped record has no entry for stories260K
+    assert isinstance(model_preset_plan(model, "5x", context_tokens=200).policy, KVzip)
+
+
+def test_measure_refuses_a_model_without_a_scorer(stories, scorer_dir, tmp_path):
+    model, tok = stories
+    with pytest.raises(ValueError, match="calibrate-scorer"):
+        measure(model, tok, TEXT, source="x", targets=["5x"], context_tokens=200, continuation=16, windows=1)
+    cli = [sys.executable, "-m", "kv_cache.cli", "preset-scorers", "--model", "stories260K", "--context", "200",
+           "--continuation", "16", "--windows", "1", "--targets", "5x"]
+    out = subprocess.run(cli + ["--text", __file__], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "calibrate-scorer" in out.stderr
+    bad = subprocess.run(cli + ["--text", __file__, "--scorer", str(scorer_dir / "stories_linear.safetensors"),
+                                "-o", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--out must sit beside the scorer file" in bad.stderr
