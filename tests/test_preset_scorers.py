@@ -194,3 +194,21 @@ def test_measure_refuses_a_model_without_a_scorer(stories, scorer_dir, tmp_path)
     bad = subprocess.run(cli + ["--text", __file__, "--scorer", str(scorer_dir / "stories_linear.safetensors"),
                                 "-o", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--out must sit beside the scorer file" in bad.stderr
+
+
+def test_a_kvzap_plan_reports_its_prefill_against_a_plain_one(stories, scorer_dir, tmp_path):
+    """A plan that runs no reconstruction pass is never reported at 1x by construction: both tasks
+    time a plain prefill of the same ids and report the ratio."""
+    from kv_cache.eval.runner import EvalConfig, run_eval
+
+    model, tok = stories
+    plan = preset_plan(model.config, "5x", context_tokens=200, scorer="kvzap",
+                       scorer_path=str(scorer_dir / "stories_linear.safetensors"))
+    path = plan.save(tmp_path / "kvzap_plan.json")
+    cfg = EvalConfig(model="stories260K", text=__file__, tasks=["ppl", "needle"], samples=1, context=320,
+                     continuation=32, methods=["full", f"plan[{path}]"])
+    doc = run_eval(cfg, tmp_path / "out", model=model, tokenizer=tok)
+    m = doc["methods"][f"plan[{path}]"]
+    for task in ("ppl", "niah_single"):
+        (s,) = m["tasks"][task]["samples"]
+        assert s["prefill_cost"] == s["prefill_s"] / s["plain_prefill_s"] and s["prefill_cost"] > 0, task

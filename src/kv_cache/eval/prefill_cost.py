@@ -5,7 +5,9 @@ the same token ids, run just before the method's own prefill, so the two times s
 machine's state of the moment. The full cache's own prefill *is* that plain prefill, so its cost
 is 1 by construction and it pays no second one. KVzip keeps its in-run measurement
 (:attr:`kv_cache.context.PrefillStats.cost_ratio`: its context prefill plus reconstruction pass
-over that context prefill), so it is not timed twice either.
+over that context prefill), so it is not timed twice either. A preset or plan that evicts with
+KVzap runs no such pass: its prefill is compared with a plain prefill timed right after it (the
+perplexity task too), never reported as 1 by construction.
 """
 
 from __future__ import annotations

@@ -99,7 +99,10 @@ def _prefill_cache(model, method: Method, ids: torch.Tensor, tokenizer=None, las
         except BaseException:
             scope.close()
             raise
-        return Prefilled(cache, logits.float(), held_nbytes(cache), scope, stats.cost_ratio,
+        # KVzip's ratio is its own (its pass over its prefill); with no pass (a plan evicting with
+        # KVzap) the ratio would be 1 by construction: the caller times a plain prefill instead
+        ratio = stats.cost_ratio if stats.reconstruction_s > 0 else None
+        return Prefilled(cache, logits.float(), held_nbytes(cache), scope, ratio,
                          stats.prefill_s + stats.reconstruction_s)
     t0 = time.perf_counter()
     if method.prefill_only_context:

@@ -132,7 +132,9 @@ def markdown_table(doc: dict) -> str:
         lines.append("prefill cost = time of the method's prefill over a plain prefill (transformers DynamicCache, "
                      "no hooks) of the same ids, run just before it in the same sample (retrieval tasks); `full` is "
                      "that plain prefill (1x by construction); KVzip: its context prefill + reconstruction pass over "
-                     "its own context prefill, in every task; `-`: not measured (rows of runs before the measurement).")
+                     "its own context prefill, in every task; a preset or plan that runs no such pass (KVzap): its "
+                     "prefill over a plain prefill of the same ids timed right after it, in every task; `-`: not "
+                     "measured (rows of runs before the measurement).")
     depth = depth_table(doc)
     if depth:
         lines.append("\n" + depth)

@@ -125,6 +125,9 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None,
                              DECODE_TIMING_TOKENS, set())
         finally:
             pre.scope.close()
+        # a plan that ran no reconstruction pass (evicting with KVzap): its prefill over a plain one
+        plain_s = (plain_prefill_seconds(model, prefix, last_only=True)
+                   if method.needs_tokenizer and pre.prefill_cost is None and not method.is_reference else None)
         # float32, as stored for the reference: the full cache's own KL is then exactly 0.
         log_probs = torch.log_softmax(all_logits.float(), dim=-1)
         ref = reference() if callable(reference) else reference
@@ -132,7 +135,7 @@ def run_ppl_sample(model, method: Method, sample, full_argmax: list[int] | None,
     agreement = None if full_argmax is None else sum(a == b for a, b in zip(argmax, full_argmax)) / len(argmax)
     return {"index": sample.index, "nll": nll, "ppl": math.exp(nll), "agreement": agreement, "kl": kl,
             "argmax": argmax, "kv_bytes": pre.kv_bytes, "fp16_bytes": fp16_kv_bytes(model.config, prefix.shape[1]),
-            "decode_tokens_per_s": tps, **checks, **sample_cost(pre)}, log_probs
+            "decode_tokens_per_s": tps, **checks, **sample_cost(pre, plain_s)}, log_probs
 
 
 def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, max_new_tokens: int) -> dict:
@@ -154,6 +157,8 @@ def run_retrieval_sample(model, tok, method: Method, sample, query_aware: bool, 
             out, tps = _greedy(model, pre.cache, logits[0, -1], ctx_ids.shape[1] + q_ids.shape[1], n_new, eos)
         finally:
             pre.scope.close()
+        if plain_s is None and pre.prefill_cost is None and not method.is_reference:
+            plain_s = plain_prefill_seconds(model, ctx_ids)  # a plan that ran no reconstruction pass (KVzap)
     prediction = tok.decode(out, skip_special_tokens=True)
     return {"index": sample.metadata.get("index", 0), "prediction": prediction, "expected": list(sample.expected),
             "score": score_retrieval(prediction, sample.expected), "depth": sample.depth,
