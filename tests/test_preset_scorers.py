@@ -212,3 +212,34 @@ def test_a_kvzap_plan_reports_its_prefill_against_a_plain_one(stories, scorer_di
     for task in ("ppl", "niah_single"):
         (s,) = m["tasks"][task]["samples"]
         assert s["prefill_cost"] == s["prefill_s"] / s["plain_prefill_s"] and s["prefill_cost"] > 0, task
+
+
+def test_the_shipped_record_is_consistent():
+    """Every shipped entry names a scorer file beside the record, and every choice is the rule's."""
+    from kv_cache.plan.preset_scorers import MEASURED_TARGETS, RECORD
+
+    entries = read_record(RECORD)
+    assert entries, "the shipped record is empty"
+    for e in entries:
+        assert (RECORD.parent / e["scorer_file"]).is_file(), e["scorer_file"]
+        assert set(e["targets"]) == set(MEASURED_TARGETS)
+        for target, row in e["targets"].items():
+            assert row["scorer"] == choose(row["kvzip"], row["kvzap"]), (e["scorer_file"], target)
+            assert row["kvzip"]["budget"] == row["kvzap"]["budget"]
+        assert e["calibration"]["text"] == "pg98.txt"  # neither the scorers' fitting text nor an evaluation text
+
+
+@pytest.mark.slow
+def test_smollm2_presets_evict_with_kvzap_in_one_pass():
+    from kv_cache.models import load_model
+
+    model, tok = load_model("smollm2")
+    plan = model_preset_plan(model, "8x", context_tokens=1024)
+    assert isinstance(plan.policy, KVzap) and plan.policy.continuation_queries == CONTINUATION_QUERIES
+    assert plan.policy.scorer is None  # the shipped scorer, found by the model's identity
+    ids = tok(Path(__file__).read_text(), return_tensors="pt").input_ids[:, :1024]
+    cache = CompressedCache(model.config, plan=plan)
+    with torch.no_grad():
+        _, stats = kv_cache.prefill(model, cache, ids, tokenizer=tok, last_only=True)
+    report = cache.memory_report()
+    assert stats.reconstruction_s == 0 and report.ratio >= 8.0 and report.evicted_attention
