@@ -179,6 +179,20 @@ def test_measure_record_and_presets(stories, scorer_dir):
     elsewhere.mkdir()
     shutil.copy(record, elsewhere / "presets.json")
     assert preset_scorer(model, "4.5x", elsewhere / "presets.json") == "kvzip"
+    # a prompt shorter than the calibration windows' context keeps KVzip, whatever was chosen
+    assert [preset_scorer(model, "4.5x", record, prompt_tokens=n) for n in (199, 200, 256, None)] == [
+        "kvzip", "kvzap", "kvzap", "kvzap"]  # None: the default context a preset is sized for (256 here)
+    assert isinstance(model_preset_plan(model, "4.5x", context_tokens=150, record=record).policy, KVzip)
+    assert isinstance(model_preset_plan(model, "4.5x", context_tokens=150, prompt_tokens=200, record=record).policy,
+                      KVzap)
+    for bad in (0, -5, 1.5, True, "200"):
+        with pytest.raises(ValueError, match="prompt_tokens must be a positive int"):
+            preset_scorer(model, "4.5x", record, prompt_tokens=bad)
+    broken = {**forced, "calibration": {**forced["calibration"], "context_tokens": None}}
+    write_entry(broken, record)
+    with pytest.raises(ValueError, match="calibration context_tokens"):
+        preset_scorer(model, "4.5x", record)
+    write_entry(forced, record)
     # the shipped record has no entry for stories260K
     assert isinstance(model_preset_plan(model, "5x", context_tokens=200).policy, KVzip)
 
@@ -234,7 +248,10 @@ def test_smollm2_presets_evict_with_kvzap_in_one_pass():
     from kv_cache.models import load_model
 
     model, tok = load_model("smollm2")
-    plan = model_preset_plan(model, "8x", context_tokens=1024)
+    # measured at 4,096 tokens: a shorter prompt keeps KVzip (KVzap's 8x lost 1.6 points at 1,024)
+    assert isinstance(model_preset_plan(model, "8x", context_tokens=1024).policy, KVzip)
+    assert isinstance(model_preset_plan(model, "8x").policy, KVzap)  # sized for 4,096 by default
+    plan = model_preset_plan(model, "8x", context_tokens=1024, prompt_tokens=4096)  # sized for this test's prompt
     assert isinstance(plan.policy, KVzap) and plan.policy.continuation_queries == CONTINUATION_QUERIES
     assert plan.policy.scorer is None  # the shipped scorer, found by the model's identity
     ids = tok(Path(__file__).read_text(), return_tensors="pt").input_ids[:, :1024]
@@ -243,3 +260,17 @@ def test_smollm2_presets_evict_with_kvzap_in_one_pass():
         _, stats = kv_cache.prefill(model, cache, ids, tokenizer=tok, last_only=True)
     report = cache.memory_report()
     assert stats.reconstruction_s == 0 and report.ratio >= 8.0 and report.evicted_attention
+
+
+def test_the_eval_preset_builds_for_the_prompt(stories):
+    """``<r>x`` in the eval grammar builds for the prompt's length where a caller knows it
+    (``Method.build``): the same plan as ``model_preset_plan`` with that prompt."""
+    from kv_cache.spec.grammar import parse_method
+
+    model, _ = stories
+    method = parse_method("5x")
+    assert method.make_for_prompt is not None
+    for n in (None, 100, 256):
+        cache, _ = method.build(model, n)
+        assert cache.plan.fingerprint == model_preset_plan(model, "5x", prompt_tokens=n).fingerprint
+    assert parse_method("q4").make_for_prompt is None and parse_method("q4").build(model, 100)[0] is not None

@@ -88,7 +88,7 @@ def _prefill_cache(model, method: Method, ids: torch.Tensor, tokenizer=None, las
     (ours: the ``compress`` hooks; kvpress presses only wrap the prefill). A method scored by a
     reconstruction pass (KVzip) prefills through :func:`kv_cache.prefill`, which runs it.
     ``last_only``: logits of the last position only (:func:`forward_at`), as ``generate`` does."""
-    cache, ctx = method.make(model)
+    cache, ctx = method.build(model, ids.shape[1])  # a preset chooses its scorer for this length
     scope = contextlib.ExitStack()
     if method.needs_tokenizer:
         if tokenizer is None:

@@ -314,9 +314,11 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
             ref_store.save(i, lp)
         return lp
 
+    # the prompt a plan is built for (a preset chooses its scorer by it): a ppl window's prefix
+    prompt = cfg.context - cfg.continuation if 0 < cfg.continuation < cfg.context else cfg.context
     for method in methods:
         entry = doc["methods"].get(method.spec)
-        plan = _plan_fingerprint(model, method)
+        plan = _plan_fingerprint(model, method, prompt)
         if entry is not None and plan is not None and "plan" in entry:
             same, was, now = entry["plan"] == plan, f"plan {entry['plan']}", f"plan {plan}"
         elif entry is not None:  # a peer, or a row saved before plans: by its resolved settings
@@ -390,7 +392,7 @@ def run_eval(cfg: EvalConfig, out: str | os.PathLike[str], *, model=None, tokeni
     return doc
 
 
-def _plan_fingerprint(model, method: Method) -> str | None:
+def _plan_fingerprint(model, method: Method, prompt_tokens: int | None = None) -> str | None:
     """The fingerprint of the cache plan one of our methods builds for this model
     (:class:`kv_cache.plan.CachePlan`): a run resumes a method's saved samples only when it is
     unchanged. None for peers and the reference (they resume by ``Method.resolved``)."""
@@ -399,7 +401,7 @@ def _plan_fingerprint(model, method: Method) -> str | None:
 
     if method.family != "ours" or method.is_reference:
         return None
-    cache, _ = method.make(model)
+    cache, _ = method.build(model, prompt_tokens)
     if not isinstance(cache, CompressedCache):
         return None
     plan = cache.plan if cache.plan is not None else CachePlan.uniform(model.config, cache.quant, cache.eviction)

@@ -134,15 +134,24 @@ def write_entry(entry: dict[str, Any], path: str | os.PathLike = RECORD) -> Path
     return path
 
 
-def _chosen(model: Any, target: Any, record: str | os.PathLike) -> tuple[str, Path | None]:
+def _chosen(model: Any, target: Any, record: str | os.PathLike,
+            prompt_tokens: int | None = None) -> tuple[str, Path | None]:
     """``(scorer, scorer file)`` for ``target`` on ``model`` (see :func:`preset_scorer`)."""
     from .planner import parse_target
 
     ratio = parse_target(target)
+    if prompt_tokens is not None and (isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int)
+                                      or prompt_tokens < 1):
+        raise ValueError(f"prompt_tokens must be a positive int or None; got {prompt_tokens!r}")
     identity = model_identity(model)
     entry = next((e for e in read_record(record) if e.get("model") == identity), None)
     if entry is None or not entry.get("targets"):
         return "kvzip", None
+    if prompt_tokens is None:
+        from .planner import _default_context
+        prompt_tokens = _default_context(model.config)  # what a preset is sized for by default
+    if prompt_tokens < calibrated_context(entry):
+        return "kvzip", None  # shorter than measured: at 1,024 tokens KVzap's 8x lost 1.6 points (make demo)
     path = Path(record).parent / str(entry.get("scorer_file", ""))
     if not path.is_file() or shipped_scorer(identity, path.parent) != path:
         return "kvzip", None  # the measured scorer is not beside the record (or not this model's)
@@ -153,26 +162,43 @@ def _chosen(model: Any, target: Any, record: str | os.PathLike) -> tuple[str, Pa
     return scorer, path
 
 
-def preset_scorer(model: Any, target: Any, record: str | os.PathLike = RECORD) -> str:
-    """The eviction scorer (``"kvzip"`` or ``"kvzap"``) a preset of ``target`` uses on ``model``:
-    the one chosen at the recorded ratio nearest to ``target`` (log scale) for this model,
-    ``"kvzip"`` when the record holds no entry for it or its scorer file is not beside the record."""
-    return _chosen(model, target, record)[0]
+def calibrated_context(entry: dict[str, Any]) -> int:
+    """The context length (tokens) an entry's choices were measured at: the shortest prompt they
+    hold for (a shorter prompt evicts with KVzip; math dictionary §23.5)."""
+    n = entry.get("calibration", {}).get("context_tokens")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"a preset-scorer entry must name its calibration context_tokens (a positive int); got {n!r} "
+                         "(rewrite the record with `kvcache preset-scorers`)")
+    return n
+
+
+def preset_scorer(model: Any, target: Any, record: str | os.PathLike = RECORD, *,
+                  prompt_tokens: int | None = None) -> str:
+    """The eviction scorer (``"kvzip"`` or ``"kvzap"``) a preset of ``target`` uses on ``model``
+    for a prompt of ``prompt_tokens`` tokens (None: the context a preset is sized for by default,
+    4,096 tokens or half the model's positions): the one chosen at the recorded
+    ratio nearest to ``target`` (log scale) for this model; ``"kvzip"`` when the record holds no
+    entry for it, its scorer file is not beside the record, or the prompt is shorter than the
+    calibration windows' context (the choice was not measured there)."""
+    return _chosen(model, target, record, prompt_tokens)[0]
 
 
 def model_preset_plan(model: Any, target: Any, *, context_tokens: int | None = None,
-                      record: str | os.PathLike = RECORD):
-    """:func:`~kv_cache.plan.planner.preset_plan` for ``model`` in its dtype, evicting with the
-    scorer :func:`preset_scorer` reads for it (what ``kvcache eval``'s ``<r>x``, the server's
-    presets and ``kvcache compress --ratio`` run). With the shipped record the plan names no
-    scorer file (KVzap finds the shipped one); with another record, the file beside it."""
+                      prompt_tokens: int | None = None, record: str | os.PathLike = RECORD):
+    """:func:`~kv_cache.plan.planner.preset_plan` for ``model`` in its dtype, sized for
+    ``context_tokens``, evicting with the scorer :func:`preset_scorer` reads for it at
+    ``prompt_tokens`` (default: ``context_tokens``, or the plan's default context when both are
+    None). What ``kvcache eval``'s ``<r>x`` (sized for the default context, chosen for each
+    prompt), the server's presets and ``kvcache compress --ratio`` run. With the shipped record
+    the plan names no scorer file (KVzap finds the shipped one); with another record, the file
+    beside it."""
     from .planner import preset_plan
 
-    scorer, path = _chosen(model, target, record)
+    scorer, path = _chosen(model, target, record, context_tokens if prompt_tokens is None else prompt_tokens)
     shipped = Path(record).resolve() == RECORD.resolve()
     return preset_plan(model.config, target, context_tokens=context_tokens, dtype=next(model.parameters()).dtype,
                        scorer=scorer, scorer_path=None if scorer == "kvzip" or shipped else str(path))
 
 
-__all__ = ["FORMAT", "MEASURED_TARGETS", "RECORD", "TOLERANCE", "choose", "measure", "model_preset_plan", "preset_scorer",
-           "read_record", "write_entry"]
+__all__ = ["FORMAT", "MEASURED_TARGETS", "RECORD", "TOLERANCE", "calibrated_context", "choose", "measure",
+           "model_preset_plan", "preset_scorer", "read_record", "write_entry"]

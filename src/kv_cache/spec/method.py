@@ -30,6 +30,9 @@ class Method:
     budget : float or int or None
         Kept fraction/count of the context (None: all tokens).
     make : callable ``(model) -> (cache, context_manager_factory)``
+    make_for_prompt : callable ``(model, prompt_tokens) -> (cache, context_manager_factory)``, or None
+        What a caller that knows the prompt's length builds (:meth:`build`): a preset ``<r>x``
+        chooses its eviction scorer for that length (math dictionary §23.5).
     prefill_only_context : bool
         True when the context manager must wrap only the prefill (kvpress presses); ours
         wraps every forward call (H2O observes decoding too).
@@ -54,6 +57,14 @@ class Method:
     needs_tokenizer: bool = False  # the prefill runs a reconstruction pass (KVzip): kv_cache.prefill
     file_ratio: float | None = None  # file<R>: saved transform-coded at ratio R and loaded back (kv_cache.codec)
     load_quant: Any = None  # q<...>+file<R>: the layout the file is loaded into (the prefill is full precision)
+    make_for_prompt: Callable[[Any, int], tuple[Any, Callable[[], Any]]] | None = field(default=None, repr=False)
+
+    def build(self, model: Any, prompt_tokens: int | None = None) -> tuple[Any, Callable[[], Any]]:
+        """``(cache, context_manager_factory)`` for a prompt of ``prompt_tokens`` tokens (None:
+        not known; :attr:`make`)."""
+        if prompt_tokens is not None and self.make_for_prompt is not None:
+            return self.make_for_prompt(model, prompt_tokens)
+        return self.make(model)
 
     @property
     def is_peer(self) -> bool:

@@ -10,12 +10,14 @@ from ..cache import CompressedCache, compress
 from .method import Method
 
 
-def _planned(spec: str, get_plan: Callable[[Any], Any], resolved: str) -> Method:
-    """A method whose cache is ``CompressedCache(config, plan=get_plan(model))``."""
-    def make(model):
-        cache = CompressedCache(model.config, plan=get_plan(model))
+def _planned(spec: str, get_plan: Callable[..., Any], resolved: str, for_prompt: bool = False) -> Method:
+    """A method whose cache is ``CompressedCache(config, plan=get_plan(model))``; with
+    ``for_prompt``, ``get_plan(model, prompt_tokens)`` where the prompt's length is known."""
+    def make(model, *prompt_tokens):
+        cache = CompressedCache(model.config, plan=get_plan(model, *prompt_tokens))
         return cache, lambda: compress(model, cache)
-    return Method(spec, "ours", None, None, make, resolved=resolved, needs_tokenizer=True)
+    return Method(spec, "ours", None, None, make, resolved=resolved, needs_tokenizer=True,
+                  make_for_prompt=make if for_prompt else None)
 
 
 def plan_file(spec: str, m: re.Match[str]) -> Method:
@@ -27,16 +29,17 @@ def plan_file(spec: str, m: re.Match[str]) -> Method:
 
 
 def preset(spec: str, m: re.Match[str]) -> Method:
-    """``<r>x``: ``kv_cache.plan.model_preset_plan`` for that ratio (evicting with the scorer
-    measured for the model), sized once per model (not per sample)."""
-    from ..plan import model_preset_plan, parse_target
+    """``<r>x``: ``kv_cache.plan.model_preset_plan`` for that ratio, sized for the default
+    context once per model and scorer (not per sample), evicting with the scorer measured for the
+    model at the prompt's length where it is known (:meth:`Method.build`)."""
+    from ..plan import model_preset_plan, parse_target, preset_scorer
 
     ratio, made = parse_target(m.string), {}
 
-    def get(model):
-        key = (id(model), next(model.parameters()).dtype)
+    def get(model, prompt_tokens=None):
+        key = (id(model), next(model.parameters()).dtype, preset_scorer(model, m.string, prompt_tokens=prompt_tokens))
         if key not in made:
             made.clear()
-            made[key] = model_preset_plan(model, m.string)
+            made[key] = model_preset_plan(model, m.string, prompt_tokens=prompt_tokens)
         return made[key]
-    return _planned(spec, get, f"kv_cache preset {ratio:g}x")
+    return _planned(spec, get, f"kv_cache preset {ratio:g}x", for_prompt=True)
