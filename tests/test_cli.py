@@ -297,3 +297,18 @@ def test_every_calibration_command_reads_its_text_the_same_way(tmp_path, capsys)
     crlf.write_bytes(b"one\r\ntwo \xff\r\n")
     assert read_text_file(crlf) == "one\ntwo \ufffd\n"
     assert calibration_text(str(crlf), "unused.txt") == (crlf, "one\ntwo \ufffd\n")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["allocate", "-o", "x.json", "--average-bits", "3", "--windows", "0"], "--windows must be >= 1; got 0"),
+    (["allocate", "-o", "x.json", "--average-bits", "3", "--prefix", "-2"], "--prefix must be >= 1; got -2"),
+    (["calibrate", "-o", "x.safetensors", "--window", "0"], "--window must be >= 1; got 0"),
+    (["preset-scorers", "--context", "0"], "--context must be >= 1; got 0"),
+])
+def test_calibration_commands_refuse_counts_below_one(argv, message, tmp_path, monkeypatch, capsys):
+    """Each count a calibration command takes is checked (``check_positive``) before a model loads."""
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kv_cache
-from kv_cache import CompressedCache, KVzap, KVzip, QuantConfig
+from kv_cache import CompressedCache, KVzap, KVzip
 from kv_cache.cache.cache import FidelityWarning
 from kv_cache.compression.scorer_file import model_identity, save_scorer
 from kv_cache.plan import model_preset_plan, preset_plan, preset_scorer

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from .calibration_args import add_calibration_args, calibration_text
+from .calibration_args import add_calibration_args, calibration_text, check_positive
 
 DEFAULT_TEXT = "gutenberg/pg2701.txt"
 
@@ -49,9 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from ..spec import parse_quant
     from ..models import load_model
 
-    for name in ("windows", "prefix", "continuation"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    check_positive(args, "windows", "prefix", "continuation")
     try:
         choices = tuple(int(c) for c in args.choices.split(","))
     except ValueError:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from .calibration_args import add_calibration_args, calibration_text
+from .calibration_args import add_calibration_args, calibration_text, check_positive
 
 DEFAULT_TEXT = "gutenberg/pg2701.txt"
 DEFAULT_TOKENS = 4096
@@ -36,9 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from ..plan.calibration import calibrate_rotations, calibration_meta
     from ..models import load_model
 
-    for name in ("tokens", "window"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1; got {getattr(args, name)}")
+    check_positive(args, "tokens", "window")
     text_path, text = calibration_text(args.text, DEFAULT_TEXT)
     model, tok = load_model(args.model)
     ids = tok(text, return_tensors="pt").input_ids[:, : args.tokens]

@@ -27,6 +27,13 @@ def add_calibration_args(p: argparse.ArgumentParser, *, default_text: str, out_h
         p.add_argument("--tokens", type=int, default=tokens, help=f"tokens of the text to use [{tokens}]")
 
 
+def check_positive(args: argparse.Namespace, *names: str) -> None:
+    """Raise ``ValueError`` naming the option when any of ``names`` (attributes of ``args``) is below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+
+
 def read_text_file(path: str | Path) -> str:
     """A calibration text: UTF-8 (undecodable bytes replaced), Windows line ends made ``\\n``.
 

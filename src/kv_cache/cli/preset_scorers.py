@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from .calibration_args import add_model, calibration_text
+from .calibration_args import add_model, calibration_text, check_positive
 
 DEFAULT_TEXT = "gutenberg/pg98.txt"
 
@@ -47,9 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..plan.preset_scorers import RECORD, measure, write_entry
 
-    for name in ("context", "continuation", "windows"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1; got {getattr(args, name)}")
+    check_positive(args, "context", "continuation", "windows")
     if args.scorer is not None and not Path(args.scorer).is_file():
         raise FileNotFoundError(f"--scorer: no file at {args.scorer!r}")
     out = Path(args.out) if args.out else (RECORD if args.scorer is None else Path(args.scorer).parent / "presets.json")
