@@ -307,7 +307,6 @@ def test_every_calibration_command_reads_its_text_the_same_way(tmp_path, capsys)
 ])
 def test_calibration_commands_refuse_counts_below_one(argv, message, tmp_path, monkeypatch, capsys):
     """Each count a calibration command takes is checked (``check_positive``) before a model loads."""
-
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
     assert message in capsys.readouterr().err
