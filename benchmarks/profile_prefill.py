@@ -10,7 +10,7 @@ ratio of the two timed prefills and the profile's top functions by own time (cPr
 is small here: the time is in torch's operators).
 
 Run: ``python benchmarks/profile_prefill.py [--model qwen2.5-0.5b] [--context 4096] [--methods 8x]
-[--out benchmarks/results]``; writes ``profile_prefill_<model>_ctx<N>_<methods>.md``.
+[--plain] [--out benchmarks/results]`` (``--plain``: a plain prefill's profile too); writes ``profile_prefill_<model>_ctx<N>_<methods>.md``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--methods", default="8x")
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--plain", action="store_true", help="also profile one plain prefill (its top functions)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
 
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     lines = [f"# Where a prefill goes: {args.model}, {args.context} tokens", "",
              f"`python benchmarks/profile_prefill.py --model {args.model} --context {args.context} --methods "
-             f"{','.join(methods)}`; torch {torch.__version__}, 2 threads; each method's prefill timed between "
+             f"{','.join(methods)}{' --plain' if args.plain else ''}`; torch {torch.__version__}, 2 threads; each method's prefill timed between "
              "two plain prefills of the same tokens (after a warm-up).", "",
              "| method | plain prefill (mean of before and after) | method's prefill | ratio |", "|---|---:|---:|---:|"]
     tops = []
@@ -69,14 +70,13 @@ def main(argv=None) -> int:
             prof.disable()
             pre.scope.close()
             del pre
-            st = pstats.Stats(prof).stats
-            total = sum(v[2] for v in st.values())
-            tops += ["", f"Top functions by own time, `{m}` (one profiled prefill, {total:.1f} s):", "",
-                     "| function | calls | own s | share |", "|---|---:|---:|---:|"]
-            for (file, line, name), (_, nc, tottime, _, _) in sorted(st.items(), key=lambda kv: kv[1][2],
-                                                                     reverse=True)[: args.top]:
-                where = name if file == "~" else f"{Path(file).name}:{line} {name}"
-                tops.append(f"| `{where}` | {nc} | {tottime:.2f} | {100 * tottime / total:.0f}% |")
+            tops += _top_table(pstats.Stats(prof).stats, f"`{m}`", args.top)
+        if args.plain:
+            prof = cProfile.Profile()
+            prof.enable()
+            plain_prefill_seconds(model, ids, last_only=True)
+            prof.disable()
+            tops += _top_table(pstats.Stats(prof).stats, "a plain prefill", args.top)
     text_out = "\n".join(lines + tops) + "\n"
     print(text_out)
     out = Path(args.out)
@@ -86,6 +86,17 @@ def main(argv=None) -> int:
     (out / name).write_text(text_out)
     print(f"wrote {out / name}", file=sys.stderr)
     return 0
+
+
+def _top_table(stats: dict, what: str, top: int) -> list[str]:
+    """Markdown lines: the ``top`` functions of one profiled prefill by own time."""
+    total = sum(v[2] for v in stats.values())
+    lines = ["", f"Top functions by own time, {what} (one profiled prefill, {total:.1f} s):", "",
+             "| function | calls | own s | share |", "|---|---:|---:|---:|"]
+    for (file, line, name), (_, nc, tottime, _, _) in sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]:
+        where = name if file == "~" else f"{Path(file).name}:{line} {name}"
+        lines.append(f"| `{where}` | {nc} | {tottime:.2f} | {100 * tottime / total:.0f}% |")
+    return lines
 
 
 if __name__ == "__main__":
