@@ -261,7 +261,7 @@ def preset_plan(config: Any, target: Any = "8x", *, context_tokens: int | None =
     if scorer not in PLAN_SCORERS:
         raise ValueError(f"scorer must be one of {list(PLAN_SCORERS)}; got {scorer!r}")
     ratio = parse_target(target)
-    T = context_tokens or _default_context(config)
+    T = context_tokens or default_context(config)
     name = target if isinstance(target, str) else f"{ratio:g}x"
     evicting = CANDIDATE_LAYOUTS["q4d"]
     if any(w is not None for w in layer_windows(config)):
@@ -296,7 +296,9 @@ def _keys_before_rope_serve(config: Any) -> bool:
     return all(f is not None for f in frames)
 
 
-def _default_context(config: Any) -> int:
+def default_context(config: Any) -> int:
+    """The context a plan is sized for when none is given: :data:`DEFAULT_CONTEXT`, capped at half
+    the model's positions."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = int(getattr(text, "max_position_embeddings", 0) or 0)
     return min(DEFAULT_CONTEXT, limit // 2) if limit else DEFAULT_CONTEXT
@@ -342,7 +344,7 @@ def plan_for(model: torch.nn.Module, tokenizer: Any, *, target: Any = None, byte
     if sum(given) != 1:
         raise ValueError("give exactly one of target=, bytes_per_token= or max_bytes=; got "
                          f"target={target!r}, bytes_per_token={bytes_per_token!r}, max_bytes={max_bytes!r}")
-    T = context_tokens or _default_context(model.config)
+    T = context_tokens or default_context(model.config)
     fp16 = fp16_kv_bytes(model.config, T)
     if target is not None:
         ratio = parse_target(target)

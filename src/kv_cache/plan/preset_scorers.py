@@ -148,8 +148,8 @@ def _chosen(model: Any, target: Any, record: str | os.PathLike,
     if entry is None or not entry.get("targets"):
         return "kvzip", None
     if prompt_tokens is None:
-        from .planner import _default_context
-        prompt_tokens = _default_context(model.config)  # what a preset is sized for by default
+        from .planner import default_context
+        prompt_tokens = default_context(model.config)  # what a preset is sized for by default
     if prompt_tokens < calibrated_context(entry):
         return "kvzip", None  # shorter than measured: at 1,024 tokens KVzap's 8x lost 1.6 points (make demo)
     path = Path(record).parent / str(entry.get("scorer_file", ""))
