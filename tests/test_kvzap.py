@@ -261,6 +261,33 @@ def test_kvzap_matrix_bounded_memory(stories, scorer_path, quant, policy, batch)
     assert 0 < rep.scores_bytes  # the kept scores are held, and counted
 
 
+@pytest.mark.parametrize("policy", [dict(budget=0.25), dict(budget=0.25, scope="head"), dict(budget=48, evict_every=1)],
+                         ids=["model", "head", "decoding"])
+def test_keys_before_rope_keep_their_positions(stories, scorer_path, policy):
+    """KVzap scores hidden states, so a cache storing keys before RoPE keeps the same tokens as
+    one storing them after, each rotated back by its own arrival index at read (at prefill and
+    through the evictions while decoding): at 8 bits both give the same tokens and logits."""
+    model, tok = stories
+    ids = tok(STORY, return_tensors="pt").input_ids
+    runs = []
+    for pre in (False, True):
+        q = QuantConfig(bits=8, pre_rope=pre, key_grouping="token", rotation="hadamard", center_keys=True,
+                        group_size=1, residual_length=0, channel_group=None)
+        cache = CompressedCache(model.config, quant=q, eviction=KVzap(scorer=scorer_path, **policy),
+                                fidelity_threshold=1e9)
+        with torch.no_grad(), kv_cache.compress(model, cache):
+            out = model.generate(ids, past_key_values=cache, max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+        runs.append((out.sequences, torch.stack(out.logits, 1), cache))
+    (seq0, log0, c0), (seq1, log1, c1) = runs
+    assert torch.equal(seq0, seq1)
+    assert (log0 - log1).abs().max() < 0.05 * log0.abs().max()
+    assert c1.memory_report().tokens_kept < ids.shape[1]  # KVzap acted
+    for a, b in zip(c0.layers, c1.layers):  # the same number of tokens kept by every head
+        assert torch.equal(a.head_lengths(), b.head_lengths())
+    assert any(layer.kept_arrivals is not None for layer in c1.layers)
+
+
 def test_memory_is_flat_while_decoding(stories, scorer_path):
     model, tok = stories
     ids = tok(STORY, return_tensors="pt").input_ids
