@@ -38,7 +38,7 @@ from kv_cache.cache.report import fp16_kv_bytes
 from kv_cache.cache.serialize import _encode_layer
 from kv_cache.cache.serialize_state import _Writer
 from kv_cache.codec import basis_for_model, decode_state, encode_state
-from kv_cache.codec.payload import _find_targets, _segments
+from kv_cache.codec.targets import find_targets, segments
 from kv_cache.context import forward_at, reconstruct
 from kv_cache.eval.runner import _greedy
 from kv_cache.eval.tasks import build_task, read_text
@@ -95,10 +95,10 @@ def main() -> None:
         w = _Writer(cache.quant, None)
         layers = [_encode_layer(layer, j, w) for j, layer in enumerate(cache.layers)]
         orig = dict(w.tensors)
-        targets = _find_targets(layers, orig)
+        targets = find_targets(layers, orig)
         seg_scores = {}
         for t in targets:
-            for si, x in enumerate(_segments(orig[t.names[0]], t)):
+            for si, x in enumerate(segments(orig[t.names[0]], t)):
                 pos = torch.cdist(x.float(), keys[t.layer][t.heads[si]]).argmin(-1)
                 seg_scores[(t.names[0], si)] = scores[t.layer][t.heads[si]][pos]
         target = int(fp16_kv_bytes(cfg, T) / args.file_ratio)
@@ -132,7 +132,7 @@ def main() -> None:
             g = torch.Generator().manual_seed(i)
             masks, n_exact = {}, 0
             for t in targets:
-                for si, x in enumerate(_segments(orig[t.names[0]], t)):
+                for si, x in enumerate(segments(orig[t.names[0]], t)):
                     m = torch.zeros(x.shape[0], dtype=torch.bool)
                     k = int(round(q * x.shape[0]))
                     if k:
@@ -147,8 +147,8 @@ def main() -> None:
                                kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
             for t in targets:
                 for name in t.names:
-                    exact = _segments(orig[name].to(torch.float16).to(orig[name].dtype), t)
-                    for si, seg in enumerate(_segments(dec[name], t)):
+                    exact = segments(orig[name].to(torch.float16).to(orig[name].dtype), t)
+                    for si, seg in enumerate(segments(dec[name], t)):
                         m = masks[(t.names[0], si)]
                         seg[m] = exact[si][m]
             put(dec)

@@ -667,7 +667,7 @@ def test_keys_before_rope_refuse_a_quantized_ragged_layout():
     """A ragged layout holding packed tokens (or sinks) beside its full-precision rows: where those
     rows sit among a head's arrivals is not what the codec reads, so coding them before RoPE is
     refused with the fix named (a full-precision layout codes them, §27.6)."""
-    from kv_cache.codec.payload import _find_targets, segment_positions
+    from kv_cache.codec.targets import find_targets, segment_positions
 
     rec = {"class": "PackedRaggedStorage",
            "attrs": {"fp_keys": {"tensor": "k"}, "fp_values": {"tensor": "v"}, "heads": 1, "batch": 1,
@@ -675,7 +675,7 @@ def test_keys_before_rope_refuse_a_quantized_ragged_layout():
                      "tail": {"class": "QuantizedStorage", "attrs": {}}}}
     tensors = {"k": torch.zeros(1, 1, 3, 4), "v": torch.zeros(1, 1, 3, 4)}
     layer = {"storage": rec, "seen": 8}
-    (target,) = _find_targets([layer], tensors)
+    (target,) = find_targets([layer], tensors)
     assert target.role == "rows" and target.mixed
     with pytest.raises(ValueError, match="full-precision caches only.*keys_before_rope=False"):
         segment_positions(layer, tensors, target)
@@ -683,6 +683,6 @@ def test_keys_before_rope_refuse_a_quantized_ragged_layout():
     rec["attrs"]["tail"] = {"class": "FullPrecisionStorage", "attrs": {"key_buffer": {"tensor": "tk"},
                                                                       "value_buffer": {"tensor": "tv"}, "length": 0}}
     tensors.update(tk=torch.zeros(1, 1, 0, 4), tv=torch.zeros(1, 1, 0, 4))
-    (target,) = _find_targets([layer], tensors)
+    (target,) = find_targets([layer], tensors)
     with pytest.raises(ValueError, match="kept no positions.*track_positions=True"):
         segment_positions(layer, tensors, target)  # evicted, and no bitmap saved

@@ -6,7 +6,8 @@ What is coded: the full-precision token tensors of each layer's storage as
 :mod:`kv_cache.cache.serialize_state` writes them -- a :class:`FullPrecisionStorage`'s
 ``key_buffer`` / ``value_buffer`` ``[1, H, cap, d]`` (its first ``length`` slots, ``layout
 "heads"``) and a :class:`PackedRaggedStorage`'s ``fp_keys`` / ``fp_values`` ``[1, 1, sum T_h, d]``
-(KVzip's ragged heads one after another, ``layout "flat"``). Every other tensor is stored as is.
+(KVzip's ragged heads one after another, ``layout "flat"``), found by :func:`.targets.find_targets`.
+Every other tensor is stored as is.
 
 Per segment (one KV head's ``T`` tokens of one layer, keys and values alike):
 
@@ -40,10 +41,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..compression.positions import unpack_mask
 from . import ans
 from .allocation import MAX_SYMBOL, MIN_SCALE, allocate, laplace_scale, rd_table, round_half
 from .basis_file import CodecBasis
+from .targets import ROLES, Target, find_targets, segment_positions, segments, turn
 from .transform import to_components
 
 CODEC_VERSION = 2
@@ -73,120 +74,6 @@ class CodecSettings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > 1 << 20:
                 raise ValueError(f"CodecSettings.{name} must be an int in [0, 2^20]; got {v!r}")
-
-
-@dataclass
-class _Target:
-    layer: int
-    names: tuple[str, str]  # the key tensor and the value tensor
-    layout: str  # "heads" or "flat"
-    shape: tuple[int, ...]  # the decoded shape [1, H, n, d] or [1, 1, sum, d]
-    dtype: str
-    heads: list[int]  # per segment: its KV head
-    lengths: list[int]  # per segment: its tokens
-    role: str = "storage"  # "storage" (the layer's own), "rows" (a ragged layout's rows), "tail" (after them)
-    tail: int = 0  # "rows": the tokens of the ragged layout's tail, which follow every row
-    mixed: bool = False  # "rows": the layout also holds sinks or packed tokens (a quantized layout)
-
-
-ROLES = ("storage", "rows", "tail")
-
-
-def _find_targets(layer_recs: list[dict[str, Any]], tensors: dict[str, torch.Tensor]) -> list[_Target]:
-    out = []
-
-    def walk(rec: Any, layer: int, role: str) -> None:
-        if not isinstance(rec, dict):
-            return
-        cls, attrs = rec.get("class"), rec.get("attrs", {})
-        if cls == "FullPrecisionStorage":
-            kname, vname = attrs["key_buffer"]["tensor"], attrs["value_buffer"]["tensor"]
-            k, n = tensors[kname], int(attrs["length"])
-            if k.dim() == 4 and k.shape[0] == 1 and n > 0 and k.is_floating_point():
-                out.append(_Target(layer, (kname, vname), "heads", (1, k.shape[1], n, k.shape[3]),
-                                   str(k.dtype).removeprefix("torch."), list(range(k.shape[1])), [n] * k.shape[1],
-                                   role))
-        elif cls == "PackedRaggedStorage" and isinstance(attrs.get("fp_keys"), dict):
-            kname, vname = attrs["fp_keys"]["tensor"], attrs["fp_values"]["tensor"]
-            k, heads = tensors[kname], int(attrs["heads"])
-            lengths = list(attrs["fp_lengths"]["list"])
-            tail = attrs.get("tail")
-            tail_n = int(tail["attrs"]["length"]) if isinstance(tail, dict) and tail.get("class") == \
-                "FullPrecisionStorage" else 0
-            packed = attrs.get("packed_lengths")
-            mixed = (isinstance(tail, dict) and tail.get("class") != "FullPrecisionStorage") or \
-                (isinstance(packed, dict) and any(packed.get("list") or []))
-            if (k.dim() == 4 and k.shape[:2] == (1, 1) and int(attrs["batch"]) == 1 and len(lengths) == heads
-                    and sum(lengths) == k.shape[2] and k.shape[2] > 0 and k.is_floating_point()):
-                out.append(_Target(layer, (kname, vname), "flat", tuple(k.shape), str(k.dtype).removeprefix("torch."),
-                                   list(range(heads)), lengths, "rows", tail_n, mixed))
-        for v in attrs.values():
-            walk(v, layer, "tail" if cls == "PackedRaggedStorage" else role)
-
-    for i, rec in enumerate(layer_recs):
-        walk(rec.get("storage"), i, "storage")
-    return out
-
-
-def segment_positions(layer_rec: dict[str, Any], tensors: dict[str, torch.Tensor], target: _Target,
-                      where: str = "the cache") -> list[torch.Tensor]:
-    """The arrival index (the RoPE position) of every token of each segment of ``target``, int64
-    ``[T_s]``, from its layer's record (math dictionary §27.6): ``arrived`` (or ``seen``) and the
-    kept arrivals' bitmap when an eviction made one (its row ``h`` lists head ``h``'s tokens in
-    order: a ragged layout's row first, then its tail).
-
-    Raises ``ValueError`` when the positions are unknown (an evicting cache built without
-    ``track_positions``) or do not match the segments."""
-    if target.mixed:
-        raise ValueError(f"{where}: layer {target.layer} holds a quantized ragged layout (sinks or packed tokens "
-                         "beside its full-precision rows): keys before RoPE are coded for full-precision caches only; "
-                         "code it with a basis fitted after RoPE (basis_for_model(model, keys_before_rope=False))")
-    arrived = layer_rec.get("arrived", layer_rec.get("seen"))
-    if isinstance(arrived, bool) or not isinstance(arrived, int) or arrived < 0:
-        raise ValueError(f"{where}: layer {target.layer} records no arrivals")
-    name = layer_rec.get("kept_arrivals")
-    bits = None
-    if isinstance(name, str) and name in tensors:
-        t = tensors[name]
-        if t.dtype != torch.uint8 or t.dim() != 3 or t.shape[0] != 1 or t.shape[-1] * 8 < arrived:
-            raise ValueError(f"{where}: layer {target.layer}'s kept arrivals must be uint8 [1, heads, >= "
-                             f"{-(-arrived // 8)}]; got {t.dtype} {tuple(t.shape)}")
-        bits = unpack_mask(t, arrived)[0]  # [H, A]
-    out = []
-    for h, n in zip(target.heads, target.lengths):
-        if target.role == "tail" or bits is None:
-            if target.role == "rows":
-                raise ValueError(f"{where}: layer {target.layer} evicted tokens and kept no positions: coding keys "
-                                 "before RoPE needs them (build the cache with CompressedCache(track_positions=True),"
-                                 " or code with a basis fitted after RoPE)")
-            if n > arrived:
-                raise ValueError(f"{where}: layer {target.layer} holds {n} tokens of {arrived} arrivals")
-            out.append(torch.arange(arrived - n, arrived))
-            continue
-        if h >= bits.shape[0]:
-            raise ValueError(f"{where}: layer {target.layer}'s kept arrivals have {bits.shape[0]} heads; head {h} asked")
-        held = torch.nonzero(bits[h]).flatten()
-        want = n + (target.tail if target.role == "rows" else 0)
-        if held.numel() != want:
-            raise ValueError(f"{where}: layer {target.layer} head {h} keeps {held.numel()} arrivals; its tokens "
-                             f"need {want}")
-        out.append(held[:n])
-    return out
-
-
-def _turn(x: torch.Tensor, frame, positions: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """Rows ``x`` ``[T, d]`` turned back (``inverse``: the keys before RoPE) or forth by their positions."""
-    y = frame.remove(x[None, None], positions) if inverse else frame.apply(x[None, None], positions)
-    return y[0, 0]
-
-
-def _segments(t: torch.Tensor, target: _Target) -> list[torch.Tensor]:
-    """The segments ``[T_s, d]`` of a tensor, in the target's order."""
-    if target.layout == "heads":
-        n = target.shape[2]
-        return [t[0, h, :n] for h in target.heads]
-    offs = np.cumsum([0] + target.lengths)
-    return [t[0, 0, offs[s]:offs[s + 1]] for s in range(len(target.lengths))]
 
 
 def _split(length: int, settings: CodecSettings) -> tuple[int, int]:
@@ -224,7 +111,7 @@ class Encoder:
         self.version = version
         self.settings = settings or CodecSettings()
         self.basis, self.tensors = basis, tensors
-        self.targets = _find_targets(layer_recs, tensors)
+        self.targets = find_targets(layer_recs, tensors)
         if not self.targets:
             raise ValueError("the codec found no full-precision K/V to code: save a cache held in full precision "
                              "(quant=None, with or without eviction); a quantized cache's codes are stored as they are")
@@ -245,12 +132,12 @@ class Encoder:
                     raise ValueError(f"the codec basis is for head_dim {U.shape[-1]}; {name} has {tensors[name].shape[-1]}")
                 frame = frames[tg.layer] if basis.keys_before_rope and kind == "k" else None
                 where = segment_positions(layer_recs[tg.layer], tensors, tg) if frame is not None else None
-                for si, seg in enumerate(_segments(tensors[name], tg)):
+                for si, seg in enumerate(segments(tensors[name], tg)):
                     h = tg.heads[si]
                     head, tail = _split(seg.shape[0], self.settings)
                     mid = seg[head: seg.shape[0] - tail].float()
                     if frame is not None and mid.shape[0]:  # the keys before RoPE (§27.6)
-                        mid = _turn(mid, frame, where[si][head: seg.shape[0] - tail], inverse=True)
+                        mid = turn(mid, frame, where[si][head: seg.shape[0] - tail], inverse=True)
                     row = {"target": ti, "kind": kind, "seg": si, "exact": (head, tail), "d": seg.shape[1]}
                     if mid.shape[0]:
                         c = to_components(mid, mean[h], forward[h])  # (x - mu) A U: [Tm, d]
@@ -283,7 +170,7 @@ class Encoder:
             name = tg.names[0 if row["kind"] == "k" else 1]
             acc = per_name.setdefault(name, {"mean": [], "delta": [], "scale": [], "exact": []})
             d = row["d"]
-            seg = _segments(self.tensors[name], tg)[row["seg"]]
+            seg = segments(self.tensors[name], tg)[row["seg"]]
             head, tail = row["exact"]
             ed = _exact_dtype(tg.dtype)
             acc["exact"] += [seg[:head].to(ed), seg[seg.shape[0] - tail:].to(ed)]
@@ -536,7 +423,7 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
         pos = 0
         for names, layout, shape, dtype, heads, lengths, role, tail_n in items:
             lb = basis.layers[layer]
-            target = _Target(layer, tuple(names), layout, tuple(shape), dtype, heads, lengths, role, tail_n)
+            target = Target(layer, tuple(names), layout, tuple(shape), dtype, heads, lengths, role, tail_n)
             for kind, n in zip(("k", "v"), names):
                 mean_b, _, _ = lb.get(kind)
                 _, inverse = lb.matrices(kind)  # U^T A^-1
@@ -544,7 +431,7 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
                 out.pop(f"{n}.tc_scale")
                 m, dl = m.float(), dl.float()
                 t = torch.empty(shape, dtype=getattr(torch, dtype))
-                segs = _segments(t, target)
+                segs = segments(t, target)
                 frame = frames[layer] if before and kind == "k" else None
                 at = segment_positions(layer_recs[layer], tensors, target, where) if frame is not None else None
                 erow = 0
@@ -567,7 +454,7 @@ def decode_state(tensors: dict[str, torch.Tensor], record: Any, basis: CodecBasi
                             pos += nu * tm
                         x = c @ inverse[heads[si]] + mean_b[heads[si]]
                         if frame is not None:  # coded before RoPE: turned to their positions again (§27.6)
-                            x = _turn(x, frame, at[si][head:length - tail], inverse=False)
+                            x = turn(x, frame, at[si][head:length - tail], inverse=False)
                         seg[head:length - tail] = x.to(seg.dtype)
                 out[n] = t
     return out
