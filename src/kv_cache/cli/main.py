@@ -145,8 +145,9 @@ def _run_eval(args: argparse.Namespace) -> int:
     for task in cfg.tasks:
         resolve_task(task)
     bar = None
-    progress = None
-    if not args.quiet:
+    if args.quiet:
+        progress = None
+    else:
         from tqdm import tqdm
 
         bar = tqdm(total=len(methods) * len(cfg.tasks) * cfg.samples, unit="sample", dynamic_ncols=True)
