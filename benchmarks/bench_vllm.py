@@ -21,6 +21,11 @@ earlier chunks read back from the codes) and ``enforce_eager=True``. ``fp8`` nee
 on CPU: on a machine without them, vLLM still logs its capacity before it refuses to run, and the
 row says so.
 
+A configuration may carry its own KV memory as ``NAME@GIB`` (``auto@4``: vLLM's bf16 cache with
+4 GiB), so one run can set a cache against the same cache with room for every request: the
+ceiling that batching more sequences can reach on the machine. Ratios are taken against the
+row named plain ``auto``.
+
 Run: ``python benchmarks/bench_vllm.py [--configs auto,fp8,q4d,q3d,q2d] [--kv-space-gib 2]
 [--out docs/results]``; writes ``vllm_<model>_cpu_kv<space>gib.{json,md}``.
 """
@@ -56,15 +61,51 @@ def _progress(config: str, what: str, t0: float) -> None:
     print(f"[bench_vllm {config}] {what} after {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
 
+def machine() -> str:
+    """The machine in words: architecture, CPUs, CPU model and the vector extensions vLLM's CPU
+    kernels pick from (AVX-512, its bf16 dot products, AMX); throughput ratios depend on them."""
+    model, flags = platform.processor() or "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{platform.machine()}, {os.cpu_count()} CPUs, {model or 'unknown CPU'}" + (
+        f" ({', '.join(isa)})" if isa else "")
+
+
+def split_config(config: str, default_gib: float) -> tuple[str, float]:
+    """``("auto", 4.0)`` from ``"auto@4"``; ``(config, default_gib)`` without ``@``."""
+    name, sep, gib = config.partition("@")
+    if not sep:
+        return config, float(default_gib)
+    try:
+        value = float(gib)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or math.isinf(value):
+        raise ValueError(f"configuration {config!r}: the KV memory after '@' must be a positive number of "
+                         f"GiB (e.g. auto@4), got {gib!r}")
+    return name, value
+
+
 def child(args: argparse.Namespace, config: str) -> dict:
     """One configuration in this process: build the engine, run every measurement, return a dict."""
     from vllm import LLM
 
+    config, kv_gib = split_config(config, args.kv_space_gib)
+
     kw = dict(model=args.model, max_model_len=args.max_model_len, enforce_eager=True, max_num_batched_tokens=256,
               enable_chunked_prefill=True, dtype="bfloat16", seed=0, max_num_seqs=max(args.concurrency),
               disable_log_stats=False)  # per-request scheduler timestamps: how many ran at once
-    if not float(args.kv_space_gib).is_integer():  # VLLM_CPU_KVCACHE_SPACE takes whole GiB only
-        kw["kv_cache_memory_bytes"] = int(args.kv_space_gib * 2**30)
+    if not kv_gib.is_integer():  # VLLM_CPU_KVCACHE_SPACE takes whole GiB only
+        kw["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
     if config == "fp8":
         kw["kv_cache_dtype"] = "fp8"
     elif config != "auto":
@@ -86,7 +127,8 @@ def _measure(args: argparse.Namespace, config: str, llm, t_start: float) -> dict
     tok = llm.get_tokenizer()
     ids = tok(_wikitext(), add_special_tokens=False)["input_ids"]
     out: dict = {}
-    if config not in ("auto", "fp8"):
+    name = split_config(config, args.kv_space_gib)[0]
+    if name not in ("auto", "fp8"):
         from kv_cache.integrations.vllm.attention import kernels_serve
 
         out["attention_path"] = "kernels" if kernels_serve("cpu") else "torch"
@@ -178,8 +220,9 @@ def running_at_once(results) -> dict:
 def run_config(args: argparse.Namespace, config: str) -> dict:
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    if float(args.kv_space_gib).is_integer():
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.kv_space_gib))
+    kv_gib = split_config(config, args.kv_space_gib)[1]
+    if kv_gib.is_integer():
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_gib))
     cmd = [sys.executable, __file__, "--child", config, *sys.argv[1:]]
     t0 = time.perf_counter()
     log_path = Path(args.out) / f"bench_vllm_{config}.log" if args.keep_logs else None
@@ -245,7 +288,9 @@ def markdown(report: dict) -> str:
         dppl = (f"{100 * (r['ppl'] / base['ppl'] - 1):+.2f}%" if "ppl" in r and base and "ppl" in base else "–")
         needle = f"{r['needle']['accuracy']:.0%}" if "needle" in r else "–"
         conc = f"{r['max_concurrency']:.2f}x" if "max_concurrency" in r else "–"
-        name = r["config"] if r["config"] in ("auto", "fp8") else f"kv_cache {r['config']}"
+        kind, gib = split_config(r["config"], a["kv_space_gib"])
+        name = (kind if kind in ("auto", "fp8") else f"kv_cache {kind}") + (
+            f" ({gib:g} GiB of KV)" if "@" in r["config"] else "")
         lines.append(f"| {name} | {cap if cap else '–'} | {ratio} | {conc} | " + " | ".join(tput)
                      + f" | {ppl} | {dppl} | {needle} |")
     notes = [r for r in rows if "error" in r]
@@ -300,6 +345,8 @@ def main() -> None:
         print(json.dumps(child(args, args.child)), flush=True)
         sys.stderr.flush()
         os._exit(0)  # the engine is shut down; skip a teardown that may abort after the result
+    for config in args.configs.split(","):  # a bad NAME@GIB fails before any engine starts
+        split_config(config, args.kv_space_gib)
     import torch
     import vllm
 
@@ -314,7 +361,7 @@ def main() -> None:
         rows.append(row)
         report = {"args": {k: v for k, v in vars(args).items() if k not in ("child", "keep_logs")},
                   "vllm": vllm.__version__, "torch": torch.__version__,
-                  "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "rows": rows}
+                  "machine": machine(), "rows": rows}
         (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")  # after every configuration
         (out / f"{stem}.md").write_text(markdown(report))
     print(f"wrote {out / stem}.{{json,md}}")

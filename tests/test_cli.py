@@ -304,6 +304,8 @@ def test_every_calibration_command_reads_its_text_the_same_way(tmp_path, capsys)
     (["allocate", "-o", "x.json", "--average-bits", "3", "--prefix", "-2"], "--prefix must be >= 1; got -2"),
     (["calibrate", "-o", "x.safetensors", "--window", "0"], "--window must be >= 1; got 0"),
     (["preset-scorers", "--context", "0"], "--context must be >= 1; got 0"),
+    (["calibrate-scorer", "-o", "x.safetensors", "--kind", "mlp", "--mlp-width", "0"], "--mlp-width must be >= 1; got 0"),
+    (["calibrate-scorer", "-o", "x.safetensors", "--kind", "mlp", "--mlp-steps", "-1"], "--mlp-steps must be >= 1; got -1"),
 ])
 def test_calibration_commands_refuse_counts_below_one(argv, message, tmp_path, monkeypatch, capsys):
     """Each count a calibration command takes is checked (``check_positive``) before a model loads."""

@@ -216,6 +216,36 @@ def test_fitted_file_records_the_model_and_the_fit(stories, scorer_path):
     assert -1.0 < info["mean_held_out_r2"] <= 1.0 and 0.0 <= info["mean_held_out_top25_overlap"] <= 1.0
 
 
+
+def test_kinds_fitted_on_one_collection(stories, scorer_path, tmp_path):
+    """collect_windows runs KVzip's passes once; fit_collected fits any kind on them: the linear
+    fit is fit_scorer's to the bit, an mlp records its width and steps and loads back as a
+    scorer KVzap evicts with."""
+    from kv_cache.plan.scorer_training import collect_windows, fit_collected
+
+    model, tok = stories
+    text = Path(__file__).read_text()
+    pairs = collect_windows(model, tok, text, tokens=1200, window=200, max_tokens_per_window=150)
+    assert pairs["windows"] >= 2 and set(pairs["train_x"]) == set(pairs["held_x"])
+    lin = fit_collected(model, text, pairs, kind="linear")
+    ref = load_scorer(scorer_path)
+    for i, layer in lin.layers.items():
+        assert torch.equal(layer.w1, ref.layers[i].w1) and torch.equal(layer.b1, ref.layers[i].b1)
+    mlp = fit_collected(model, text, pairs, kind="mlp", mlp_width=8, mlp_steps=20)
+    assert mlp.info["mlp_width"] == 8 and mlp.info["mlp_steps"] == 20
+    assert all(layer.w1.shape[1] == 8 and layer.w2 is not None for layer in mlp.layers.values())
+    path = save_scorer(tmp_path / "mlp.safetensors", mlp)
+    cache = CompressedCache(model.config, eviction=KVzap(scorer=str(path), budget=0.5, scope="head"))
+    ids = tok(STORY, return_tensors="pt").input_ids
+    _generate(model, cache, ids, n=2)
+    lengths = torch.stack([layer.head_lengths() for layer in cache.layers])  # [layers, batch, heads]
+    assert int(lengths.max()) < ids.shape[1]  # the mlp's scores evicted
+    with pytest.raises(ValueError, match="kind must be one of"):
+        fit_collected(model, text, pairs, kind="tree")
+    with pytest.raises(ValueError, match="width must be an int >= 1"):
+        fit_collected(model, text, pairs, kind="mlp", mlp_width=0)
+
+
 def _generate(model, cache, ids, n=24, **kw):
     with kv_cache.compress(model, cache, **kw):
         return model.generate(ids, past_key_values=cache, max_new_tokens=n, do_sample=False,

@@ -155,6 +155,17 @@ def test_measure_record_and_presets(stories, scorer_dir):
     assert row["scorer"] == choose(row["kvzip"], row["kvzap"])
     assert row["kvzip"]["budget"] == row["kvzap"]["budget"] and row["kvzip"]["fingerprint"] != row["kvzap"]["fingerprint"]
     assert set(row["seconds"]) == {"kvzip", "kvzap"} and all(c["kl"] >= 0 for c in (row["kvzip"], row["kvzap"]))
+    # KVzip's half is taken over from an entry of the same model, text, windows and plan; only KVzap runs
+    again = measure(model, tok, TEXT, source="test_preset_scorers.py", targets=["5x"], context_tokens=200,
+                    continuation=16, windows=1, scorer_path=path, prior=entry)
+    assert again["targets"]["5x"]["kvzip_reused"] and again["targets"]["5x"]["kvzip"] == row["kvzip"]
+    assert again["targets"]["5x"]["kvzap"]["kl"] == pytest.approx(row["kvzap"]["kl"], rel=1e-5)
+    for other in ({**entry, "calibration": {**entry["calibration"], "windows": 2}},
+                  {**entry, "model": {**entry["model"], "num_layers": 99}},
+                  {**entry, "targets": {"5x": {**row, "kvzip": {**row["kvzip"], "fingerprint": "0" * 16}}}}):
+        fresh = measure(model, tok, TEXT, source="test_preset_scorers.py", targets=["5x"], context_tokens=200,
+                        continuation=16, windows=1, scorer_path=path, prior=other)
+        assert "kvzip_reused" not in fresh["targets"]["5x"]
     record = write_entry(entry, scorer_dir / "presets.json")
     assert preset_scorer(model, "5x", record) == row["scorer"]
     # the choice at each measured ratio, the nearest one (log scale) for the others

@@ -34,6 +34,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=2, help="calibration windows [2]")
     p.add_argument("--scorer", default=None,
                    help="a KVzap scorer file (`kvcache calibrate-scorer`) [the one shipped for the model]")
+    p.add_argument("--reuse-kvzip", action="store_true",
+                   help="take KVzip's half of each preset from the model's earlier entry (in --out's record, else the "
+                        "shipped one) where it was measured on the same text, windows and plan; only KVzap runs")
     p.add_argument("-o", "--out", default=None,
                    help="the record to add the entry to; it must sit beside the scorer file [the shipped record, or "
                         "presets.json beside --scorer]")
@@ -45,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     from ..models import load_model
     from pathlib import Path
 
-    from ..plan.preset_scorers import RECORD, measure, write_entry
+    from ..compression.scorer_file import model_identity
+    from ..plan.preset_scorers import RECORD, measure, read_record, write_entry
 
     check_positive(args, "context", "continuation", "windows")
     if args.scorer is not None and not Path(args.scorer).is_file():
@@ -57,6 +61,12 @@ def run(args: argparse.Namespace) -> int:
     path, text = calibration_text(args.text, DEFAULT_TEXT)
     model, tok = load_model(args.model)
     t0 = time.perf_counter()
+    prior = None
+    if args.reuse_kvzip:
+        identity = model_identity(model)
+        prior = next((e for rec in (out, RECORD) for e in read_record(rec) if e.get("model") == identity), None)
+        if prior is None:
+            print("--reuse-kvzip: no earlier entry for this model; KVzip is measured", flush=True)
 
     def progress(target, scorer, cost):
         print(f"  {target} {scorer:5s}: KL {cost['kl']:.4f}  ppl {100 * cost['delta_ppl']:+.2f}%"
@@ -64,10 +74,11 @@ def run(args: argparse.Namespace) -> int:
 
     entry = measure(model, tok, text, source=path.name, targets=[t.strip() for t in args.targets.split(",") if t.strip()],
                     context_tokens=args.context, continuation=args.continuation, windows=args.windows,
-                    scorer_path=args.scorer, progress=progress)
+                    scorer_path=args.scorer, prior=prior, progress=progress)
     out = write_entry(entry, out)
     for target, row in entry["targets"].items():
         secs = row["seconds"]
-        print(f"{target}: {row['scorer']} (time over the windows: KVzip {secs['kvzip']:.0f} s, KVzap {secs['kvzap']:.0f} s)")
+        kvzip_s = "reused" if row.get("kvzip_reused") else f"{secs['kvzip']:.0f} s"
+        print(f"{target}: {row['scorer']} (time over the windows: KVzip {kvzip_s}, KVzap {secs['kvzap']:.0f} s)")
     print(f"measured on {entry['calibration']['windows']} windows of {path.name} in {time.perf_counter() - t0:.0f} s: {out}")
     return 0

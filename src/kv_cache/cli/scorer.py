@@ -15,7 +15,7 @@ import argparse
 import time
 from pathlib import Path
 
-from .calibration_args import add_calibration_args, calibration_text
+from .calibration_args import add_calibration_args, calibration_text, check_positive
 
 DEFAULT_TEXT = "gutenberg/pg1342.txt"
 DEFAULT_TOKENS = 16384
@@ -35,6 +35,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--samples-per-window", type=int, default=1024,
                    help="tokens per window kept for the fit (drawn with --seed) [1024]")
     p.add_argument("--seed", type=int, default=0, help="seed of the token draw and of the mlp's initialisation [0]")
+    p.add_argument("--mlp-width", type=int, default=64, help="the mlp's hidden width (--kind mlp) [64]")
+    p.add_argument("--mlp-steps", type=int, default=400, help="the mlp's Adam steps (--kind mlp) [400]")
     p.set_defaults(_run=run)
     return p
 
@@ -44,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from ..models import load_model
     from ..plan.scorer_training import fit_scorer
 
+    check_positive(args, "mlp_width", "mlp_steps")
     text_path, text = calibration_text(args.text, DEFAULT_TEXT)
     out = Path(args.out)
     if not out.parent.is_dir():
@@ -52,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     scorer = fit_scorer(model, tok, text, kind=args.kind, tokens=args.tokens, window=args.window,
                         max_tokens_per_window=args.samples_per_window, seed=args.seed, source=text_path.name,
+                        mlp_width=args.mlp_width, mlp_steps=args.mlp_steps,
                         progress=lambda i, n: print(f"  window {i}/{n} scored", flush=True))
     save_scorer(out, scorer)
     info = scorer.info

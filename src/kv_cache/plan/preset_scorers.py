@@ -59,11 +59,18 @@ def choose(kvzip: dict[str, Any], kvzap: dict[str, Any]) -> str:
 
 def measure(model: Any, tokenizer: Any, calibration_text: str, *, source: str,
             targets: Sequence[str] = MEASURED_TARGETS, context_tokens: int = 4096, continuation: int = 256,
-            windows: int = 2, scorer_path: str | os.PathLike | None = None, progress=None) -> dict[str, Any]:
+            windows: int = 2, scorer_path: str | os.PathLike | None = None, prior: dict[str, Any] | None = None,
+            progress=None) -> dict[str, Any]:
     """The record's entry for ``model``: every preset of ``targets`` built with each scorer and
     measured on the same windows of ``calibration_text`` (``source`` names it in the entry).
     ``scorer_path``: KVzap's scorer file (None: the one shipped for the model); the record is then
     kept in the same directory (:func:`preset_scorer` looks for it there).
+
+    ``prior``: an earlier entry for the same model (:func:`read_record`). KVzip's half of a
+    preset does not depend on KVzap's scorer, so where ``prior`` was measured on the same model,
+    text, windows and sizes and its KVzip plan has the same fingerprint as this one, its KVzip cost
+    is taken over (the row says ``"kvzip_reused": true``) and only KVzap runs: a new scorer is
+    compared at a third of the time. Anything else in ``prior`` is ignored.
 
     Returns ``{"model": identity, "scorer_file", "calibration": {...}, "targets": {target:
     {"kvzip": cost, "kvzap": cost, "seconds": {...}, "scorer": choice}}}`` where each cost holds the
@@ -86,12 +93,24 @@ def measure(model: Any, tokenizer: Any, calibration_text: str, *, source: str,
     wins = calibration_windows(tokenizer, calibration_text, context_tokens, continuation, windows)
     reference = reference_log_probs(model, tokenizer, wins, context_tokens)
     dtype = next(model.parameters()).dtype
+    calibration = {"text": source, "windows": len(wins), "context_tokens": context_tokens,
+                   "continuation": continuation, "tolerance": TOLERANCE}
+    reusable = (prior or {}).get("targets", {}) if prior is not None and prior.get("model") == identity and all(
+        prior.get("calibration", {}).get(k) == v for k, v in calibration.items() if k != "tolerance") else {}
     out: dict[str, Any] = {}
     for name in names:
         row: dict[str, Any] = {"seconds": {}}
         for scorer in ("kvzip", "kvzap"):
             plan = preset_plan(model.config, name, context_tokens=context_tokens, dtype=dtype, scorer=scorer,
                                scorer_path=None if scorer_path is None else str(path))
+            old = reusable.get(name, {})
+            if scorer == "kvzip" and old.get("kvzip", {}).get("fingerprint") == plan.fingerprint:
+                row["kvzip"] = dict(old["kvzip"])
+                row["seconds"]["kvzip"] = old.get("seconds", {}).get("kvzip")
+                row["kvzip_reused"] = True
+                if progress is not None:
+                    progress(name, scorer, row[scorer])
+                continue
             t0 = time.perf_counter()
             cost = continuation_cost(model, tokenizer, plan, wins, context_tokens, reference)
             row["seconds"][scorer] = round(time.perf_counter() - t0, 2)
@@ -104,10 +123,7 @@ def measure(model: Any, tokenizer: Any, calibration_text: str, *, source: str,
         else:
             row["scorer"] = choose(row["kvzip"], row["kvzap"])
         out[name] = row
-    return {"model": identity, "scorer_file": path.name,
-            "calibration": {"text": source, "windows": len(wins), "context_tokens": context_tokens,
-                            "continuation": continuation, "tolerance": TOLERANCE},
-            "targets": out}
+    return {"model": identity, "scorer_file": path.name, "calibration": calibration, "targets": out}
 
 
 def read_record(path: str | os.PathLike = RECORD) -> list[dict[str, Any]]:

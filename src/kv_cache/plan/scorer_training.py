@@ -74,21 +74,21 @@ def top_overlap(pred: torch.Tensor, y: torch.Tensor, keep: float = 0.25) -> floa
     return hits / (k * y.shape[1])
 
 
-def fit_scorer(model: Any, tokenizer: Any, text: str, *, kind: str = "linear", tokens: int = 16384,
-               window: int = 2048, max_tokens_per_window: int = 1024, seed: int = 0, source: str = "",
-               progress=None) -> Scorer:
-    """Fit one scorer per full-attention layer of ``model`` on ``text`` (see the module docstring).
+def collect_windows(model: Any, tokenizer: Any, text: str, *, tokens: int = 16384, window: int = 2048,
+                    max_tokens_per_window: int = 1024, seed: int = 0, progress=None) -> dict[str, Any]:
+    """The training and held-out pairs of ``text``: its first ``tokens`` tokens cut into windows of
+    ``window`` tokens (at least 2; the last is held out), each scored by :func:`collect_pairs`.
 
-    ``tokens`` of the text are cut into windows of ``window`` tokens (at least 2: the last is
-    held out). Returns the :class:`Scorer` (not saved).
+    Returns ``{"train_x": {layer: [N, hidden]}, "train_y": {layer: [N, kv_heads]}, "held_x",
+    "held_y" (the same for the last window), "windows": n, "window": window, "tokens": tokens,
+    "samples_per_window", "seed"}`` (float32): what :func:`fit_collected` fits, so that several
+    scorer kinds can be fitted on one set of KVzip passes.
 
     Raises
     ------
     ValueError
-        An unknown ``kind``; a text too short for two windows; bad sizes.
+        A text too short for two windows; bad sizes.
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {list(KINDS)}; got {kind!r}")
     for name, v in (("tokens", tokens), ("window", window), ("max_tokens_per_window", max_tokens_per_window)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1; got {v!r}")
@@ -104,7 +104,7 @@ def fit_scorer(model: Any, tokenizer: Any, text: str, *, kind: str = "linear", t
     step = window - 1 if bos is not None else window
     train_x: dict[int, list] = {}
     train_y: dict[int, list] = {}
-    held: tuple[dict, dict] | None = None
+    held: tuple[dict, dict] = ({}, {})
     for w in range(n_windows):
         chunk = body[w * step:(w + 1) * step]
         win = torch.cat([torch.tensor([bos]), chunk]) if bos is not None else chunk
@@ -117,22 +117,58 @@ def fit_scorer(model: Any, tokenizer: Any, text: str, *, kind: str = "linear", t
                 train_y.setdefault(i, []).append(ys[i])
         if progress:
             progress(w + 1, n_windows)
+    return {"train_x": {i: torch.cat(v) for i, v in train_x.items()},
+            "train_y": {i: torch.cat(v) for i, v in train_y.items()},
+            "held_x": held[0], "held_y": held[1], "windows": n_windows, "window": window,
+            "tokens": int(n_windows * window), "samples_per_window": max_tokens_per_window, "seed": seed}
+
+
+def fit_collected(model: Any, text: str, pairs: dict[str, Any], *, kind: str = "linear", source: str = "",
+                  mlp_width: int = 64, mlp_steps: int = 400) -> Scorer:
+    """One scorer per layer of ``pairs`` (:func:`collect_windows` on ``text`` with ``model``),
+    fitted on the training windows and scored on the held-out one (R^2 and top-25% overlap,
+    recorded in the scorer's ``info``). ``mlp_width`` / ``mlp_steps``: the ``mlp`` kind's hidden
+    width and Adam steps (:func:`~kv_cache.compression.scorer.fit_mlp`)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {list(KINDS)}; got {kind!r}")
+    seed = pairs["seed"]
     layers, r2, overlap = {}, {}, {}
-    for i in sorted(train_x):
-        x, y = torch.cat(train_x[i]), torch.cat(train_y[i])
-        ls = fit_linear(x, y) if kind == "linear" else fit_mlp(x, y, seed=seed)
+    for i in sorted(pairs["train_x"]):
+        x, y = pairs["train_x"][i], pairs["train_y"][i]
+        ls = fit_linear(x, y) if kind == "linear" else fit_mlp(x, y, width=mlp_width, steps=mlp_steps, seed=seed)
         layers[i] = ls
-        pred = score_hidden(ls, held[0][i][None])[0].T
-        r2[i], overlap[i] = r_squared(pred, held[1][i]), top_overlap(pred, held[1][i])
-    info = {"text_sha256": text_sha256(text), "source": source, "tokens": int(n_windows * window), "window": window,
-            "windows": n_windows, "held_out_windows": 1, "samples_per_window": max_tokens_per_window, "seed": seed,
-            "target": "log max(KVzip score, 1e-7)", "held_out_r2": {str(k): round(v, 4) for k, v in r2.items()},
+        pred = score_hidden(ls, pairs["held_x"][i][None])[0].T
+        r2[i], overlap[i] = r_squared(pred, pairs["held_y"][i]), top_overlap(pred, pairs["held_y"][i])
+    info = {"text_sha256": text_sha256(text), "source": source, "tokens": pairs["tokens"], "window": pairs["window"],
+            "windows": pairs["windows"], "held_out_windows": 1, "samples_per_window": pairs["samples_per_window"],
+            "seed": seed, "target": "log max(KVzip score, 1e-7)",
+            "held_out_r2": {str(k): round(v, 4) for k, v in r2.items()},
             "held_out_top25_overlap": {str(k): round(v, 4) for k, v in overlap.items()},
             "mean_held_out_r2": round(sum(r2.values()) / len(r2), 4),
             "mean_held_out_top25_overlap": round(sum(overlap.values()) / len(overlap), 4)}
+    if kind == "mlp":
+        info.update(mlp_width=mlp_width, mlp_steps=mlp_steps)
     log.info("fitted %s scorers on %d layers: mean held-out R^2 %.3f, top-25%% overlap %.3f", kind, len(layers),
              info["mean_held_out_r2"], info["mean_held_out_top25_overlap"])
     return Scorer(layers, model_identity(model), info)
 
 
-__all__ = ["SKIP_SINKS", "collect_pairs", "fit_scorer", "top_overlap"]
+def fit_scorer(model: Any, tokenizer: Any, text: str, *, kind: str = "linear", tokens: int = 16384,
+               window: int = 2048, max_tokens_per_window: int = 1024, seed: int = 0, source: str = "",
+               mlp_width: int = 64, mlp_steps: int = 400, progress=None) -> Scorer:
+    """Fit one scorer per full-attention layer of ``model`` on ``text`` (see the module docstring):
+    :func:`collect_windows`, then :func:`fit_collected`. Returns the :class:`Scorer` (not saved).
+
+    Raises
+    ------
+    ValueError
+        An unknown ``kind``; a text too short for two windows; bad sizes.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {list(KINDS)}; got {kind!r}")
+    pairs = collect_windows(model, tokenizer, text, tokens=tokens, window=window,
+                            max_tokens_per_window=max_tokens_per_window, seed=seed, progress=progress)
+    return fit_collected(model, text, pairs, kind=kind, source=source, mlp_width=mlp_width, mlp_steps=mlp_steps)
+
+
+__all__ = ["SKIP_SINKS", "collect_pairs", "collect_windows", "fit_collected", "fit_scorer", "top_overlap"]
