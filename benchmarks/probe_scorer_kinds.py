@@ -5,7 +5,8 @@ well as KVzip (two passes, 2.4-3x); on Qwen2.5 the shipped linear scorer (5 wind
 tokens, held-out R^2 0.42) loses 1.0-1.7 points at `8x` / `16x`. KVzap's paper also fits a
 two-layer MLP. This probe runs KVzip's passes once over the calibration text
 (:func:`kv_cache.plan.scorer_training.collect_windows`, cached in ``--pairs``), then fits every
-scorer of ``--kinds`` on the same pairs (``linear`` or ``mlp:<width>:<steps>``) and reports each
+scorer of ``--kinds`` on the same pairs (``linear``, ``static``: one constant per KV head, the
+per-head static score, or ``mlp:<width>:<steps>``) and reports each
 one's held-out R^2 and top-25% overlap with KVzip, the fit's seconds, and writes each scorer file
 (``<out-dir>/<model>_<kind>.safetensors``), ready for ``kvcache preset-scorers --scorer``.
 
@@ -33,11 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def parse_kind(spec: str) -> tuple[str, int, int]:
     """``("mlp", 256, 2000)`` from ``"mlp:256:2000"``; ``("linear", 0, 0)`` from ``"linear"``."""
     parts = spec.split(":")
-    if parts == ["linear"]:
-        return "linear", 0, 0
+    if parts in (["linear"], ["static"]):
+        return parts[0], 0, 0
     if parts[0] == "mlp" and len(parts) == 3 and all(x.isdigit() and int(x) > 0 for x in parts[1:]):
         return "mlp", int(parts[1]), int(parts[2])
-    raise ValueError(f"a kind is 'linear' or 'mlp:<width>:<steps>' (positive ints); got {spec!r}")
+    raise ValueError(f"a kind is 'linear', 'static' or 'mlp:<width>:<steps>' (positive ints); got {spec!r}")
 
 
 def main() -> None:
@@ -74,7 +75,7 @@ def main() -> None:
         t0 = time.perf_counter()
         scorer = fit_collected(model, text, pairs, kind=kind, source=text_path.name,
                                **({"mlp_width": width, "mlp_steps": steps} if kind == "mlp" else {}))
-        name = kind if kind == "linear" else f"mlp{width}x{steps}"
+        name = f"mlp{width}x{steps}" if kind == "mlp" else kind
         path = out_dir / f"{args.model}_{name}.safetensors"
         save_scorer(path, scorer)
         row = {"kind": name, "r2": scorer.info["mean_held_out_r2"],

@@ -13,8 +13,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kv_cache
 from kv_cache import CompressedCache, CompressedContext, KVzap, QuantConfig
-from kv_cache.compression.scorer import (LayerScorer, check_layer_scorer, fit_linear, fit_mlp, log_targets,
-                                         r_squared, score_hidden, standardise)
+from kv_cache.compression.scorer import (LayerScorer, check_layer_scorer, fit_linear, fit_mlp, fit_static,
+                                         log_targets, r_squared, score_hidden, standardise)
 from kv_cache.compression.scorer_file import (Scorer, ScorerFileError, load_scorer, model_identity, read_header,
                                               save_scorer)
 from kv_cache.spec.grammar import parse_method
@@ -39,6 +39,22 @@ def test_fit_linear_recovers_an_exact_linear_map():
     assert pred.shape == y.shape
     assert r_squared(pred, y) > 0.999999
     torch.testing.assert_close(pred, y, atol=1e-3, rtol=1e-4)
+
+
+def test_fit_static_scores_every_token_of_a_head_alike():
+    """The per-head static score: W = 0 and b the per-head mean, so every token of a head gets the
+    head's mean log score (R^2 0 within heads) and the file is a linear one."""
+    x, y = _linear_data()
+    y = y + torch.tensor([[-3.0, 1.0, 0.5]])[:, : y.shape[1]]
+    s = fit_static(x, y)
+    pred = score_hidden(s, x[None])[0].T
+    torch.testing.assert_close(pred, y.mean(0, keepdim=True).expand_as(y))
+    assert s.kind == "linear" and not bool(s.w1.any())
+    assert abs(r_squared(pred, y)) < 1e-6  # nothing within a head is explained
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        fit_static(x, torch.full_like(y, float("nan")))
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        fit_static(x[:1], y[:1])
 
 
 def test_fit_mlp_learns_a_nonlinear_target_better_than_linear():
@@ -231,6 +247,9 @@ def test_kinds_fitted_on_one_collection(stories, scorer_path, tmp_path):
     ref = load_scorer(scorer_path)
     for i, layer in lin.layers.items():
         assert torch.equal(layer.w1, ref.layers[i].w1) and torch.equal(layer.b1, ref.layers[i].b1)
+    static = fit_collected(model, text, pairs, kind="static")
+    assert static.info["fitted_as"] == "static" and lin.info["fitted_as"] == "linear"
+    assert all(not bool(layer.w1.any()) for layer in static.layers.values())
     mlp = fit_collected(model, text, pairs, kind="mlp", mlp_width=8, mlp_steps=20)
     assert mlp.info["mlp_width"] == 8 and mlp.info["mlp_steps"] == 20
     assert all(layer.w1.shape[1] == 8 and layer.w2 is not None for layer in mlp.layers.values())

@@ -285,3 +285,42 @@ def test_the_eval_preset_builds_for_the_prompt(stories):
         cache, _ = method.build(model, n)
         assert cache.plan.fingerprint == model_preset_plan(model, "5x", prompt_tokens=n).fingerprint
     assert parse_method("q4").make_for_prompt is None and parse_method("q4").build(model, 100)[0] is not None
+
+
+def test_each_preset_may_use_its_own_scorer_file(stories, scorer_dir, tmp_path):
+    """A merged entry names, per preset, the scorer file it was measured with: the presets then
+    evict with that file (the linear scorer at one ratio, the per-head static score at another);
+    a row's file outside the record's folder, or fitted on another model, falls back to KVzip."""
+    from kv_cache.plan.preset_scorers import merge_entry, scorer_file
+
+    model, tok = stories
+    shutil.copy(scorer_dir / "stories_linear.safetensors", tmp_path / "stories_linear.safetensors")
+    (tmp_path / "presets").mkdir()
+    save_scorer(tmp_path / "presets" / "stories_static.safetensors",
+                fit_scorer(model, tok, TEXT, kind="static", tokens=1200, window=200, max_tokens_per_window=150))
+    calibration = {"text": "t", "windows": 1, "context_tokens": 200, "continuation": 16, "tolerance": 0.003}
+    old = {"model": model_identity(model), "scorer_file": "stories_linear.safetensors", "calibration": calibration,
+           "targets": {"4.5x": {"scorer": "kvzap"}, "9x": {"scorer": "kvzip"}}}
+    new = {"model": model_identity(model), "scorer_file": "presets/stories_static.safetensors",
+           "calibration": calibration, "targets": {"9x": {"scorer": "kvzap"}}}
+    merged = merge_entry(old, new)
+    assert merged["scorer_file"] == "stories_linear.safetensors"
+    assert {t: (r["scorer"], r["scorer_file"]) for t, r in merged["targets"].items()} == {
+        "4.5x": ("kvzap", "stories_linear.safetensors"), "9x": ("kvzap", "presets/stories_static.safetensors")}
+    record = write_entry(old, tmp_path / "presets.json")
+    write_entry(new, record, merge=True)
+    assert read_record(record)[0] == merged
+    plans = {t: model_preset_plan(model, t, context_tokens=200, record=record) for t in ("4.5x", "9x")}
+    assert plans["4.5x"].policy.scorer == str((tmp_path / "stories_linear.safetensors").resolve())
+    assert plans["9x"].policy.scorer == str((tmp_path / "presets" / "stories_static.safetensors").resolve())
+    assert plans["4.5x"].fingerprint != plans["9x"].fingerprint
+    # a row naming a file outside the record's folder, or a missing one: KVzip
+    for bad in ("../stories_linear.safetensors", "presets/missing.safetensors"):
+        write_entry({**merged, "targets": {"9x": {"scorer": "kvzap", "scorer_file": bad}}}, record)
+        assert preset_scorer(model, "9x", record) == "kvzip"
+    assert scorer_file(record, {"targets": {"9x": {}}, "scorer_file": "/etc/passwd"}, "9x") is None
+    # entries of other calibration windows or another model are not merged
+    with pytest.raises(ValueError, match="different calibration windows \\(windows differ\\)"):
+        merge_entry(old, {**new, "calibration": {**calibration, "windows": 2}})
+    with pytest.raises(ValueError, match="two different models"):
+        merge_entry(old, {**new, "model": {**new["model"], "num_layers": 99}})

@@ -37,9 +37,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--reuse-kvzip", action="store_true",
                    help="take KVzip's half of each preset from the model's earlier entry (in --out's record, else the "
                         "shipped one) where it was measured on the same text, windows and plan; only KVzap runs")
+    p.add_argument("--merge", action="store_true",
+                   help="merge the measured presets into the model's entry (each preset row names the scorer file it "
+                        "was measured with) instead of replacing the entry: a preset may use the scorer that measured "
+                        "best for it")
     p.add_argument("-o", "--out", default=None,
-                   help="the record to add the entry to; it must sit beside the scorer file [the shipped record, or "
-                        "presets.json beside --scorer]")
+                   help="the record to add the entry to; it must sit beside the scorer file or in a folder above it "
+                        "[the shipped record, or presets.json beside --scorer]")
     p.set_defaults(_run=run)
     return p
 
@@ -55,9 +59,12 @@ def run(args: argparse.Namespace) -> int:
     if args.scorer is not None and not Path(args.scorer).is_file():
         raise FileNotFoundError(f"--scorer: no file at {args.scorer!r}")
     out = Path(args.out) if args.out else (RECORD if args.scorer is None else Path(args.scorer).parent / "presets.json")
-    beside = RECORD.parent if args.scorer is None else Path(args.scorer).parent
-    if out.parent.resolve() != beside.resolve():
-        raise ValueError(f"--out must sit beside the scorer file ({beside}); got {str(out)!r}")
+    scorer = RECORD if args.scorer is None else Path(args.scorer).resolve()
+    root = out.parent.resolve()
+    if (root != RECORD.parent.resolve()) if args.scorer is None else (root not in scorer.parents):
+        raise ValueError(f"--out must sit beside the scorer file or in a folder above it "
+                         f"({RECORD.parent if args.scorer is None else scorer.parent}); "
+                         f"got {str(out)!r}")
     path, text = calibration_text(args.text, DEFAULT_TEXT)
     model, tok = load_model(args.model)
     t0 = time.perf_counter()
@@ -75,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
     entry = measure(model, tok, text, source=path.name, targets=[t.strip() for t in args.targets.split(",") if t.strip()],
                     context_tokens=args.context, continuation=args.continuation, windows=args.windows,
                     scorer_path=args.scorer, prior=prior, progress=progress)
-    out = write_entry(entry, out)
+    if args.scorer is not None:  # the record names its scorer files relative to its own folder
+        entry["scorer_file"] = scorer.relative_to(root).as_posix()
+    out = write_entry(entry, out, merge=args.merge)
     for target, row in entry["targets"].items():
         secs = row["seconds"]
         kvzip_s = "reused" if row.get("kvzip_reused") else f"{secs['kvzip']:.0f} s"

@@ -14,10 +14,13 @@ Shape contract
 Per layer, the input is standardised with the calibration statistics, ``z = (h - mu) / sigma``:
 
 * ``linear``: ``s = z W + b``, ``W`` ``[hidden_size, kv_heads]``;
-* ``mlp``: ``s = gelu(z W1 + b1) W2 + b2``, ``W1`` ``[hidden_size, width]``, ``W2`` ``[width, kv_heads]``.
+* ``mlp``: ``s = gelu(z W1 + b1) W2 + b2``, ``W1`` ``[hidden_size, width]``, ``W2`` ``[width, kv_heads]``;
+* ``static``: ``s = b``, one constant per KV head (a ``linear`` file with ``W = 0``): the per-head
+  static score, every token of a head scored alike.
 
-Fitting (:func:`fit_linear`, :func:`fit_mlp`) is least squares on ``(z, log score)`` pairs
-(closed-form ridge for ``linear``, Adam for ``mlp``), with a seeded generator.
+Fitting (:func:`fit_linear`, :func:`fit_mlp`, :func:`fit_static`) is least squares on
+``(z, log score)`` pairs (closed-form ridge for ``linear``, Adam for ``mlp``, the mean for
+``static``), with a seeded generator.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("linear", "mlp")
+KINDS = ("linear", "mlp", "static")
 SCORE_FLOOR = 1e-7
 """KVzip scores below this are clipped before the log (a probability under 1e-7 is never kept)."""
 
@@ -149,6 +152,16 @@ def fit_linear(x: torch.Tensor, y: torch.Tensor, ridge: float = 1e-3) -> LayerSc
     return LayerScorer(mu, sigma, w.float(), ym.float())
 
 
+def fit_static(x: torch.Tensor, y: torch.Tensor) -> LayerScorer:
+    """The per-head static score: ``W = 0``, ``b = mean y`` ``[kv_heads]`` (float32), a linear
+    scorer that gives every token of a KV head the head's mean log KVzip score, so a model-wide
+    budget keeps whole heads (the heads KVzip reads most) and the forced window of the others.
+    ``x`` only sets the standardisation (the file's format)."""
+    _check_xy(x, y)
+    mu, sigma = standardise(x)
+    return LayerScorer(mu, sigma, torch.zeros(x.shape[1], y.shape[1]), y.double().mean(0).float())
+
+
 def fit_mlp(x: torch.Tensor, y: torch.Tensor, *, width: int = 64, steps: int = 400, lr: float = 3e-3,
             batch: int = 1024, weight_decay: float = 1e-4, seed: int = 0) -> LayerScorer:
     """A two-layer GELU MLP fitted with Adam on the mean squared error (seeded, float32)."""
@@ -185,5 +198,5 @@ def r_squared(pred: torch.Tensor, y: torch.Tensor) -> float:
     return 0.0 if tot == 0 else 1.0 - float(((y64 - p64) ** 2).sum()) / tot
 
 
-__all__ = ["KINDS", "SCORE_FLOOR", "LayerScorer", "check_layer_scorer", "fit_linear", "fit_mlp", "log_targets",
-           "r_squared", "score_hidden", "standardise"]
+__all__ = ["KINDS", "SCORE_FLOOR", "LayerScorer", "check_layer_scorer", "fit_linear", "fit_mlp", "fit_static",
+           "log_targets", "r_squared", "score_hidden", "standardise"]

@@ -15,7 +15,10 @@ package next to the model's KVzap scorer (:data:`RECORD`, written by ``kvcache p
 * :func:`preset_scorer` reads the record for a model: the scorer chosen at the measured ratio
   nearest to the one asked (on a log scale), ``"kvzip"`` for a model with no entry or no shipped
   scorer; :func:`model_preset_plan` is the preset built with it, what every caller holding a
-  model runs (``kvcache eval``'s ``<r>x``, the server, ``kvcache compress --ratio``).
+  model runs (``kvcache eval``'s ``<r>x``, the server, ``kvcache compress --ratio``);
+* a row may name the scorer file it was measured with (:func:`merge_entry`, :func:`scorer_file`):
+  each preset then evicts with the scorer that passed for it (Qwen2.5: the linear scorer at
+  ``4x``, the per-head static score at ``8x``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..compression.scorer_file import model_identity
+from ..compression.scorer_file import ScorerFileError, model_identity, read_header
 from ..policies.kvzap import SCORERS_DIR, KVzap, shipped_scorer
 
 RECORD = SCORERS_DIR / "presets.json"
@@ -138,9 +141,32 @@ def read_record(path: str | os.PathLike = RECORD) -> list[dict[str, Any]]:
     return data["entries"]
 
 
-def write_entry(entry: dict[str, Any], path: str | os.PathLike = RECORD) -> Path:
-    """Add ``entry`` to the record (replacing the one of the same model), written atomically."""
+def merge_entry(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``old`` with ``new``'s targets added or replaced, each row naming the scorer file it was
+    measured with (``scorer_file``): a preset may then use the scorer that measured best for it
+    (e.g. the linear scorer at ``4x``, the per-head static score at ``8x``). The entry's own
+    ``scorer_file`` stays ``old``'s. Both must be of the same model and calibration windows.
+
+    Raises ``ValueError`` otherwise, naming what differs."""
+    if old.get("model") != new.get("model"):
+        raise ValueError("merging preset-scorer entries of two different models; measure the model's presets anew")
+    keys = ("text", "windows", "context_tokens", "continuation")
+    diff = [k for k in keys if old.get("calibration", {}).get(k) != new.get("calibration", {}).get(k)]
+    if diff:
+        raise ValueError(f"the entries were measured on different calibration windows ({', '.join(diff)} differ): "
+                         "measure every preset on the same text, windows and sizes, or write a new entry")
+    targets = {t: {"scorer_file": old.get("scorer_file"), **row} for t, row in old.get("targets", {}).items()}
+    targets.update({t: {**row, "scorer_file": new.get("scorer_file")} for t, row in new.get("targets", {}).items()})
+    return {**old, "targets": targets}
+
+
+def write_entry(entry: dict[str, Any], path: str | os.PathLike = RECORD, *, merge: bool = False) -> Path:
+    """Add ``entry`` to the record (replacing the one of the same model; ``merge``: merged into it
+    with :func:`merge_entry`), written atomically."""
     path = Path(path)
+    if merge:
+        old = next((e for e in read_record(path) if e.get("model") == entry["model"]), None)
+        entry = entry if old is None else merge_entry(old, entry)
     entries = [e for e in read_record(path) if e.get("model") != entry["model"]] + [entry]
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
@@ -168,14 +194,40 @@ def _chosen(model: Any, target: Any, record: str | os.PathLike,
         prompt_tokens = default_context(model.config)  # what a preset is sized for by default
     if prompt_tokens < calibrated_context(entry):
         return "kvzip", None  # shorter than measured: at 1,024 tokens KVzap's 8x lost 1.6 points (make demo)
-    path = Path(record).parent / str(entry.get("scorer_file", ""))
-    if not path.is_file() or shipped_scorer(identity, path.parent) != path:
-        return "kvzip", None  # the measured scorer is not beside the record (or not this model's)
     nearest = min(entry["targets"], key=lambda t: abs(math.log(parse_target(t) / ratio)))
-    scorer = entry["targets"][nearest].get("scorer")
+    row = entry["targets"][nearest]
+    scorer = row.get("scorer")
     if scorer not in ("kvzip", "kvzap"):
         raise ValueError(f"{record}: the {nearest} entry names scorer {scorer!r}; expected 'kvzip' or 'kvzap'")
+    if scorer == "kvzip":
+        return "kvzip", None
+    path = scorer_file(record, entry, nearest)
+    if path is None or not _fitted_on(path, identity):
+        return "kvzip", None  # the measured scorer is not beside the record (or not this model's)
     return scorer, path
+
+
+def scorer_file(record: str | os.PathLike, entry: dict[str, Any], target: str) -> Path | None:
+    """The KVzap scorer file ``target``'s row of ``entry`` was measured with: the row's own
+    ``scorer_file`` (a path relative to the record's directory, at or below it) or else the
+    entry's; None when it names none or a path outside the record's directory."""
+    name = entry["targets"].get(target, {}).get("scorer_file") or entry.get("scorer_file")
+    if not isinstance(name, str) or not name:
+        return None
+    root = Path(record).resolve().parent
+    path = (root / name).resolve()
+    return path if root == path or root in path.parents else None
+
+
+def _fitted_on(path: Path, identity: dict[str, Any]) -> bool:
+    """Whether ``path`` is a readable scorer file fitted on the model of ``identity``."""
+    if not path.is_file():
+        return False
+    try:
+        header = read_header(path)
+    except (ScorerFileError, OSError):
+        return False
+    return all(header["model"].get(k) == v for k, v in identity.items())
 
 
 def calibrated_context(entry: dict[str, Any]) -> int:
@@ -211,10 +263,11 @@ def model_preset_plan(model: Any, target: Any, *, context_tokens: int | None = N
     from .planner import preset_plan
 
     scorer, path = _chosen(model, target, record, context_tokens if prompt_tokens is None else prompt_tokens)
-    shipped = Path(record).resolve() == RECORD.resolve()
+    default = path is not None and Path(record).resolve() == RECORD.resolve() and \
+        shipped_scorer(model_identity(model)) == path  # the scorer KVzap() finds by itself
     return preset_plan(model.config, target, context_tokens=context_tokens, dtype=next(model.parameters()).dtype,
-                       scorer=scorer, scorer_path=None if scorer == "kvzip" or shipped else str(path))
+                       scorer=scorer, scorer_path=None if scorer == "kvzip" or default else str(path))
 
 
 __all__ = ["FORMAT", "MEASURED_TARGETS", "RECORD", "TOLERANCE", "calibrated_context", "choose", "measure",
-           "model_preset_plan", "preset_scorer", "read_record", "write_entry"]
+           "merge_entry", "model_preset_plan", "preset_scorer", "read_record", "scorer_file", "write_entry"]

@@ -20,7 +20,7 @@ import torch
 from ..cache import CompressedCache, compress
 from ..cache.architecture import layer_windows
 from ..cache.hooks import hidden_state_hooks
-from ..compression.scorer import KINDS, fit_linear, fit_mlp, log_targets, r_squared, score_hidden
+from ..compression.scorer import KINDS, fit_linear, fit_mlp, fit_static, log_targets, r_squared, score_hidden
 from ..compression.scorer_file import Scorer, model_identity
 from ..compression.rotation_file import text_sha256
 from ..policies import KVzip
@@ -135,7 +135,12 @@ def fit_collected(model: Any, text: str, pairs: dict[str, Any], *, kind: str = "
     layers, r2, overlap = {}, {}, {}
     for i in sorted(pairs["train_x"]):
         x, y = pairs["train_x"][i], pairs["train_y"][i]
-        ls = fit_linear(x, y) if kind == "linear" else fit_mlp(x, y, width=mlp_width, steps=mlp_steps, seed=seed)
+        if kind == "linear":
+            ls = fit_linear(x, y)
+        elif kind == "static":
+            ls = fit_static(x, y)
+        else:
+            ls = fit_mlp(x, y, width=mlp_width, steps=mlp_steps, seed=seed)
         layers[i] = ls
         pred = score_hidden(ls, pairs["held_x"][i][None])[0].T
         r2[i], overlap[i] = r_squared(pred, pairs["held_y"][i]), top_overlap(pred, pairs["held_y"][i])
@@ -146,6 +151,7 @@ def fit_collected(model: Any, text: str, pairs: dict[str, Any], *, kind: str = "
             "held_out_top25_overlap": {str(k): round(v, 4) for k, v in overlap.items()},
             "mean_held_out_r2": round(sum(r2.values()) / len(r2), 4),
             "mean_held_out_top25_overlap": round(sum(overlap.values()) / len(overlap), 4)}
+    info["fitted_as"] = kind  # a static scorer is stored as a linear one with W = 0
     if kind == "mlp":
         info.update(mlp_width=mlp_width, mlp_steps=mlp_steps)
     log.info("fitted %s scorers on %d layers: mean held-out R^2 %.3f, top-25%% overlap %.3f", kind, len(layers),
