@@ -10,7 +10,8 @@ ratio of the two timed prefills and the profile's top functions by own time (cPr
 is small here: the time is in torch's operators).
 
 Run: ``python benchmarks/profile_prefill.py [--model qwen2.5-0.5b] [--context 4096] [--methods 8x]
-[--plain] [--out benchmarks/results]`` (``--plain``: a plain prefill's profile too); writes ``profile_prefill_<model>_ctx<N>_<methods>.md``.
+[--plain] [--no-profile] [--out benchmarks/results]`` (``--plain``: a plain prefill's profile too;
+``--no-profile``: the timed ratios only); writes ``profile_prefill_<model>_ctx<N>_<methods>.md``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="8x")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--plain", action="store_true", help="also profile one plain prefill (its top functions)")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="time the prefills only (no profiled prefill: at 16K tokens each one costs minutes)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
 
@@ -48,7 +51,7 @@ def main(argv=None) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     lines = [f"# Where a prefill goes: {args.model}, {args.context} tokens", "",
              f"`python benchmarks/profile_prefill.py --model {args.model} --context {args.context} --methods "
-             f"{','.join(methods)}{' --plain' if args.plain else ''}`; torch {torch.__version__}, 2 threads; each method's prefill timed between "
+             f"{','.join(methods)}{' --plain' if args.plain else ''}{' --no-profile' if args.no_profile else ''}`; torch {torch.__version__}, 2 threads; each method's prefill timed between "
              "two plain prefills of the same tokens (after a warm-up).", "",
              "| method | plain prefill (mean of before and after) | method's prefill | ratio |", "|---|---:|---:|---:|"]
     tops = []
@@ -64,6 +67,8 @@ def main(argv=None) -> int:
             del pre
             plain = (plain_before + plain_prefill_seconds(model, ids, last_only=True)) / 2
             lines.append(f"| `{m}` | {plain:.2f} s | {seconds:.2f} s | {seconds / plain:.2f}x |")
+            if args.no_profile:
+                continue
             prof = cProfile.Profile()
             prof.enable()
             pre = prefill_method(model, method, ids, tok, last_only=True)
