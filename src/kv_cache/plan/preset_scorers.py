@@ -216,7 +216,7 @@ def scorer_file(record: str | os.PathLike, entry: dict[str, Any], target: str) -
         return None
     root = Path(record).resolve().parent
     path = (root / name).resolve()
-    return path if root == path or root in path.parents else None
+    return path if root in path.parents else None
 
 
 def _fitted_on(path: Path, identity: dict[str, Any]) -> bool:
