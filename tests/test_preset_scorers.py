@@ -319,6 +319,14 @@ def test_each_preset_may_use_its_own_scorer_file(stories, scorer_dir, tmp_path):
         write_entry({**merged, "targets": {"9x": {"scorer": "kvzap", "scorer_file": bad}}}, record)
         assert preset_scorer(model, "9x", record) == "kvzip"
     assert scorer_file(record, {"targets": {"9x": {}}, "scorer_file": "/etc/passwd"}, "9x") is None
+    # the shipped record names a shipped file that is not KVzap()'s default install-independently
+    from kv_cache.policies.kvzap import SCORERS_DIR, resolve_scorer
+    from kv_cache.compression.scorer_file import ScorerFileError
+
+    assert resolve_scorer("shipped:presets/x.safetensors") == (SCORERS_DIR / "presets" / "x.safetensors").resolve()
+    assert resolve_scorer("a/b.safetensors") == Path("a/b.safetensors")
+    with pytest.raises(ScorerFileError, match="inside"):
+        resolve_scorer("shipped:../../cache/x.safetensors")
     # entries of other calibration windows or another model are not merged
     with pytest.raises(ValueError, match="different calibration windows \\(windows differ\\)"):
         merge_entry(old, {**new, "calibration": {**calibration, "windows": 2}})

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..compression.scorer_file import ScorerFileError, model_identity, read_header
-from ..policies.kvzap import SCORERS_DIR, KVzap, shipped_scorer
+from ..policies.kvzap import SCORERS_DIR, SHIPPED, KVzap, shipped_scorer
 
 RECORD = SCORERS_DIR / "presets.json"
 """The shipped measurements: one entry per model (matched by its identity, as the scorer files)."""
@@ -263,10 +263,14 @@ def model_preset_plan(model: Any, target: Any, *, context_tokens: int | None = N
     from .planner import preset_plan
 
     scorer, path = _chosen(model, target, record, context_tokens if prompt_tokens is None else prompt_tokens)
-    default = path is not None and Path(record).resolve() == RECORD.resolve() and \
-        shipped_scorer(model_identity(model)) == path  # the scorer KVzap() finds by itself
+    name = None
+    if scorer == "kvzap" and path is not None:
+        if Path(record).resolve() != RECORD.resolve():
+            name = str(path)
+        elif shipped_scorer(model_identity(model)) != path:  # not the one KVzap() finds by itself
+            name = SHIPPED + path.relative_to(SCORERS_DIR.resolve()).as_posix()  # install-independent
     return preset_plan(model.config, target, context_tokens=context_tokens, dtype=next(model.parameters()).dtype,
-                       scorer=scorer, scorer_path=None if scorer == "kvzip" or default else str(path))
+                       scorer=scorer, scorer_path=name)
 
 
 __all__ = ["FORMAT", "MEASURED_TARGETS", "RECORD", "TOLERANCE", "calibrated_context", "choose", "measure",

@@ -38,7 +38,23 @@ from .base import EvictionPolicy, ScoreInputs, check_target_ratio
 SCORERS_DIR = Path(__file__).resolve().parent.parent / "assets" / "kvzap_scorers"
 """Scorers shipped with the package (``kv_cache/assets/kvzap_scorers/*.safetensors``), found by model identity."""
 
+SHIPPED = "shipped:"
+"""Prefix of a scorer named inside :data:`SCORERS_DIR` (``shipped:presets/<file>``): a plan that
+names a shipped file this way does not depend on where the package is installed."""
+
 STATE_DTYPE = torch.float16
+
+
+def resolve_scorer(name: str | Path) -> Path:
+    """The file a ``KVzap.scorer`` names: ``shipped:<relative path>`` inside :data:`SCORERS_DIR`
+    (refused outside it), any other string a path as given."""
+    text = str(name)
+    if not text.startswith(SHIPPED):
+        return Path(text)
+    path = (SCORERS_DIR / text[len(SHIPPED):]).resolve()
+    if SCORERS_DIR.resolve() not in path.parents:
+        raise ScorerFileError(f"KVzap.scorer {text!r}: a shipped scorer must name a file inside {SCORERS_DIR}")
+    return path
 
 
 def shipped_scorer(identity: dict[str, Any], directory: Path = SCORERS_DIR) -> Path | None:
@@ -148,7 +164,7 @@ class KVzap(EvictionPolicy):
         called by :func:`kv_cache.compress`. Returns it."""
         identity = model_identity(model)
         if self.scorer is not None:
-            found = load_scorer(self.scorer)
+            found = load_scorer(resolve_scorer(self.scorer))
         else:
             path = shipped_scorer(identity)
             if path is None:
