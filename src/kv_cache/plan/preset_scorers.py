@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..compression.scorer_file import ScorerFileError, model_identity, read_header
-from ..policies.kvzap import SCORERS_DIR, SHIPPED, KVzap, shipped_scorer
+from ..compression.scorer_file import model_identity
+from ..policies.kvzap import SCORERS_DIR, SHIPPED, KVzap, fitted_on, shipped_scorer
 
 RECORD = SCORERS_DIR / "presets.json"
 """The shipped measurements: one entry per model (matched by its identity, as the scorer files)."""
@@ -98,8 +98,9 @@ def measure(model: Any, tokenizer: Any, calibration_text: str, *, source: str,
     dtype = next(model.parameters()).dtype
     calibration = {"text": source, "windows": len(wins), "context_tokens": context_tokens,
                    "continuation": continuation, "tolerance": TOLERANCE}
-    reusable = (prior or {}).get("targets", {}) if prior is not None and prior.get("model") == identity and all(
-        prior.get("calibration", {}).get(k) == v for k, v in calibration.items() if k != "tolerance") else {}
+    same = prior is not None and prior.get("model") == identity and \
+        not _window_changes(prior, {"calibration": calibration})
+    reusable = prior.get("targets", {}) if same else {}
     out: dict[str, Any] = {}
     for name in names:
         row: dict[str, Any] = {"seconds": {}}
@@ -141,6 +142,12 @@ def read_record(path: str | os.PathLike = RECORD) -> list[dict[str, Any]]:
     return data["entries"]
 
 
+def _window_changes(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The calibration settings (text, windows, sizes) in which entries ``a`` and ``b`` differ."""
+    keys = ("text", "windows", "context_tokens", "continuation")
+    return [k for k in keys if a.get("calibration", {}).get(k) != b.get("calibration", {}).get(k)]
+
+
 def merge_entry(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """``old`` with ``new``'s targets added or replaced, each row naming the scorer file it was
     measured with (``scorer_file``): a preset may then use the scorer that measured best for it
@@ -150,8 +157,7 @@ def merge_entry(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     Raises ``ValueError`` otherwise, naming what differs."""
     if old.get("model") != new.get("model"):
         raise ValueError("merging preset-scorer entries of two different models; measure the model's presets anew")
-    keys = ("text", "windows", "context_tokens", "continuation")
-    diff = [k for k in keys if old.get("calibration", {}).get(k) != new.get("calibration", {}).get(k)]
+    diff = _window_changes(old, new)
     if diff:
         raise ValueError(f"the entries were measured on different calibration windows ({', '.join(diff)} differ): "
                          "measure every preset on the same text, windows and sizes, or write a new entry")
@@ -202,7 +208,7 @@ def _chosen(model: Any, target: Any, record: str | os.PathLike,
     if scorer == "kvzip":
         return "kvzip", None
     path = scorer_file(record, entry, nearest)
-    if path is None or not _fitted_on(path, identity):
+    if path is None or not fitted_on(path, identity):
         return "kvzip", None  # the measured scorer is not beside the record (or not this model's)
     return scorer, path
 
@@ -217,17 +223,6 @@ def scorer_file(record: str | os.PathLike, entry: dict[str, Any], target: str) -
     root = Path(record).resolve().parent
     path = (root / name).resolve()
     return path if root in path.parents else None
-
-
-def _fitted_on(path: Path, identity: dict[str, Any]) -> bool:
-    """Whether ``path`` is a readable scorer file fitted on the model of ``identity``."""
-    if not path.is_file():
-        return False
-    try:
-        header = read_header(path)
-    except (ScorerFileError, OSError):
-        return False
-    return all(header["model"].get(k) == v for k, v in identity.items())
 
 
 def calibrated_context(entry: dict[str, Any]) -> int:

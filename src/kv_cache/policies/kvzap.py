@@ -57,14 +57,21 @@ def resolve_scorer(name: str | Path) -> Path:
     return path
 
 
+def fitted_on(path: Path, identity: dict[str, Any]) -> bool:
+    """Whether ``path`` is a readable scorer file fitted on the model of ``identity``."""
+    if not path.is_file():
+        return False
+    try:
+        header = read_header(path)
+    except (ScorerFileError, OSError):
+        return False
+    return all(header["model"].get(k) == v for k, v in identity.items())
+
+
 def shipped_scorer(identity: dict[str, Any], directory: Path = SCORERS_DIR) -> Path | None:
     """The shipped scorer file fitted on the model of ``identity`` (None: there is none)."""
     for path in sorted(directory.glob("*.safetensors")) if directory.is_dir() else []:
-        try:
-            header = read_header(path)
-        except (ScorerFileError, OSError):
-            continue
-        if all(header["model"].get(k) == v for k, v in identity.items()):
+        if fitted_on(path, identity):
             return path
     return None
 
