@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -31,14 +32,24 @@ from kv_cache.plan.scorer_training import collect_windows, fit_collected
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def parse_kind(spec: str) -> tuple[str, int, int]:
-    """``("mlp", 256, 2000)`` from ``"mlp:256:2000"``; ``("linear", 0, 0)`` from ``"linear"``."""
+def parse_kind(spec: str) -> tuple[str, dict, str]:
+    """``(kind, fit options, name)``: ``("mlp", {"mlp_width": 256, "mlp_steps": 2000}, "mlp256x2000")``
+    from ``"mlp:256:2000"``, ``("linear", {"ridge": 0.1}, "linear_ridge0.1")`` from ``"linear:0.1"``,
+    ``("linear", {}, "linear")`` from ``"linear"``."""
     parts = spec.split(":")
     if parts in (["linear"], ["static"]):
-        return parts[0], 0, 0
+        return parts[0], {}, parts[0]
+    if parts[0] == "linear" and len(parts) == 2:
+        try:
+            ridge = float(parts[1])
+        except ValueError:
+            ridge = -1.0
+        if math.isfinite(ridge) and ridge >= 0:
+            return "linear", {"ridge": ridge}, f"linear_ridge{parts[1]}"
     if parts[0] == "mlp" and len(parts) == 3 and all(x.isdigit() and int(x) > 0 for x in parts[1:]):
-        return "mlp", int(parts[1]), int(parts[2])
-    raise ValueError(f"a kind is 'linear', 'static' or 'mlp:<width>:<steps>' (positive ints); got {spec!r}")
+        return "mlp", {"mlp_width": int(parts[1]), "mlp_steps": int(parts[2])}, f"mlp{parts[1]}x{parts[2]}"
+    raise ValueError(f"a kind is 'linear', 'linear:<ridge >= 0>', 'static' or 'mlp:<width>:<steps>' (positive ints); "
+                     f"got {spec!r}")
 
 
 def main() -> None:
@@ -71,11 +82,9 @@ def main() -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    for kind, width, steps in kinds:
+    for kind, options, name in kinds:
         t0 = time.perf_counter()
-        scorer = fit_collected(model, text, pairs, kind=kind, source=text_path.name,
-                               **({"mlp_width": width, "mlp_steps": steps} if kind == "mlp" else {}))
-        name = f"mlp{width}x{steps}" if kind == "mlp" else kind
+        scorer = fit_collected(model, text, pairs, kind=kind, source=text_path.name, **options)
         path = out_dir / f"{args.model}_{name}.safetensors"
         save_scorer(path, scorer)
         row = {"kind": name, "r2": scorer.info["mean_held_out_r2"],
@@ -92,7 +101,8 @@ def main() -> None:
     lines += [f"| `{r['kind']}` | {r['r2']:.3f} | {r['top25']:.3f} | {r['fit_s']:.1f} |" for r in rows]
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
-    (results / f"probe_scorer_kinds_{args.model}.md").write_text("\n".join(lines) + "\n")
+    size = "" if (args.tokens, args.samples_per_window) == (16384, 1024) else f"_{pairs['tokens']}x{args.samples_per_window}"
+    (results / f"probe_scorer_kinds_{args.model}{size}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

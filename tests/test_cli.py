@@ -306,6 +306,9 @@ def test_every_calibration_command_reads_its_text_the_same_way(tmp_path, capsys)
     (["preset-scorers", "--context", "0"], "--context must be >= 1; got 0"),
     (["calibrate-scorer", "-o", "x.safetensors", "--kind", "mlp", "--mlp-width", "0"], "--mlp-width must be >= 1; got 0"),
     (["calibrate-scorer", "-o", "x.safetensors", "--kind", "mlp", "--mlp-steps", "-1"], "--mlp-steps must be >= 1; got -1"),
+    (["calibrate-scorer", "-o", "x.safetensors", "--ridge", "-0.5"], "--ridge must be a finite number >= 0; got -0.5"),
+    (["calibrate-scorer", "-o", "x.safetensors", "--ridge", "nan"], "--ridge must be a finite number >= 0; got nan"),
+    (["calibrate-scorer", "-o", "x.safetensors", "--kind", "mlp", "--ridge", "0.1"], "--ridge sets the linear scorer's penalty"),
 ])
 def test_calibration_commands_refuse_counts_below_one(argv, message, tmp_path, monkeypatch, capsys):
     """Each count a calibration command takes is checked (``check_positive``) before a model loads."""

@@ -263,6 +263,16 @@ def test_kinds_fitted_on_one_collection(stories, scorer_path, tmp_path):
         fit_collected(model, text, pairs, kind="tree")
     with pytest.raises(ValueError, match="width must be an int >= 1"):
         fit_collected(model, text, pairs, kind="mlp", mlp_width=0)
+    # the ridge penalty: recorded, and a very large one shrinks W towards the static score
+    assert lin.info["ridge"] == 1e-3
+    stiff = fit_collected(model, text, pairs, kind="linear", ridge=1e6)
+    assert stiff.info["ridge"] == 1e6
+    for i, layer in stiff.layers.items():
+        assert float(layer.w1.abs().max()) < 1e-3 * float(lin.layers[i].w1.abs().max())
+        assert torch.allclose(layer.b1, static.layers[i].b1)
+    for bad in (-1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="ridge must be a finite number >= 0"):
+            fit_collected(model, text, pairs, kind="linear", ridge=bad)
 
 
 def _generate(model, cache, ids, n=24, **kw):

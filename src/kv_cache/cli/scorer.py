@@ -37,16 +37,24 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the token draw and of the mlp's initialisation [0]")
     p.add_argument("--mlp-width", type=int, default=64, help="the mlp's hidden width (--kind mlp) [64]")
     p.add_argument("--mlp-steps", type=int, default=400, help="the mlp's Adam steps (--kind mlp) [400]")
+    p.add_argument("--ridge", type=float, default=None,
+                   help="the ridge penalty per token on standardised inputs (--kind linear) [1e-3]")
     p.set_defaults(_run=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..compression.scorer import RIDGE
     from ..compression.scorer_file import save_scorer
     from ..models import load_model
     from ..plan.scorer_training import fit_scorer
 
     check_positive(args, "mlp_width", "mlp_steps")
+    if args.ridge is not None and args.kind != "linear":
+        raise ValueError(f"--ridge sets the linear scorer's penalty; got --kind {args.kind!r} (use --kind linear or drop --ridge)")
+    ridge = RIDGE if args.ridge is None else args.ridge
+    if not (ridge >= 0 and ridge != float("inf")):
+        raise ValueError(f"--ridge must be a finite number >= 0; got {args.ridge!r}")
     text_path, text = calibration_text(args.text, DEFAULT_TEXT)
     out = Path(args.out)
     if not out.parent.is_dir():
@@ -55,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     scorer = fit_scorer(model, tok, text, kind=args.kind, tokens=args.tokens, window=args.window,
                         max_tokens_per_window=args.samples_per_window, seed=args.seed, source=text_path.name,
-                        mlp_width=args.mlp_width, mlp_steps=args.mlp_steps,
+                        mlp_width=args.mlp_width, mlp_steps=args.mlp_steps, ridge=ridge,
                         progress=lambda i, n: print(f"  window {i}/{n} scored", flush=True))
     save_scorer(out, scorer)
     info = scorer.info

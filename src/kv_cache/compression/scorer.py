@@ -33,6 +33,8 @@ import torch
 KINDS = ("linear", "mlp", "static")
 SCORE_FLOOR = 1e-7
 """KVzip scores below this are clipped before the log (a probability under 1e-7 is never kept)."""
+RIDGE = 1e-3
+"""The linear scorer's default ridge penalty: per training token, on standardised inputs (§24.2)."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ def _check_xy(x: torch.Tensor, y: torch.Tensor) -> None:
             raise ValueError(f"{name} holds NaN or Inf")
 
 
-def fit_linear(x: torch.Tensor, y: torch.Tensor, ridge: float = 1e-3) -> LayerScorer:
+def fit_linear(x: torch.Tensor, y: torch.Tensor, ridge: float = RIDGE) -> LayerScorer:
     """Ridge regression of ``y`` ``[N, kv_heads]`` on standardised ``x`` ``[N, d]`` (closed form,
     float64): ``W = (Z^T Z + ridge N I)^{-1} Z^T (y - mean y)``, ``b = mean y``."""
     _check_xy(x, y)
@@ -198,5 +200,5 @@ def r_squared(pred: torch.Tensor, y: torch.Tensor) -> float:
     return 0.0 if tot == 0 else 1.0 - float(((y64 - p64) ** 2).sum()) / tot
 
 
-__all__ = ["KINDS", "SCORE_FLOOR", "LayerScorer", "check_layer_scorer", "fit_linear", "fit_mlp", "fit_static",
+__all__ = ["KINDS", "RIDGE", "SCORE_FLOOR", "LayerScorer", "check_layer_scorer", "fit_linear", "fit_mlp", "fit_static",
            "log_targets", "r_squared", "score_hidden", "standardise"]

@@ -13,6 +13,7 @@ its top 25%) is recorded in the file.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from ..cache import CompressedCache, compress
 from ..cache.architecture import layer_windows
 from ..cache.hooks import hidden_state_hooks
-from ..compression.scorer import KINDS, fit_linear, fit_mlp, fit_static, log_targets, r_squared, score_hidden
+from ..compression.scorer import KINDS, RIDGE, fit_linear, fit_mlp, fit_static, log_targets, r_squared, score_hidden
 from ..compression.scorer_file import Scorer, model_identity
 from ..compression.rotation_file import text_sha256
 from ..policies import KVzip
@@ -124,19 +125,22 @@ def collect_windows(model: Any, tokenizer: Any, text: str, *, tokens: int = 1638
 
 
 def fit_collected(model: Any, text: str, pairs: dict[str, Any], *, kind: str = "linear", source: str = "",
-                  mlp_width: int = 64, mlp_steps: int = 400) -> Scorer:
+                  mlp_width: int = 64, mlp_steps: int = 400, ridge: float = RIDGE) -> Scorer:
     """One scorer per layer of ``pairs`` (:func:`collect_windows` on ``text`` with ``model``),
     fitted on the training windows and scored on the held-out one (R^2 and top-25% overlap,
     recorded in the scorer's ``info``). ``mlp_width`` / ``mlp_steps``: the ``mlp`` kind's hidden
-    width and Adam steps (:func:`~kv_cache.compression.scorer.fit_mlp`)."""
+    width and Adam steps (:func:`~kv_cache.compression.scorer.fit_mlp`); ``ridge``: the ``linear``
+    kind's penalty (:func:`~kv_cache.compression.scorer.fit_linear`)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}; got {kind!r}")
+    if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not math.isfinite(ridge) or ridge < 0:
+        raise ValueError(f"ridge must be a finite number >= 0; got {ridge!r}")
     seed = pairs["seed"]
     layers, r2, overlap = {}, {}, {}
     for i in sorted(pairs["train_x"]):
         x, y = pairs["train_x"][i], pairs["train_y"][i]
         if kind == "linear":
-            ls = fit_linear(x, y)
+            ls = fit_linear(x, y, ridge=ridge)
         elif kind == "static":
             ls = fit_static(x, y)
         else:
@@ -154,6 +158,8 @@ def fit_collected(model: Any, text: str, pairs: dict[str, Any], *, kind: str = "
     info["fitted_as"] = kind  # a static scorer is stored as a linear one with W = 0
     if kind == "mlp":
         info.update(mlp_width=mlp_width, mlp_steps=mlp_steps)
+    elif kind == "linear":
+        info.update(ridge=ridge)
     log.info("fitted %s scorers on %d layers: mean held-out R^2 %.3f, top-25%% overlap %.3f", kind, len(layers),
              info["mean_held_out_r2"], info["mean_held_out_top25_overlap"])
     return Scorer(layers, model_identity(model), info)
@@ -161,7 +167,7 @@ def fit_collected(model: Any, text: str, pairs: dict[str, Any], *, kind: str = "
 
 def fit_scorer(model: Any, tokenizer: Any, text: str, *, kind: str = "linear", tokens: int = 16384,
                window: int = 2048, max_tokens_per_window: int = 1024, seed: int = 0, source: str = "",
-               mlp_width: int = 64, mlp_steps: int = 400, progress=None) -> Scorer:
+               mlp_width: int = 64, mlp_steps: int = 400, ridge: float = RIDGE, progress=None) -> Scorer:
     """Fit one scorer per full-attention layer of ``model`` on ``text`` (see the module docstring):
     :func:`collect_windows`, then :func:`fit_collected`. Returns the :class:`Scorer` (not saved).
 
@@ -174,7 +180,8 @@ def fit_scorer(model: Any, tokenizer: Any, text: str, *, kind: str = "linear", t
         raise ValueError(f"kind must be one of {list(KINDS)}; got {kind!r}")
     pairs = collect_windows(model, tokenizer, text, tokens=tokens, window=window,
                             max_tokens_per_window=max_tokens_per_window, seed=seed, progress=progress)
-    return fit_collected(model, text, pairs, kind=kind, source=source, mlp_width=mlp_width, mlp_steps=mlp_steps)
+    return fit_collected(model, text, pairs, kind=kind, source=source, mlp_width=mlp_width, mlp_steps=mlp_steps,
+                         ridge=ridge)
 
 
 __all__ = ["SKIP_SINKS", "collect_pairs", "collect_windows", "fit_collected", "fit_scorer", "top_overlap"]
