@@ -101,7 +101,8 @@ def main() -> None:
     lines += [f"| `{r['kind']}` | {r['r2']:.3f} | {r['top25']:.3f} | {r['fit_s']:.1f} |" for r in rows]
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
-    size = "" if (args.tokens, args.samples_per_window) == (16384, 1024) else f"_{pairs['tokens']}x{args.samples_per_window}"
+    defaults = (ap.get_default("tokens"), ap.get_default("samples_per_window"))
+    size = "" if (args.tokens, args.samples_per_window) == defaults else f"_{pairs['tokens']}x{args.samples_per_window}"
     (results / f"probe_scorer_kinds_{args.model}{size}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -44,7 +44,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..compression.scorer import RIDGE
+    from ..compression.scorer import RIDGE, check_ridge
     from ..compression.scorer_file import save_scorer
     from ..models import load_model
     from ..plan.scorer_training import fit_scorer
@@ -52,9 +52,7 @@ def run(args: argparse.Namespace) -> int:
     check_positive(args, "mlp_width", "mlp_steps")
     if args.ridge is not None and args.kind != "linear":
         raise ValueError(f"--ridge sets the linear scorer's penalty; got --kind {args.kind!r} (use --kind linear or drop --ridge)")
-    ridge = RIDGE if args.ridge is None else args.ridge
-    if not (ridge >= 0 and ridge != float("inf")):
-        raise ValueError(f"--ridge must be a finite number >= 0; got {args.ridge!r}")
+    ridge = RIDGE if args.ridge is None else check_ridge(args.ridge, "--ridge")
     text_path, text = calibration_text(args.text, DEFAULT_TEXT)
     out = Path(args.out)
     if not out.parent.is_dir():

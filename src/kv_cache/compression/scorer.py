@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ KINDS = ("linear", "mlp", "static")
 SCORE_FLOOR = 1e-7
 """KVzip scores below this are clipped before the log (a probability under 1e-7 is never kept)."""
 RIDGE = 1e-3
-"""The linear scorer's default ridge penalty: per training token, on standardised inputs (§24.2)."""
+"""The linear scorer's default ridge penalty: per training token, on standardised inputs (§24.3)."""
 
 
 @dataclass(frozen=True)
@@ -140,12 +141,18 @@ def _check_xy(x: torch.Tensor, y: torch.Tensor) -> None:
             raise ValueError(f"{name} holds NaN or Inf")
 
 
+def check_ridge(ridge: Any, name: str = "ridge") -> float:
+    """``ridge`` as a float if it is a finite number >= 0 (not a bool); else ValueError naming ``name``."""
+    if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not math.isfinite(ridge) or ridge < 0:
+        raise ValueError(f"{name} must be a finite number >= 0; got {ridge!r}")
+    return float(ridge)
+
+
 def fit_linear(x: torch.Tensor, y: torch.Tensor, ridge: float = RIDGE) -> LayerScorer:
     """Ridge regression of ``y`` ``[N, kv_heads]`` on standardised ``x`` ``[N, d]`` (closed form,
     float64): ``W = (Z^T Z + ridge N I)^{-1} Z^T (y - mean y)``, ``b = mean y``."""
     _check_xy(x, y)
-    if not ridge >= 0 or not math.isfinite(ridge):
-        raise ValueError(f"ridge must be a finite number >= 0; got {ridge!r}")
+    ridge = check_ridge(ridge)
     mu, sigma = standardise(x)
     z = ((x.double() - mu.double()) / sigma.double())
     ym = y.double().mean(0)
@@ -200,5 +207,5 @@ def r_squared(pred: torch.Tensor, y: torch.Tensor) -> float:
     return 0.0 if tot == 0 else 1.0 - float(((y64 - p64) ** 2).sum()) / tot
 
 
-__all__ = ["KINDS", "RIDGE", "SCORE_FLOOR", "LayerScorer", "check_layer_scorer", "fit_linear", "fit_mlp", "fit_static",
+__all__ = ["KINDS", "RIDGE", "SCORE_FLOOR", "LayerScorer", "check_layer_scorer", "check_ridge", "fit_linear", "fit_mlp", "fit_static",
            "log_targets", "r_squared", "score_hidden", "standardise"]

@@ -13,7 +13,6 @@ its top 25%) is recorded in the file.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ import torch
 from ..cache import CompressedCache, compress
 from ..cache.architecture import layer_windows
 from ..cache.hooks import hidden_state_hooks
-from ..compression.scorer import KINDS, RIDGE, fit_linear, fit_mlp, fit_static, log_targets, r_squared, score_hidden
+from ..compression.scorer import KINDS, RIDGE, check_ridge, fit_linear, fit_mlp, fit_static, log_targets, r_squared, score_hidden
 from ..compression.scorer_file import Scorer, model_identity
 from ..compression.rotation_file import text_sha256
 from ..policies import KVzip
@@ -133,8 +132,7 @@ def fit_collected(model: Any, text: str, pairs: dict[str, Any], *, kind: str = "
     kind's penalty (:func:`~kv_cache.compression.scorer.fit_linear`)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}; got {kind!r}")
-    if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not math.isfinite(ridge) or ridge < 0:
-        raise ValueError(f"ridge must be a finite number >= 0; got {ridge!r}")
+    ridge = check_ridge(ridge)
     seed = pairs["seed"]
     layers, r2, overlap = {}, {}, {}
     for i in sorted(pairs["train_x"]):
@@ -178,6 +176,7 @@ def fit_scorer(model: Any, tokenizer: Any, text: str, *, kind: str = "linear", t
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}; got {kind!r}")
+    check_ridge(ridge)  # before the KVzip passes, not after them
     pairs = collect_windows(model, tokenizer, text, tokens=tokens, window=window,
                             max_tokens_per_window=max_tokens_per_window, seed=seed, progress=progress)
     return fit_collected(model, text, pairs, kind=kind, source=source, mlp_width=mlp_width, mlp_steps=mlp_steps,
