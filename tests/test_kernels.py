@@ -232,6 +232,19 @@ def test_dequantize_odd_head_dims(compiled, bits, d, grouping):
         assert torch.equal(ops.dequantize_block(blk), reference.dequantize_block(blk))
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("d", [16, 24, 40, 48, 80])
+@pytest.mark.parametrize("mode", ["asym", "codebook"])
+def test_dequantize_2_and_4_bit_widths(paths, bits, d, mode):
+    """The vector paths' 2- and 4-bit lookups (AVX2: byte planes of the table, 16 or 32 codes at a
+    time, then an 8-code tail) equal the table, bit for bit, at every split of the head dim."""
+    for grouping, gs in (("token", d), ("channel", 5)):
+        blk = random_block(2, 37, d, bits, grouping, gs, mode=mode, seed=d)
+        want = reference.dequantize_block(blk)
+        for path in paths():
+            assert torch.equal(ops.dequantize_block(blk), want), (path, grouping)
+
+
 def test_dequantize_equals_quantizer_dequantize(compiled):
     x = torch.randn(2, 256, 64, dtype=torch.float16)
     for grouping, axis, gs in (("channel", -2, 128), ("token", -1, 32)):

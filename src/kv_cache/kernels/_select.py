@@ -99,16 +99,26 @@ def backend(device: torch.device | str = "cpu") -> str:
 
 
 def _device_type(tensors) -> str | None:
-    """The one device type of ``tensors`` (None entries ignored), or None when they span several."""
-    kinds = {t.device.type for t in tensors if t is not None}
-    return kinds.pop() if len(kinds) == 1 else None
+    """The one device type of ``tensors`` (None entries ignored), or None when they span several
+    (or there are none). Called on every kernel call (a decoding step makes one per layer): CPU
+    tensors are recognised by ``is_cpu``, which builds no ``torch.device``."""
+    kind = None
+    for t in tensors:
+        if t is None:
+            continue
+        k = "cpu" if t.is_cpu else t.device.type
+        if kind is None:
+            kind = k
+        elif k != kind:
+            return None
+    return kind
 
 
 def triton_for(tensors) -> ModuleType | None:
     """The Triton backend when it serves ``tensors`` (all on one device), else None."""
     env = _build.backend()
-    if env == "torch":
-        return None
+    if env == "torch" or (env != "triton" and all(t is None or t.is_cpu for t in tensors)):
+        return None  # the common case, CPU tensors under the default selection, without a device scan
     kind = _device_type(tensors)
     if kind is None:
         return None
@@ -122,7 +132,7 @@ def compiled_for(tensors) -> ModuleType | None:
     if _build.backend() == "triton":
         return None
     for t in tensors:
-        if t is not None and t.device.type != "cpu":
+        if t is not None and not t.is_cpu:
             return None
     return _build.load()
 

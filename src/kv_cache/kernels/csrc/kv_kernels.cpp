@@ -93,6 +93,10 @@ struct Lut {
   alignas(64) float v[256];
   bool offset = false;
   float beta = 0.0f;
+  // 2- and 4-bit tables as 4 byte planes (plane j: byte j of each entry, as a 16-entry byte
+  // shuffle table), indexed as decode_row_t's AVX2 path builds its indices: entry i for 4 bits;
+  // for 2 bits entries i and 4i both hold level i (code i sits at bits 0-1 or 2-3 of the index).
+  alignas(16) uint8_t planes[4][16];
 };
 
 // Code c of one token's packed bytes p (little-endian words of lcm(8, bits) bits).
@@ -427,6 +431,12 @@ static void fill_lut(Lut& lut, const at::Tensor& t, int bits) {
   lut.beta = lut.v[0];
   lut.offset = true;
   for (int i = 0; i < (1 << bits); ++i) lut.offset = lut.offset && (static_cast<float>(i) + lut.beta == lut.v[i]);
+  for (int i = 0; i < 16; ++i) {
+    const int level = bits == 2 ? ((i & 3) ? (i & 3) : (i >> 2)) : i;
+    uint32_t u;
+    std::memcpy(&u, lut.v + level, 4);
+    for (int j = 0; j < 4; ++j) lut.planes[j][i] = static_cast<uint8_t>(u >> (8 * j));
+  }
 }
 
 static BlockView make_block(const at::Tensor& codes, int64_t bits, const at::Tensor& lut, int64_t grouping,
