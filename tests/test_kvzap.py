@@ -275,7 +275,6 @@ def test_kinds_fitted_on_one_collection(stories, scorer_path, tmp_path):
             fit_collected(model, text, pairs, kind="linear", ridge=bad)
 
 
-
 def test_fit_scorer_refuses_a_bad_ridge_before_the_kvzip_passes(stories, monkeypatch):
     """A bad ridge is refused before any KVzip pass runs (they take minutes on a real model)."""
     from kv_cache.plan import scorer_training
@@ -284,6 +283,7 @@ def test_fit_scorer_refuses_a_bad_ridge_before_the_kvzip_passes(stories, monkeyp
     monkeypatch.setattr(scorer_training, "collect_windows", lambda *a, **k: pytest.fail("the passes ran"))
     with pytest.raises(ValueError, match="ridge must be a finite number >= 0; got -1"):
         scorer_training.fit_scorer(model, tok, "unused", ridge=-1)
+
 
 def _generate(model, cache, ids, n=24, **kw):
     with kv_cache.compress(model, cache, **kw):

@@ -117,8 +117,8 @@ def _device_type(tensors) -> str | None:
 def triton_for(tensors) -> ModuleType | None:
     """The Triton backend when it serves ``tensors`` (all on one device), else None."""
     env = _build.backend()
-    if env == "torch" or (env != "triton" and all(t is None or t.is_cpu for t in tensors)):
-        return None  # the common case, CPU tensors under the default selection, without a device scan
+    if env == "torch":
+        return None
     kind = _device_type(tensors)
     if kind is None:
         return None

@@ -347,41 +347,43 @@ static inline __attribute__((always_inline)) void decode_row_t(const uint8_t* p,
   // 2 and 4 bits: 16 codes -> 16 byte indices -> 4 in-lane byte shuffles of the table's byte
   // planes (Lut::planes), interleaved back into floats: exact, and several times faster than
   // two lane-crossing vpermps on cores that split 256-bit permutes (Zen 1).
-  const __m128i P0 = _mm_load_si128(reinterpret_cast<const __m128i*>(lut.planes[0]));
-  const __m128i P1 = _mm_load_si128(reinterpret_cast<const __m128i*>(lut.planes[1]));
-  const __m128i P2 = _mm_load_si128(reinterpret_cast<const __m128i*>(lut.planes[2]));
-  const __m128i P3 = _mm_load_si128(reinterpret_cast<const __m128i*>(lut.planes[3]));
-  auto put16 = [&](int at, __m128i idx) {
-    const __m128i b0 = _mm_shuffle_epi8(P0, idx), b1 = _mm_shuffle_epi8(P1, idx);
-    const __m128i b2 = _mm_shuffle_epi8(P2, idx), b3 = _mm_shuffle_epi8(P3, idx);
-    const __m128i lo01 = _mm_unpacklo_epi8(b0, b1), hi01 = _mm_unpackhi_epi8(b0, b1);
-    const __m128i lo23 = _mm_unpacklo_epi8(b2, b3), hi23 = _mm_unpackhi_epi8(b2, b3);
-    put4(at, _mm_unpacklo_epi16(lo01, lo23));
-    put4(at + 4, _mm_unpackhi_epi16(lo01, lo23));
-    put4(at + 8, _mm_unpacklo_epi16(hi01, hi23));
-    put4(at + 12, _mm_unpackhi_epi16(hi01, hi23));
-  };
-  if (bits == 4) {  // byte k holds codes 2k (low nibble) and 2k + 1
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    for (; c + 32 <= d; c += 32) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c / 2));
-      const __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
-      put16(c, _mm_unpacklo_epi8(lo, hi));
-      put16(c + 16, _mm_unpackhi_epi8(lo, hi));
-    }
-    for (; c + 16 <= d; c += 16) {
-      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + c / 2));
-      put16(c, _mm_unpacklo_epi8(_mm_and_si128(b, m4), _mm_and_si128(_mm_srli_epi16(b, 4), m4)));
-    }
-  } else if (bits == 2) {  // byte k holds codes 4k..4k+3: each byte to 4 lanes, masked, shifted
-    const __m128i rep = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    const __m128i mask = _mm_set1_epi32(static_cast<int>(0xC0300C03u)), m4 = _mm_set1_epi8(0x0F);
-    for (; c + 16 <= d; c += 16) {
-      int32_t w;
-      std::memcpy(&w, p + c / 4, 4);
-      const __m128i a = _mm_and_si128(_mm_shuffle_epi8(_mm_cvtsi32_si128(w), rep), mask);
-      // lanes 4k, 4k+1: the code at bits 0-1 / 2-3; lanes 4k+2, 4k+3: moved down from bits 4-7
-      put16(c, _mm_or_si128(_mm_and_si128(a, m4), _mm_and_si128(_mm_srli_epi16(a, 4), m4)));
+  if (bits == 4 || bits == 2) {
+    const __m128i P0 = _mm_load_si128(reinterpret_cast<const __m128i*>(lut.planes[0]));
+    const __m128i P1 = _mm_load_si128(reinterpret_cast<const __m128i*>(lut.planes[1]));
+    const __m128i P2 = _mm_load_si128(reinterpret_cast<const __m128i*>(lut.planes[2]));
+    const __m128i P3 = _mm_load_si128(reinterpret_cast<const __m128i*>(lut.planes[3]));
+    auto put16 = [&](int at, __m128i idx) {
+      const __m128i b0 = _mm_shuffle_epi8(P0, idx), b1 = _mm_shuffle_epi8(P1, idx);
+      const __m128i b2 = _mm_shuffle_epi8(P2, idx), b3 = _mm_shuffle_epi8(P3, idx);
+      const __m128i lo01 = _mm_unpacklo_epi8(b0, b1), hi01 = _mm_unpackhi_epi8(b0, b1);
+      const __m128i lo23 = _mm_unpacklo_epi8(b2, b3), hi23 = _mm_unpackhi_epi8(b2, b3);
+      put4(at, _mm_unpacklo_epi16(lo01, lo23));
+      put4(at + 4, _mm_unpackhi_epi16(lo01, lo23));
+      put4(at + 8, _mm_unpacklo_epi16(hi01, hi23));
+      put4(at + 12, _mm_unpackhi_epi16(hi01, hi23));
+    };
+    if (bits == 4) {  // byte k holds codes 2k (low nibble) and 2k + 1
+      const __m128i m4 = _mm_set1_epi8(0x0F);
+      for (; c + 32 <= d; c += 32) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c / 2));
+        const __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+        put16(c, _mm_unpacklo_epi8(lo, hi));
+        put16(c + 16, _mm_unpackhi_epi8(lo, hi));
+      }
+      for (; c + 16 <= d; c += 16) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + c / 2));
+        put16(c, _mm_unpacklo_epi8(_mm_and_si128(b, m4), _mm_and_si128(_mm_srli_epi16(b, 4), m4)));
+      }
+    } else if (bits == 2) {  // byte k holds codes 4k..4k+3: each byte to 4 lanes, masked, shifted
+      const __m128i rep = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+      const __m128i mask = _mm_set1_epi32(static_cast<int>(0xC0300C03u)), m4 = _mm_set1_epi8(0x0F);
+      for (; c + 16 <= d; c += 16) {
+        int32_t w;
+        std::memcpy(&w, p + c / 4, 4);
+        const __m128i a = _mm_and_si128(_mm_shuffle_epi8(_mm_cvtsi32_si128(w), rep), mask);
+        // lanes 4k, 4k+1: the code at bits 0-1 / 2-3; lanes 4k+2, 4k+3: moved down from bits 4-7
+        put16(c, _mm_or_si128(_mm_and_si128(a, m4), _mm_and_si128(_mm_srli_epi16(a, 4), m4)));
+      }
     }
   }
   if (bits == 4) {  // 2 and 4 bits: a tail of 8 codes
