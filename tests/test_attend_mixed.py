@@ -300,3 +300,46 @@ def test_packed_blocks_in_their_own_spaces_merge_into_one_softmax(compiled):  # 
     want, want_lse = merge_parts(parts)
     torch.testing.assert_close(out, want, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("dv", [64, 80, 96, 16])
+def test_hadamard_signs_as_value_inverse_equal_the_rotation_matrix(compiled, dv):  # noqa: F811
+    """``value_inverse`` as a Hadamard rotation's int8 signs (the kernel's butterflies, block
+    by block for 80 = 64 + 16 and 96 = 64 + 32) against the same rotation's dense ``R^T``
+    (:meth:`Rotation.inverse_matrices`), for the call's packed block and an extra one."""
+    from kv_cache.cache.packed import Rotation
+
+    gen = torch.Generator().manual_seed(dv)
+    rot, rot2 = Rotation(3, H, dv, 0, "cpu"), Rotation(4, H, dv, 0, "cpu")
+    assert rot.value_inverse().dtype == torch.int8 and rot.value_inverse() is rot.signs
+    k = quantize_block(torch.randn(R, 96, dv, generator=gen), 4, "channel", 32)
+    v = quantize_block(torch.randn(R, 96, dv, generator=gen), 4, "token", 16)
+    k2 = quantize_block(torch.randn(R, 32, dv, generator=gen), 2, "token", 16)
+    v2 = quantize_block(torch.randn(R, 32, dv, generator=gen), 2, "token", 16)
+    q, qp, q2 = (torch.randn(R, G, dv, generator=gen) for _ in range(3))
+    res = (torch.randn(B, H, 5, dv, generator=gen), torch.randn(B, H, 5, dv, generator=gen), None)
+    st = torch.tensor([0, 3, 0, 7, 0, 1], dtype=torch.int32)
+    got = attend_mixed(q, 0.2, packed=[(k, v, st, qp, rot.signs), (k2, v2, None, q2, rot2.signs)], dense=[res])
+    want = attend_mixed(q, 0.2, packed=[(k, v, st, qp, rot.inverse_matrices()), (k2, v2, None, q2, rot2.inverse_matrices())],
+                        dense=[res])
+    torch.testing.assert_close(got[0], want[0], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=ATOL)
+    one = attend_mixed(q, 0.2, packed=(k, v, st), q_packed=qp, value_inverse=rot.signs)
+    ref = reference.attend_mixed(q, 0.2, packed=(k, v, st), q_packed=qp, value_inverse=rot.inverse_matrices())
+    torch.testing.assert_close(one[0], ref[0], rtol=RTOL, atol=ATOL)
+
+
+def test_value_inverse_signs_validation():
+    q, kw = _layer()
+    k, v, st = kw["packed"]
+    for bad in (torch.ones(H, D + 2, dtype=torch.int8), torch.ones(4, D, dtype=torch.int8),
+                torch.ones(H, D, dtype=torch.int16), torch.ones(H, 1, D, dtype=torch.int8),
+                torch.ones(0, D, dtype=torch.int8), torch.ones(H, D)):
+        with pytest.raises(ValueError, match=r"int8 \[H, d_v\] = \[H, 64\] \(Hadamard signs, d_v even\).*got"):
+            attend_mixed(q, 0.125, packed=(k, v, st), value_inverse=bad)
+    q3 = torch.randn(R, G, 6)
+    k3 = quantize_block(torch.randn(R, 8, 6), 4, "token", 2)
+    odd = quantize_block(torch.randn(R, 8, 7), 8, "token", 7)
+    attend_mixed(q3, 0.125, packed=(k3, k3, None), value_inverse=torch.ones(H, 6, dtype=torch.int8))  # 6 = 4 + 2
+    with pytest.raises(ValueError, match="d_v even"):
+        attend_mixed(q3, 0.125, packed=(k3, odd, None), value_inverse=torch.ones(H, 7, dtype=torch.int8))

@@ -308,6 +308,26 @@ def test_attend_mixed_matches_one_softmax(dtype, rotated):
         assert torch.equal(torch.isfinite(lse.cpu()), valid)
 
 
+@on_device
+def test_attend_mixed_takes_hadamard_signs_as_value_inverse():
+    """``value_inverse`` as a Hadamard rotation's int8 signs (expanded to ``R^T`` on this path)
+    against the same rotation's dense matrices, in one call."""
+    from kv_cache.cache.packed import Rotation
+    from test_attend_mixed import _layer, _oracle
+
+    q, kw = _layer(torch.float32, True)
+    rot = Rotation(2, kw["value_inverse"].shape[0], q.shape[-1], 0, "cpu")
+    want, want_lse = _oracle(q, **{**kw, "value_inverse": rot.inverse_matrices()})
+    k, v, st = kw["packed"]
+    dense = [tuple(_on(t) for t in blk) for blk in kw["dense"]]
+    a = check_mixed_args(_on(q), 0.125, (_to_device(k), _to_device(v), _on(st)), dense, _on(kw["q_packed"]),
+                         _on(rot.signs))
+    out, lse = _tk().attend.attend_mixed(a)
+    valid = torch.isfinite(want_lse)
+    torch.testing.assert_close(out.cpu().double(), want, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(lse.cpu().double()[valid], want_lse[valid], rtol=0, atol=ATOL)
+
+
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @on_device
 def test_fused_decode_ragged_rows(monkeypatch, q_dtype):

@@ -246,7 +246,7 @@ def _one_call(blocks: list, q: torch.Tensor, scaling: float, starts: list) -> tu
         if space is None:
             rot = blk.rotation
             space = (rot, None, None) if rot is None else (rot, rot.forward_keys(q).reshape(R, G, d),
-                                                           rot.inverse_matrices())
+                                                           rot.value_inverse())
             spaces.append(space)
         packed.append((blk.keys, blk.values, start, q.reshape(R, G, d) if space[1] is None else space[1], space[2]))
     out, lse = attend_mixed(q.reshape(R, G, d), scaling, packed=packed or None, dense=dense)

@@ -194,6 +194,12 @@ class Rotation:
         d = self.signs.shape[-1]
         return (_hadamard(d, str(self.signs.device)) * self.signs.float()[:, None, :]).contiguous()
 
+    def value_inverse(self) -> torch.Tensor:
+        """What :func:`kv_cache.kernels.attend_mixed` takes as ``value_inverse`` to map rotated
+        values back: the held ``signs`` (int8 ``[kv_heads, d]``, no copy) of a Hadamard rotation,
+        else :meth:`inverse_matrices`."""
+        return self.inverse_matrices() if self.matrices is not None else self.signs
+
     def _parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.signs.to(x.dtype)[None, :, None, :], _hadamard(x.shape[-1], str(x.device)).to(x.dtype)
 

@@ -303,27 +303,32 @@ class QuantizedStorage(LayerStorage):
         self._flush()
 
     def _flush(self) -> None:
-        self._fill_and_pack()
-        self.keys, self.values = _owned(self.keys), _owned(self.values)  # never a view of a prefill
+        if self._fill_and_pack():  # the residual is now a slice of what append concatenated
+            self.keys, self.values = _owned(self.keys), _owned(self.values)  # never a view of a prefill
 
-    def _fill_and_pack(self) -> None:
+    def _fill_and_pack(self) -> bool:
+        """Move the residual's leading tokens to the sinks, then whole groups to the packed part;
+        returns whether the residual was sliced (else it is the tensor ``append`` made)."""
         q = self.quant
+        sliced = False
         if q.sink_tokens:
             take = min(q.sink_tokens - self.n_sinks, self.keys.shape[2]) if self.packed.length == 0 else 0
             if take > 0:
                 self.sink_keys = _owned(_cat(self.sink_keys, self.keys[:, :, :take]))
                 self.sink_values = _owned(_cat(self.sink_values, self.values[:, :, :take]))
                 self.keys, self.values = self.keys[:, :, take:], self.values[:, :, take:]
+                sliced = True
             if self.n_sinks < q.sink_tokens:
-                return  # sinks fill first; nothing is quantized before them
+                return sliced  # sinks fill first; nothing is quantized before them
         g = q.group_size
         # KIVI: once the residual reaches max(R, g) tokens, all its whole groups are quantized.
         if self.keys.shape[2] < max(q.residual_length, g):
-            return
+            return sliced
         n = (self.keys.shape[2] // g) * g
         k_blk, v_blk = self.keys[:, :, :n], self.values[:, :, :n]
         self.keys, self.values = self.keys[:, :, n:], self.values[:, :, n:]
         self.packed.append(k_blk, v_blk)
+        return True
 
     def read(self, new_keys=None, new_values=None):
         ks, vs = [], []

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
+from ..compression.rotation import hadamard_matrix
 from .qblock import SCALE_DTYPES, QBlock, _names, check_bits, check_grouping
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -178,7 +180,7 @@ class MixedArgs:
     packed: tuple                         # AttendArgs of each packed block (queries: q, or q R when rotated)
     dense: tuple                          # ((keys [B, H, n, dk], values [B, H, n, dv], start [R] int32 | None,
                                           #   offsets [R] int64 | None, lengths [R] int32 | None), ...)
-    inverses: tuple                       # per packed block: [H', dv, dv] float32 or None
+    inverses: tuple                       # per packed block: [H', dv, dv] float32, [H', dv] int8 signs, or None
     scaling: float
 
 
@@ -243,9 +245,36 @@ def check_mixed_args(q, scaling, packed, dense, q_packed, value_inverse) -> Mixe
 
 
 def _check_inverse(vi, dv: int, R: int) -> torch.Tensor | None:
-    if vi is not None and (not isinstance(vi, torch.Tensor) or vi.dtype != torch.float32 or vi.dim() != 3
-                           or tuple(vi.shape[1:]) != (dv, dv) or R % vi.shape[0]):
-        raise ValueError(f"value_inverse must be float32 [H, d_v, d_v] = [H, {dv}, {dv}] with R = {R} a "
-                         f"multiple of H; got {getattr(vi, 'dtype', type(vi).__name__)} of shape "
+    """``value_inverse`` of one packed block: None, dense ``R^T`` per head (float32 ``[H, d_v, d_v]``)
+    or the signs of a Hadamard rotation (int8 ``[H, d_v]``, ``d_v`` even; see
+    :func:`value_inverse_matrices`), ``R`` a multiple of ``H``."""
+    if vi is None:
+        return None
+    ok = isinstance(vi, torch.Tensor) and vi.dim() in (2, 3) and vi.shape[0] > 0 and R % vi.shape[0] == 0 and (
+        (vi.dtype == torch.float32 and vi.dim() == 3 and tuple(vi.shape[1:]) == (dv, dv))
+        or (vi.dtype == torch.int8 and vi.dim() == 2 and vi.shape[1] == dv and dv >= 2 and dv % 2 == 0))
+    if not ok:
+        raise ValueError(f"value_inverse must be float32 [H, d_v, d_v] = [H, {dv}, {dv}] (R^T per head) or "
+                         f"int8 [H, d_v] = [H, {dv}] (Hadamard signs, d_v even), with R = {R} a multiple of "
+                         f"H >= 1; got {getattr(vi, 'dtype', type(vi).__name__)} of shape "
                          f"{tuple(getattr(vi, 'shape', ()))}")
     return vi
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard_on(dim: int, device: str) -> torch.Tensor:
+    return hadamard_matrix(dim, dtype=torch.float32).to(device)
+
+
+def value_inverse_matrices(vi: torch.Tensor | None) -> torch.Tensor | None:
+    """A checked ``value_inverse`` as float32 ``[H, d_v, d_v]`` matrices (None stays None).
+
+    Signs ``s`` (int8 ``[H, d_v]``) name the rotation ``R = diag(s) B`` with
+    ``B = blockdiag(H_b / sqrt(b))`` (:func:`~kv_cache.compression.rotation.hadamard_matrix`, the
+    blocks of :func:`~kv_cache.compression.rotation.pow2_blocks`), so ``o R^T = (o B) * s``: the
+    matrix ``B * s`` (column ``j`` times ``s_j``). The compiled kernel applies the signs by
+    butterflies instead; the torch and Triton paths multiply by this matrix."""
+    if vi is None or vi.dim() == 3:
+        return vi
+    b = _hadamard_on(vi.shape[-1], str(vi.device))
+    return (b.unsqueeze(0) * vi.to(torch.float32).unsqueeze(1)).contiguous()

@@ -370,9 +370,13 @@ def attend_mixed(
         ``start`` int32 ``[R]`` or None.
     q_packed : torch.Tensor, float32 ``[R, G, d]``, optional
         Queries of the packed block when its keys are stored rotated (``q R``: ``q.k = qR.kR``).
-    value_inverse : torch.Tensor, float32 ``[H, d_v, d_v]``, optional
+    value_inverse : torch.Tensor, optional
         The packed block's values are stored rotated: its share of the output is mapped back
-        by ``o @ value_inverse[r % H]`` before the full-precision blocks join.
+        by ``o R^T`` of head ``r % H`` before the full-precision blocks join. Either ``R^T``
+        itself, float32 ``[H, d_v, d_v]`` (``o @ value_inverse[r % H]``), or, for a Hadamard
+        rotation ``R = diag(s) blockdiag(H_b / sqrt(b))``, its signs ``s``, int8 ``[H, d_v]``
+        (``d_v`` even): ``(o blockdiag(H_b / sqrt(b))) * s``, which the compiled kernel applies
+        as butterflies (§17) instead of a ``d_v x d_v`` product.
 
     Returns
     -------

@@ -25,6 +25,7 @@ from ._checks import (
     check_out_dtype,
     check_quantize_args,
     midpoints,
+    value_inverse_matrices,
 )
 from .qblock import KeyRope, QBlock, uniform_lut
 
@@ -242,7 +243,7 @@ def _attend_mixed(a) -> tuple[torch.Tensor, torch.Tensor]:
     for p, inverse in zip(a.packed, a.inverses):
         out, lse, _ = _attend(p, False)
         if inverse is not None:
-            out = rows_times(out, inverse)
+            out = rows_times(out, value_inverse_matrices(inverse))
         parts.append((out, lse))
     R, G, d = a.q.shape
     for k, v, st, off, ln in a.dense:

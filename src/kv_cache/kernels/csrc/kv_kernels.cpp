@@ -493,6 +493,33 @@ static BlockView make_block(const at::Tensor& codes, int64_t bits, const at::Ten
   return b;
 }
 
+// A rotated packed block's values back to the model's space, x <- x R^T (R^T of KV head r % heads):
+// either a dense row-major [d, d] matrix m, or the Hadamard signs s (int8 +-1, [heads, d]) of
+// R = diag(s) blockdiag(H_b / sqrt(b)), so x R^T = (x blockdiag(H_b / sqrt(b))) * s, the blocks b
+// the powers of two that tile d, largest first (compression.rotation.pow2_blocks): log2(b)
+// butterfly passes per block instead of a d x d product.
+struct ValueInverse {
+  const float* m = nullptr;
+  const int8_t* s = nullptr;
+  int64_t heads = 1;
+};
+
+static ValueInverse make_inverse(const c10::optional<at::Tensor>& t, int64_t dv, int64_t R, const char* what) {
+  ValueInverse out;
+  if (!t.has_value()) return out;
+  const at::Tensor& m = *t;
+  TORCH_CHECK(m.is_contiguous() && m.dim() >= 1 && m.size(0) > 0 && R % m.size(0) == 0, what);
+  if (m.scalar_type() == at::kChar) {
+    TORCH_CHECK(m.dim() == 2 && m.size(1) == dv && dv >= 2 && dv % 2 == 0, what, " (signs)");
+    out.s = m.data_ptr<int8_t>();
+  } else {
+    TORCH_CHECK(m.scalar_type() == at::kFloat && m.dim() == 3 && m.size(1) == dv && m.size(2) == dv, what);
+    out.m = m.data_ptr<float>();
+  }
+  out.heads = m.size(0);
+  return out;
+}
+
 // x[0..d) = x @ M for a row-major [d, d] matrix (a rotated block's output back to its space)
 static void rotate_back(float* x, const float* M, int d) {
   std::vector<float> y(d, 0.0f);
@@ -502,6 +529,30 @@ static void rotate_back(float* x, const float* M, int d) {
     for (int c = 0; c < d; ++c) y[c] += xj * mr[c];
   }
   std::copy(y.begin(), y.end(), x);
+}
+
+static void rotate_back(float* x, const ValueInverse& vi, int64_t r, int d) {
+  if (vi.m) {
+    rotate_back(x, vi.m + (r % vi.heads) * d * d, d);
+    return;
+  }
+  if (!vi.s) return;
+  const int8_t* s = vi.s + (r % vi.heads) * d;
+  for (int at = 0; at < d;) {
+    int b = 1;
+    while (2 * b <= d - at) b *= 2;  // the largest power of two that fits
+    float* xb = x + at;
+    for (int h = 1; h < b; h <<= 1)
+      for (int i = 0; i < b; i += 2 * h)
+        for (int j = i; j < i + h; ++j) {
+          const float u = xb[j], v = xb[j + h];
+          xb[j] = u + v;
+          xb[j + h] = u - v;
+        }
+    const float norm = 1.0f / std::sqrt(static_cast<float>(b));
+    for (int c = 0; c < b; ++c) xb[c] *= norm * static_cast<float>(s[at + c]);
+    at += b;
+  }
 }
 
 static void raise_bad_group() {
@@ -663,13 +714,13 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
   // extra packed blocks: tensors [k_codes, k_lut, k_scale, k_zero, k_gid, k_table, v_codes, v_lut,
   // v_scale, v_zero, v_gid, v_table, start, q, vinv, offsets, length] (the last two: a flat ragged
   // block, int64 [R] and int32 [R], or None), ints [k_bits, k_grouping, k_gs, v_bits,
-  // v_grouping, v_gs]; q [R, G, dk] float32 (the block's own space), vinv [H', dv, dv] or None
+  // v_grouping, v_gs]; q [R, G, dk] float32 (the block's own space), vinv as ValueInverse or None
   const int64_t n_extra = static_cast<int64_t>(x_tensors.size());
   TORCH_CHECK(static_cast<int64_t>(x_ints.size()) == n_extra, "x_tensors and x_ints differ in length");
   std::vector<BlockView> xk(n_extra), xv(n_extra);
   std::vector<const int32_t*> xstart(n_extra, nullptr), xlen(n_extra, nullptr);
-  std::vector<const float*> xq(n_extra, nullptr), xvi(n_extra, nullptr);
-  std::vector<int64_t> xvi_heads(n_extra, 1);
+  std::vector<const float*> xq(n_extra, nullptr);
+  std::vector<ValueInverse> xvi(n_extra);
   for (int64_t i = 0; i < n_extra; ++i) {
     const auto& T = x_tensors[i];
     const auto& I = x_ints[i];
@@ -679,13 +730,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
     TORCH_CHECK(T[13]->scalar_type() == at::kFloat && T[13]->is_contiguous() && T[13]->sizes() == q.sizes(),
                 "extra packed block q");
     xq[i] = T[13]->data_ptr<float>();
-    if (T[14].has_value()) {
-      const at::Tensor& m = *T[14];
-      TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.dim() == 3 && m.size(1) == m.size(2) &&
-                      q.size(0) % m.size(0) == 0, "extra packed block vinv");
-      xvi[i] = m.data_ptr<float>();
-      xvi_heads[i] = m.size(0);
-    }
+    xvi[i] = make_inverse(T[14], a.v.d, q.size(0), "extra packed block vinv");
     xk[i] = make_block(*T[0], I[0], *T[1], I[1], *T[2], T[3], T[4], I[2], T[5], T[15]);
     xv[i] = make_block(*T[6], I[3], *T[7], I[4], *T[8], T[9], T[10], I[5], T[11], T[15]);
     if (T[16].has_value()) {
@@ -774,14 +819,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
     TORCH_CHECK(qd->scalar_type() == at::kFloat && qd->is_contiguous() && qd->sizes() == q.sizes(), "qd");
     a.qd = qd->data_ptr<float>();
   }
-  const float* vi = nullptr;
-  int64_t vi_heads = 1;
-  if (vinv.has_value()) {
-    TORCH_CHECK(vinv->scalar_type() == at::kFloat && vinv->is_contiguous() && vinv->dim() == 3 &&
-                vinv->size(1) == dv && vinv->size(2) == dv && R % vinv->size(0) == 0, "vinv");
-    vi = vinv->data_ptr<float>();
-    vi_heads = vinv->size(0);
-  }
+  const ValueInverse vi = make_inverse(vinv, dv, R, "vinv");
   // valid tokens of row r: [lo, hi) = [start, length) clipped to [0, N)
   std::vector<int64_t> lo(R), hi(R);
   int64_t total = 0;
@@ -867,8 +905,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_codes, int64_t k_bits, cons
       }
       for (int64_t p = 0; p <= n_extra; ++p) {
         float* sp = share.data() + p * dv;
-        const float* m = p == 0 ? vi : xvi[p - 1];
-        if (m) rotate_back(sp, m + (r % (p == 0 ? vi_heads : xvi_heads[p - 1])) * dv * dv, dv);
+        rotate_back(sp, p == 0 ? vi : xvi[p - 1], r, dv);
         for (int c = 0; c < dv; ++c) orow[c] += sp[c];
       }
       const float inv = static_cast<float>(1.0 / sum);

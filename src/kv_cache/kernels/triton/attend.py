@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ...compression.rotation import fwht
-from .._checks import AttendArgs, MixedArgs
+from .._checks import AttendArgs, MixedArgs, value_inverse_matrices
 from ._blocks import block_args, check_groups, pow2
 from ._tiles import dequant_tile
 
@@ -405,7 +405,8 @@ def attend_block(a: AttendArgs, return_logits: bool, *, splits: int | None = Non
 def attend_mixed(a: MixedArgs, *, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kv_cache.kernels.attend_mixed` of validated arguments: ``(out [R, G, d_v], lse [R, G])``
     float32 over every packed and full-precision block in one softmax (§16)."""
-    return _run(a.q, list(zip(a.packed, a.inverses)), list(a.dense), a.scaling, splits=splits)
+    inverses = [value_inverse_matrices(vi) for vi in a.inverses]  # Hadamard signs as matrices
+    return _run(a.q, list(zip(a.packed, inverses)), list(a.dense), a.scaling, splits=splits)
 
 
 __all__ = ["BLOCK_N", "attend_block", "attend_mixed"]
