@@ -300,7 +300,7 @@ def write_paged(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     lo, hi = log_scale_range()
     ext.write_paged(cache, key.float().contiguous(), value.float().contiguous(), slots.long().contiguous(), kk,
                     layout.key_bits, vk, layout.value_bits, list(layout.offsets[:4]), mids, layout.norm_table,
-                    [lo, hi, LOG_SCALE_MIN_EXP, LOG_SCALE_STEP])
+                    [lo, hi, LOG_SCALE_MIN_EXP, LOG_SCALE_STEP], _build.isa_flag())
     return True
 
 

@@ -299,6 +299,21 @@ struct PagedSpan {
   int64_t part = 0;                  // the span's first partial row in pm / pl / pacc
 };
 
+// The log-sum-exp merge of attend_paged_batch (paged_merge_item in kv_paged_impl.h): one item is
+// up to kMergeRows query rows of one (request, kv head), rows [g0, g1) of its spans.
+struct PagedMerge {
+  const float *pm = nullptr, *pl = nullptr, *pacc = nullptr;  // the spans' partial results
+  const PagedSpan* spans = nullptr;
+  const int64_t* first = nullptr;  // [R * H + 1]: the spans of (r, h) are first[r H + h] .. first[r H + h + 1]
+  const int64_t* qs = nullptr;     // [R + 1] query_start
+  const int64_t* items = nullptr;  // [n, 3]: (r H + h, g0, g1)
+  const float* vinv = nullptr;     // [H, D, D] or None: the cached share's x @ vinv[h]
+  float* out = nullptr;            // [N, Hq, D]
+  int64_t H = 0, Hq = 0;
+  int G = 0, D = 0;
+};
+constexpr int kMergeRows = 64;
+
 struct PagedArgs {
   const float* q;        // [R * H, M, D]; batch mode: [N, Hq, D]
   int M = 0, D = 0;
@@ -344,6 +359,7 @@ namespace generic {
 #define KVK_ISA 0
 #include "kv_kernels_impl.h"
 #include "kv_paged_impl.h"
+#include "kv_paged_write_impl.h"
 #undef KVK_ISA
 }  // namespace generic
 
@@ -353,6 +369,7 @@ namespace avx2 {
 #define KVK_ISA 1
 #include "kv_kernels_impl.h"
 #include "kv_paged_impl.h"
+#include "kv_paged_write_impl.h"
 #undef KVK_ISA
 }  // namespace avx2
 #pragma GCC pop_options
@@ -363,6 +380,7 @@ namespace avx512 {
 #define KVK_ISA 2
 #include "kv_kernels_impl.h"
 #include "kv_paged_impl.h"
+#include "kv_paged_write_impl.h"
 #undef KVK_ISA
 }  // namespace avx512
 #pragma GCC pop_options

@@ -252,33 +252,34 @@ void attend_paged_batch(const at::Tensor& q, const at::Tensor& cache, const at::
   if (n_items > 0)
     run_items(n_items, work / 4,
               [&](int64_t i, Scratch& s) { KVK_DISPATCH(isa_level, attend_paged_batch_item, a, i, s); });
-  // merge each row's spans by log-sum-exp; the cached share rotated back before the fresh one joins
-  float* o = out.data_ptr<float>();
-  std::vector<float> share(D);
-  const float ninf = -std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t b = first[r * H + h], e = first[r * H + h + 1];
-      if (b == e) continue;
-      const int M = spans[b].M, Q = spans[b].Q;
-      for (int g = 0; g < M; ++g) {
-        float* orow = o + ((qs[r] + g % Q) * a.Hq + h * a.G + g / Q) * D;
-        float big = ninf;
-        for (int64_t i = b; i < e; ++i) big = std::max(big, pm[spans[i].part + g]);
-        std::fill(orow, orow + D, 0.0f);
-        std::fill(share.begin(), share.end(), 0.0f);
-        double sum = 0.0;
-        for (int64_t i = b; i < e; ++i) {
-          const int64_t p = spans[i].part + g;
-          const float w = std::exp(pm[p] - big);
-          sum += static_cast<double>(w) * pl[p];
-          const float* pa = pacc.data() + p * dp;
-          float* dst = spans[i].fresh ? orow : share.data();
-          for (int c = 0; c < D; ++c) dst[c] += w * pa[c];
-        }
-        if (vi) rotate_back(share.data(), vi + h * D * D, static_cast<int>(D));
-        const float inv = static_cast<float>(1.0 / sum);
-        for (int c = 0; c < D; ++c) orow[c] = (orow[c] + share[c]) * inv;
-      }
+  // merge each row's spans by log-sum-exp, the cached share rotated back before the fresh one
+  // joins: items of up to kMergeRows query rows of one (request, kv head), over the threads
+  std::vector<int64_t> mitems;
+  int64_t mwork = 0;
+  for (int64_t rh = 0; rh < R * H; ++rh) {
+    const int64_t b = first[rh], e = first[rh + 1];
+    if (b == e) continue;
+    const int M = spans[b].M;
+    for (int64_t g = 0; g < M; g += kMergeRows) {
+      mitems.insert(mitems.end(), {rh, g, std::min<int64_t>(M, g + kMergeRows)});
     }
+    mwork += M * (e - b + (vi ? D : 0)) * D;
+  }
+  PagedMerge mg;
+  mg.pm = pm.data();
+  mg.pl = pl.data();
+  mg.pacc = pacc.data();
+  mg.spans = spans.data();
+  mg.first = first.data();
+  mg.qs = qs;
+  mg.items = mitems.data();
+  mg.vinv = vi;
+  mg.out = out.data_ptr<float>();
+  mg.H = H;
+  mg.Hq = a.Hq;
+  mg.G = a.G;
+  mg.D = a.D;
+  const int64_t n_merge = static_cast<int64_t>(mitems.size() / 3);
+  if (n_merge > 0)
+    run_items(n_merge, mwork / 4, [&](int64_t i, Scratch& s) { KVK_DISPATCH(isa_level, paged_merge_item, mg, i, s); });
 }

@@ -213,3 +213,59 @@ static void attend_paged_item(const PagedArgs& a, int64_t item, Scratch& s) {
 static void attend_paged_batch_item(const PagedArgs& a, int64_t item, Scratch& s) {
   paged_span(a, a.spans[item], s);
 }
+
+// Rows [g0, g1) of one (request, kv head) of attend_paged_batch: its spans' (max, sum, output)
+// merged by log-sum-exp into out, the cached share rotated back (x @ vinv[h], one vectorized
+// row-times-matrix product per query row) before the step's own share joins (math §28.5).
+static void paged_merge_item(const PagedMerge& a, int64_t item, Scratch& s) {
+  const int64_t rh = a.items[3 * item], g0 = a.items[3 * item + 1], g1 = a.items[3 * item + 2];
+  const int64_t r = rh / a.H, h = rh % a.H;
+  const int64_t b = a.first[rh], e = a.first[rh + 1];
+  const int D = a.D, dp = pad_to(D), Q = a.spans[b].Q;
+  if (s.f1.size() < 3 * static_cast<size_t>(dp)) s.f1.resize(3 * static_cast<size_t>(dp));
+  float *share = s.f1.data(), *fresh = share + dp, *y = fresh + dp;
+  const float* M = a.vinv ? a.vinv + h * static_cast<int64_t>(D) * D : nullptr;
+  for (int64_t g = g0; g < g1; ++g) {
+    float* orow = a.out + ((a.qs[r] + g % Q) * a.Hq + h * a.G + g / Q) * D;
+    float big = -std::numeric_limits<float>::infinity();
+    for (int64_t i = b; i < e; ++i) big = std::max(big, a.pm[a.spans[i].part + g]);
+    std::fill(share, share + 2 * static_cast<size_t>(dp), 0.0f);
+    double sum = 0.0;
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t p = a.spans[i].part + g;
+      const float w = std::exp(a.pm[p] - big);
+      sum += static_cast<double>(w) * a.pl[p];
+      const float* pa = a.pacc + p * dp;
+      float* dst = a.spans[i].fresh ? fresh : share;
+      const vf wv = vset1(w);
+      for (int c = 0; c < dp; c += W) vstore(dst + c, vfma(wv, vload(pa + c), vload(dst + c)));
+    }
+    const float* sh = share;
+    if (M) {
+      int c0 = 0;
+      for (; c0 + 4 * W <= D; c0 += 4 * W) {  // four output vectors held in registers over j
+        vf y0 = vzero(), y1 = vzero(), y2 = vzero(), y3 = vzero();
+        for (int j = 0; j < D; ++j) {
+          const vf xj = vset1(share[j]);
+          const float* mr = M + static_cast<int64_t>(j) * D + c0;
+          y0 = vfma(xj, vload(mr), y0);
+          y1 = vfma(xj, vload(mr + W), y1);
+          y2 = vfma(xj, vload(mr + 2 * W), y2);
+          y3 = vfma(xj, vload(mr + 3 * W), y3);
+        }
+        vstore(y + c0, y0);
+        vstore(y + c0 + W, y1);
+        vstore(y + c0 + 2 * W, y2);
+        vstore(y + c0 + 3 * W, y3);
+      }
+      for (; c0 < D; c0 += W) {
+        vf y0 = vzero();
+        for (int j = 0; j < D; ++j) y0 = vfma(vset1(share[j]), vload(M + static_cast<int64_t>(j) * D + c0), y0);
+        vstore(y + c0, y0);
+      }
+      sh = y;
+    }
+    const float inv = static_cast<float>(1.0 / sum);
+    for (int c = 0; c < D; ++c) orow[c] = (fresh[c] + sh[c]) * inv;
+  }
+}

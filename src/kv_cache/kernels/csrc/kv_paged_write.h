@@ -74,6 +74,8 @@ struct WriteArgs {
   int nmids = 0;
   const float* norm_table = nullptr;  // [256]
   double lo = 0, hi = 0, min_exp = 0, step = 1;  // log-coded norms (§18.8)
+  int isa = 0;                 // the per-ISA key-group loops (kv_paged_write_impl.h)
+  const Lut* idl = nullptr;    // the identity table of k_bits (stored key codes as floats)
 };
 
 // one token's value (one kv head) into its slot
@@ -92,13 +94,7 @@ static void encode_value(const WriteArgs& a, const float* x, uint8_t* slot, uint
       const double c = std::nearbyint((std::log2(std::max(r, a.lo)) - a.min_exp) / a.step) + 1.0;
       code = static_cast<int>(std::min(255.0, std::max(1.0, c)));
     }
-    const float s = a.norm_table[code];
-    for (int c = 0; c < D; ++c) {
-      const float v = s > 0 ? x[c] / s : 0.0f;
-      int k = 0;  // midpoints strictly below v (torch.bucketize, right=False)
-      while (k < a.nmids && a.mids[k] < v) ++k;
-      q[c] = static_cast<uint8_t>(k);
-    }
+    KVK_DISPATCH(a.isa, level_codes, x, a.norm_table[code], D, a.mids, a.nmids, q);
     pack_codes(q, D, a.v_bits, slot + a.vo);
     slot[a.vmo] = static_cast<uint8_t>(code);
     return;
@@ -156,37 +152,17 @@ static void encode_key_group(const WriteArgs& a, uint8_t* g0, const float* const
       s0[c] = get_f16(meta + 2 * c);
       m0[c] = get_f16(meta + 2 * (D + c));
     }
-    for (int t = 0; t < first; ++t) {
-      const uint8_t* p = g0 + t * a.sw + a.ko;
-      float* row = vals + t * D;
-      if (bits == 4) {
-        for (int c = 0; c < D; c += 2) {
-          row[c] = m0[c] + static_cast<float>(p[c >> 1] & 15) * s0[c];
-          row[c + 1] = m0[c + 1] + static_cast<float>(p[c >> 1] >> 4) * s0[c + 1];
-        }
-      } else {
-        for (int c = 0; c < D; ++c) row[c] = m0[c] + static_cast<float>(code_at(p, c, bits)) * s0[c];
-      }
-      valid[t] = 1;
-    }
+    KVK_DISPATCH(a.isa, key_group_decode, g0, a.sw, a.ko, first, D, bits, *a.idl, s0, m0, vals);
+    std::fill(valid, valid + first, 1);
   }
   for (int i = 0; i < n_new; ++i) {
     std::memcpy(vals + within[i] * D, news[i], sizeof(float) * D);
     valid[within[i]] = 1;
   }
+  for (int t = 0; t < T; ++t)  // rows of no token are encoded from zeros, as before
+    if (!valid[t]) std::fill(vals + t * D, vals + (t + 1) * D, 0.0f);
   const float top = static_cast<float>((1 << bits) - 1);
-  for (int c = 0; c < D; ++c) {
-    s[c] = std::numeric_limits<float>::infinity();  // the running minimum, then the scale
-    m[c] = -std::numeric_limits<float>::infinity();  // the running maximum, then the minimum
-  }
-  for (int t = 0; t < T; ++t) {
-    if (!valid[t]) continue;
-    const float* row = vals + t * D;
-    for (int c = 0; c < D; ++c) {
-      s[c] = std::min(s[c], row[c]);
-      m[c] = std::max(m[c], row[c]);
-    }
-  }
+  KVK_DISPATCH(a.isa, key_group_range, vals, valid, T, D, s, m);  // s: the minimum, m: the maximum
   for (int c = 0; c < D; ++c) {
     const float mn = s[c], mx = m[c];
     s[c] = f16_round((mx - mn) / top);
@@ -194,23 +170,14 @@ static void encode_key_group(const WriteArgs& a, uint8_t* g0, const float* const
     put_f16(meta + 2 * c, s[c]);
     put_f16(meta + 2 * (D + c), m[c]);
   }
-  for (int t = 0; t < T; ++t) {
-    uint8_t* slot = g0 + t * a.sw;
-    const float* row = vals + t * D;  // rows of no token are encoded from zeros, as before
-    if (!valid[t]) std::fill(vals + t * D, vals + (t + 1) * D, 0.0f);
-    for (int c = 0; c < D; ++c) {
-      const float v = s[c] > 0 ? rne_small((row[c] - m[c]) / s[c]) : 0.0f;
-      q[c] = static_cast<uint8_t>(std::min(top, std::max(0.0f, v)));
-    }
-    pack_codes(q, D, bits, slot + a.ko);
-    std::memcpy(slot + a.kmo, meta + t * kmb, kmb);
-  }
+  KVK_DISPATCH(a.isa, key_group_encode, vals, T, D, bits, s, m, g0, a.sw, a.ko, q);
+  for (int t = 0; t < T; ++t) std::memcpy(g0 + t * a.sw + a.kmo, meta + t * kmb, kmb);
 }
 
 void write_paged(at::Tensor& cache, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots,
                  int64_t k_kind, int64_t k_bits, int64_t v_kind, int64_t v_bits, const std::vector<int64_t>& offsets,
                  const c10::optional<at::Tensor>& mids, const c10::optional<at::Tensor>& norm_table,
-                 const std::vector<double>& log_norm) {
+                 const std::vector<double>& log_norm, int64_t isa) {
   TORCH_CHECK(cache.scalar_type() == at::kByte && cache.dim() == 4 && cache.is_contiguous(), "cache");
   TORCH_CHECK(key.scalar_type() == at::kFloat && key.is_contiguous() && key.dim() == 3 &&
                   value.scalar_type() == at::kFloat && value.is_contiguous() && value.sizes() == key.sizes(),
@@ -242,6 +209,13 @@ void write_paged(at::Tensor& cache, const at::Tensor& key, const at::Tensor& val
     a.min_exp = log_norm[2];
     a.step = log_norm[3];
   }
+  a.isa = pick_isa(isa);
+  Lut idl;
+  if (a.k_kind == kPagedKeyChannel) {
+    TORCH_CHECK(a.k_bits == 2 || a.k_bits == 3 || a.k_bits == 4, "key bits of a channel-grouped key: 2, 3 or 4");
+    fill_lut(idl, at::arange(1 << a.k_bits, at::kFloat), a.k_bits);
+  }
+  a.idl = &idl;
   uint8_t* base = cache.data_ptr<uint8_t>();
   const float* kp = key.data_ptr<float>();
   const float* vp = value.data_ptr<float>();
