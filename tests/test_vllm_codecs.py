@@ -237,6 +237,26 @@ def test_one_call_equals_the_per_request_path(name):
     torch.testing.assert_close(one, each, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["q4d", "q8"])
+def test_a_prefill_chunk_over_a_long_cache_splits_into_items_and_merges(name):
+    """A prefill chunk's many query rows over 700 cached tokens: the one call splits the cached
+    tokens into several work items of 256 (sized by rows x tokens) and merges them on every
+    thread (items of up to 64 rows, the value rotation undone per row); it equals the per-request
+    path and the dense softmax."""
+    codec = PagedCodec(name, 64)
+    cases = [(700, 48), (650, 1), (0, 70)]
+    q, cache, table, qs, seq, k, v, rot, full = _batch(codec, cases, seed=9)
+    one = attend_batch(q, cache, table, qs, seq, k, v, codec, rot, 0.125, kernels=True)
+    each = attend_batch(q, cache, table, qs, seq, k, v, codec, rot, 0.125, kernels=False)
+    torch.testing.assert_close(one, each, rtol=1e-4, atol=1e-5)
+    kh, vh = full[0]
+    keys, vals = (x.permute(1, 0, 2).repeat_interleave(3, 0) for x in (kh, vh))
+    mask = torch.ones(48, 748, dtype=torch.bool).tril(700)
+    ref = torch.nn.functional.scaled_dot_product_attention(q[:48].permute(1, 0, 2), keys, vals, attn_mask=mask,
+                                                           scale=0.125).permute(1, 0, 2)
+    torch.testing.assert_close(one[:48], ref, rtol=1e-4, atol=1e-5)
+
+
 def test_one_call_reference_and_errors():
     """The torch composition (the oracle off the CPU) equals the call; bad metadata raises with
     what was expected and what came."""

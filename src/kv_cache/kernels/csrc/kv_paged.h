@@ -186,7 +186,7 @@ void attend_paged_batch(const at::Tensor& q, const at::Tensor& cache, const at::
   const int64_t* qs = qstart.data_ptr<int64_t>();
   const int64_t* sl = seqlens.data_ptr<int64_t>();
   std::vector<int64_t> len(R), nq(R);
-  int64_t cached_total = 0, longest = 0;
+  int64_t cached_total = 0;
   for (int64_t r = 0; r < R; ++r) {
     nq[r] = qs[r + 1] - qs[r];
     if (nq[r] < 0 || qs[r] < 0 || qs[r + 1] > N)
@@ -202,15 +202,20 @@ void attend_paged_batch(const at::Tensor& q, const at::Tensor& cache, const at::
                                   " cached tokens but its block table holds " + std::to_string(table.size(1) * a.bs));
     check_blocks(a, r, len[r], NB);
     cached_total += len[r] * nq[r];
-    longest = std::max(longest, len[r]);
   }
   a.len = len.data();
-  // split-K over each (request, kv head)'s cached tokens: about 8 items per thread, at least 256
-  // tokens each (fewer for requests with many queries: their items already carry the work)
+  // split-K over each (request, kv head)'s cached tokens: about 8 items per thread, each of
+  // about the same work (query rows x tokens), so a prefill chunk's many rows spread over the
+  // threads too; at least 256 tokens an item (each item adds a partial result to merge and
+  // scales its queries again; 64-token items measured no faster)
   const int nt = std::max(1, at::get_num_threads());
-  int64_t chunk = std::max<int64_t>(256, (H * cached_total + 8 * nt - 1) / (8 * nt));
-  chunk = std::min<int64_t>(chunk, std::max<int64_t>(256, longest));
-  chunk = (chunk + kTile - 1) / kTile * kTile;
+  const int64_t target = (static_cast<int64_t>(a.G) * H * cached_total + 8 * nt - 1) / (8 * nt);
+  auto chunk_of = [&](int64_t r) {
+    const int64_t M = a.G * nq[r];
+    int64_t c = std::max<int64_t>(256, (target + M - 1) / std::max<int64_t>(M, 1));
+    c = std::min<int64_t>(c, std::max<int64_t>(len[r], 1));
+    return (c + kTile - 1) / kTile * kTile;
+  };
   std::vector<PagedSpan> spans;
   std::vector<int64_t> first(R * H + 1);
   int64_t part = 0, work = 0;
@@ -225,6 +230,7 @@ void attend_paged_batch(const at::Tensor& q, const at::Tensor& cache, const at::
       sp.M = M;
       sp.Q = static_cast<int>(nq[r]);
       sp.q0 = qs[r];
+      const int64_t chunk = chunk_of(r);
       for (int64_t t = 0; t < len[r]; t += chunk) {
         sp.t_begin = t;
         sp.t_end = std::min(len[r], t + chunk);
