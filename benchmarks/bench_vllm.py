@@ -26,6 +26,17 @@ A configuration may carry its own KV memory as ``NAME@GIB`` (``auto@4``: vLLM's 
 ceiling that batching more sequences can reach on the machine. Ratios are taken against the
 row named plain ``auto``.
 
+**Interleaved throughput** (``--interleave R``): one process per configuration, all started
+before any is timed and each warmed up, then ``R`` rounds in which every configuration runs the
+same ``generate`` in turn, the order reversed every other round (A B, B A, A B, ...). Each round
+uses prompt windows of its own (no prefix-cache hits), the same for every configuration. The
+table gives each configuration's per-round output tokens/s and their median, and for each
+configuration against ``auto`` the geometric mean of the per-round ratios (each taken between
+runs minutes apart) with their range. A machine whose speed drifts over an hour then moves
+both sides of every ratio alike, where the sequential mode's ratio takes the drift whole.
+Every engine stays resident during the rounds: the KV memory is held once per configuration.
+The protocol (rounds, windows, ratios, the children's pipes) is in ``vllm_rounds.py``.
+
 Run: ``python benchmarks/bench_vllm.py [--configs auto,fp8,q4d,q3d,q2d] [--kv-space-gib 2]
 [--out docs/results]``; writes ``vllm_<model>_cpu_kv<space>gib.{json,md}``.
 """
@@ -37,15 +48,16 @@ import json
 import math
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from vllm_rounds import (CAPACITY, NEEDLE_START, check_interleave, child_env, markdown_interleaved, round_windows,
+                         run_interleaved, split_config)
+
 ROOT = Path(__file__).resolve().parents[1]
-CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x")
 NEEDLE = "The special magic number is {n}."
 QUESTION = "\n\nQuestion: What is the special magic number mentioned in the text above?\nAnswer: The special magic number is"
 
@@ -80,19 +92,18 @@ def machine() -> str:
         f" ({', '.join(isa)})" if isa else "")
 
 
-def split_config(config: str, default_gib: float) -> tuple[str, float]:
-    """``("auto", 4.0)`` from ``"auto@4"``; ``(config, default_gib)`` without ``@``."""
-    name, sep, gib = config.partition("@")
-    if not sep:
-        return config, float(default_gib)
-    try:
-        value = float(gib)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or math.isinf(value):
-        raise ValueError(f"configuration {config!r}: the KV memory after '@' must be a positive number of "
-                         f"GiB (e.g. auto@4), got {gib!r}")
-    return name, value
+def _engine_kwargs(args: argparse.Namespace, name: str, kv_gib: float) -> dict:
+    """``LLM(...)``'s arguments for cache ``name`` (``auto``, ``fp8`` or one of ours) with ``kv_gib``."""
+    kw = dict(model=args.model, max_model_len=args.max_model_len, enforce_eager=True, max_num_batched_tokens=256,
+              enable_chunked_prefill=True, dtype=args.dtype, seed=0, max_num_seqs=max(args.concurrency),
+              disable_log_stats=False)  # per-request scheduler timestamps: how many ran at once
+    if not kv_gib.is_integer():  # VLLM_CPU_KVCACHE_SPACE takes whole GiB only
+        kw["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
+    if name == "fp8":
+        kw["kv_cache_dtype"] = "fp8"
+    elif name != "auto":
+        kw.update(attention_backend="CUSTOM", additional_config={"kv_cache": {"codec": name}})
+    return kw
 
 
 def child(args: argparse.Namespace, config: str) -> dict:
@@ -100,18 +111,8 @@ def child(args: argparse.Namespace, config: str) -> dict:
     from vllm import LLM
 
     config, kv_gib = split_config(config, args.kv_space_gib)
-
-    kw = dict(model=args.model, max_model_len=args.max_model_len, enforce_eager=True, max_num_batched_tokens=256,
-              enable_chunked_prefill=True, dtype=args.dtype, seed=0, max_num_seqs=max(args.concurrency),
-              disable_log_stats=False)  # per-request scheduler timestamps: how many ran at once
-    if not kv_gib.is_integer():  # VLLM_CPU_KVCACHE_SPACE takes whole GiB only
-        kw["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
-    if config == "fp8":
-        kw["kv_cache_dtype"] = "fp8"
-    elif config != "auto":
-        kw.update(attention_backend="CUSTOM", additional_config={"kv_cache": {"codec": config}})
     t_start = time.perf_counter()
-    llm = LLM(**kw)
+    llm = LLM(**_engine_kwargs(args, config, kv_gib))
     _progress(config, "engine up", t_start)
     try:
         return _measure(args, config, llm, t_start)
@@ -136,22 +137,9 @@ def _measure(args: argparse.Namespace, config: str, llm, t_start: float) -> dict
     # throughput: distinct windows (no prefix-cache hits), warm-up first
     if config not in args.throughput_configs or "throughput" not in args.phases:
         args.concurrency = []
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, ignore_eos=True)
-    p = args.prompt_tokens
     if args.concurrency:
-        llm.generate([TokensPrompt(prompt_token_ids=ids[-p:])], greedy, use_tqdm=False)
-        out["throughput"] = {}
-    offset = 0
-    for n in args.concurrency:
-        prompts = [TokensPrompt(prompt_token_ids=ids[offset + i * p: offset + (i + 1) * p]) for i in range(n)]
-        offset += n * p
-        t0 = time.perf_counter()
-        res = llm.generate(prompts, greedy, use_tqdm=False)
-        wall = time.perf_counter() - t0
-        gen = sum(len(r.outputs[0].token_ids) for r in res)
-        out["throughput"][str(n)] = {"output_tok_s": gen / wall, "wall_s": wall, "output_tokens": gen,
-                                     **running_at_once(res)}
-        _progress(config, f"throughput @{n}: {gen / wall:.2f} tok/s, {out['throughput'][str(n)]}", t_start)
+        _warm_up(args, llm, ids)
+        out["throughput"] = _throughput(args, config, llm, ids, 0, t_start)
 
     if "ppl" not in args.phases:
         return out
@@ -172,7 +160,7 @@ def _measure(args: argparse.Namespace, config: str, llm, t_start: float) -> dict
     if "needle" not in args.phases:
         return out
     # single needle
-    hay = ids[100_000:100_000 + args.needle_tokens]
+    hay = ids[NEEDLE_START:NEEDLE_START + args.needle_tokens]
     correct, rows = 0, []
     for k, depth in enumerate(args.needle_depths):
         number = str(7_000_000 + 123_457 * (k + 1))
@@ -189,6 +177,73 @@ def _measure(args: argparse.Namespace, config: str, llm, t_start: float) -> dict
         rows.append({"depth": depth, "number": number, "answer": text, "hit": hit})
     out["needle"] = {"accuracy": correct / len(rows), "samples": rows, "context_tokens": args.needle_tokens}
     return out
+
+
+def _warm_up(args: argparse.Namespace, llm, ids: list[int]) -> None:
+    """One request of the prompt length from the text's end (outside every timed window)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=ids[-args.prompt_tokens:])], greedy, use_tqdm=False)
+
+
+def _throughput(args: argparse.Namespace, config: str, llm, ids: list[int], round_index: int,
+                t_start: float) -> dict:
+    """``{str(n): {"output_tok_s", "wall_s", "output_tokens", running_at_once...}}``: one timed
+    ``generate`` per concurrency ``n`` over round ``round_index``'s windows."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, ignore_eos=True)
+    p, out = args.prompt_tokens, {}
+    for n, start in round_windows(args.concurrency, p, round_index):
+        if start + n * p > NEEDLE_START:
+            raise ValueError(f"round {round_index} needs tokens up to {start + n * p} of the text, past the "
+                             f"{NEEDLE_START} kept apart for the needle: lower --interleave, --concurrency "
+                             f"or --prompt-tokens")
+        prompts = [TokensPrompt(prompt_token_ids=ids[start + i * p: start + (i + 1) * p]) for i in range(n)]
+        t0 = time.perf_counter()
+        res = llm.generate(prompts, greedy, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        gen = sum(len(r.outputs[0].token_ids) for r in res)
+        out[str(n)] = {"output_tok_s": gen / wall, "wall_s": wall, "output_tokens": gen, **running_at_once(res)}
+        _progress(config, f"round {round_index} throughput @{n}: {gen / wall:.2f} tok/s, {out[str(n)]}", t_start)
+    return out
+
+
+def serve(args: argparse.Namespace, config: str, result_fd: int) -> None:
+    """The interleaved mode's child: build the engine and warm it up, say so on ``result_fd``, then
+    answer each ``round K`` line on stdin with that round's throughput (one JSON line on
+    ``result_fd``) until ``quit``."""
+    from vllm import LLM
+
+    name, kv_gib = split_config(config, args.kv_space_gib)
+    t_start = time.perf_counter()
+    llm = LLM(**_engine_kwargs(args, name, kv_gib))
+    _progress(config, "engine up", t_start)
+    results = os.fdopen(result_fd, "w", buffering=1)
+    try:
+        ids = llm.get_tokenizer()(_wikitext(), add_special_tokens=False)["input_ids"]
+        ready: dict = {"ready": True}
+        if name not in ("auto", "fp8"):
+            from kv_cache.integrations.vllm.attention import kernels_serve
+
+            ready["attention_path"] = "kernels" if kernels_serve("cpu") else "torch"
+        _warm_up(args, llm, ids)
+        results.write(json.dumps(ready) + "\n")
+        for line in sys.stdin:
+            command = line.split()
+            if command[:1] == ["quit"]:
+                break
+            if len(command) != 2 or command[0] != "round" or not command[1].isdigit():
+                raise ValueError(f"serve: expected 'round K' or 'quit', got {line.strip()!r}")
+            results.write(json.dumps({"round": int(command[1]),
+                                      "throughput": _throughput(args, config, llm, ids, int(command[1]),
+                                                                t_start)}) + "\n")
+    finally:
+        results.close()
+        llm.llm_engine.engine_core.shutdown()
 
 
 def running_at_once(results) -> dict:
@@ -218,11 +273,7 @@ def running_at_once(results) -> dict:
 
 
 def run_config(args: argparse.Namespace, config: str) -> dict:
-    env = dict(os.environ)
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    kv_gib = split_config(config, args.kv_space_gib)[1]
-    if kv_gib.is_integer():
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_gib))
+    env = child_env(config, args.kv_space_gib)
     cmd = [sys.executable, __file__, "--child", config, *sys.argv[1:]]
     t0 = time.perf_counter()
     log_path = Path(args.out) / f"bench_vllm_{config}.log" if args.keep_logs else None
@@ -334,7 +385,13 @@ def main() -> None:
     ap.add_argument("--phases", default="throughput,ppl,needle",
                     help="measurements to run after the capacity (comma-separated subset)")
     ap.add_argument("--keep-logs", action="store_true", help="keep each child's log as <out>/bench_vllm_<config>.log")
+    ap.add_argument("--interleave", type=int, default=0,
+                    help="R > 0: throughput only, every configuration's engine resident at once, R rounds "
+                         "alternating the configurations (A B, B A, ...); the ratio is the geometric mean of "
+                         "the rounds' ratios [0: one configuration after the other]")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--result-fd", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.model is None:
         from kv_cache.models.paths import smollm2_converted_dir
@@ -348,8 +405,15 @@ def main() -> None:
         print(json.dumps(child(args, args.child)), flush=True)
         sys.stderr.flush()
         os._exit(0)  # the engine is shut down; skip a teardown that may abort after the result
-    for config in args.configs.split(","):  # a bad NAME@GIB fails before any engine starts
+    if args.serve:
+        serve(args, args.serve, args.result_fd)
+        sys.stderr.flush()
+        os._exit(0)
+    configs = args.configs.split(",")
+    for config in configs:  # a bad NAME@GIB fails before any engine starts
         split_config(config, args.kv_space_gib)
+    if args.interleave:
+        check_interleave(args, configs)
     import torch
     import vllm
 
@@ -357,12 +421,20 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"vllm_{Path(args.model).name.replace('-hf', '')}_cpu_kv{args.kv_space_gib:g}gib" + (
         f"_{args.tag}" if args.tag else "")
+    if args.interleave:
+        report = {"args": {k: v for k, v in vars(args).items() if k not in ("child", "keep_logs", "serve", "result_fd")},
+                  "vllm": vllm.__version__, "torch": torch.__version__, "machine": machine(),
+                  **run_interleaved(args, configs, __file__)}
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / f"{stem}.md").write_text(markdown_interleaved(report))
+        print(f"wrote {out / stem}.{{json,md}}")
+        return
     rows = []
-    for config in args.configs.split(","):
+    for config in configs:
         row = run_config(args, config)
         print(json.dumps({k: v for k, v in row.items() if k != "needle"}), flush=True)
         rows.append(row)
-        report = {"args": {k: v for k, v in vars(args).items() if k not in ("child", "keep_logs")},
+        report = {"args": {k: v for k, v in vars(args).items() if k not in ("child", "keep_logs", "serve", "result_fd")},
                   "vllm": vllm.__version__, "torch": torch.__version__,
                   "machine": machine(), "rows": rows}
         (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")  # after every configuration
