@@ -54,8 +54,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_rounds import (CAPACITY, NEEDLE_START, check_interleave, child_env, markdown_interleaved, round_windows,
-                         run_interleaved, split_config)
+from vllm_rounds import (CAPACITY, NEEDLE_START, check_interleave, check_windows, child_env, markdown_interleaved,
+                         round_windows, run_interleaved, split_config)
 
 ROOT = Path(__file__).resolve().parents[1]
 NEEDLE = "The special magic number is {n}."
@@ -130,9 +130,7 @@ def _measure(args: argparse.Namespace, config: str, llm, t_start: float) -> dict
     out: dict = {}
     name = split_config(config, args.kv_space_gib)[0]
     if name not in ("auto", "fp8"):
-        from kv_cache.integrations.vllm.attention import kernels_serve
-
-        out["attention_path"] = "kernels" if kernels_serve("cpu") else "torch"
+        out["attention_path"] = _attention_path()
 
     # throughput: distinct windows (no prefix-cache hits), warm-up first
     if config not in args.throughput_configs or "throughput" not in args.phases:
@@ -179,6 +177,13 @@ def _measure(args: argparse.Namespace, config: str, llm, t_start: float) -> dict
     return out
 
 
+def _attention_path() -> str:
+    """Which of kv_cache's attention paths serves a CPU engine: ``kernels`` or ``torch``."""
+    from kv_cache.integrations.vllm.attention import kernels_serve
+
+    return "kernels" if kernels_serve("cpu") else "torch"
+
+
 def _warm_up(args: argparse.Namespace, llm, ids: list[int]) -> None:
     """One request of the prompt length from the text's end (outside every timed window)."""
     from vllm import SamplingParams
@@ -198,10 +203,6 @@ def _throughput(args: argparse.Namespace, config: str, llm, ids: list[int], roun
     greedy = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, ignore_eos=True)
     p, out = args.prompt_tokens, {}
     for n, start in round_windows(args.concurrency, p, round_index):
-        if start + n * p > NEEDLE_START:
-            raise ValueError(f"round {round_index} needs tokens up to {start + n * p} of the text, past the "
-                             f"{NEEDLE_START} kept apart for the needle: lower --interleave, --concurrency "
-                             f"or --prompt-tokens")
         prompts = [TokensPrompt(prompt_token_ids=ids[start + i * p: start + (i + 1) * p]) for i in range(n)]
         t0 = time.perf_counter()
         res = llm.generate(prompts, greedy, use_tqdm=False)
@@ -227,9 +228,7 @@ def serve(args: argparse.Namespace, config: str, result_fd: int) -> None:
         ids = llm.get_tokenizer()(_wikitext(), add_special_tokens=False)["input_ids"]
         ready: dict = {"ready": True}
         if name not in ("auto", "fp8"):
-            from kv_cache.integrations.vllm.attention import kernels_serve
-
-            ready["attention_path"] = "kernels" if kernels_serve("cpu") else "torch"
+            ready["attention_path"] = _attention_path()
         _warm_up(args, llm, ids)
         results.write(json.dumps(ready) + "\n")
         for line in sys.stdin:
@@ -414,6 +413,8 @@ def main() -> None:
         split_config(config, args.kv_space_gib)
     if args.interleave:
         check_interleave(args, configs)
+    elif "throughput" in args.phases:
+        check_windows(args.concurrency, args.prompt_tokens, 1)
     import torch
     import vllm
 

@@ -85,10 +85,16 @@ def check_interleave(args: argparse.Namespace, configs: list[str]) -> None:
         raise ValueError(f"--interleave alternates two or more distinct configurations, got --configs {args.configs!r}")
     if args.phases != ["throughput"]:
         raise ValueError(f"--interleave measures throughput only: pass --phases throughput (got {','.join(args.phases)})")
-    last = round_windows(args.concurrency, args.prompt_tokens, args.interleave - 1)[-1]
-    if last[1] + last[0] * args.prompt_tokens > NEEDLE_START:
-        raise ValueError(f"{args.interleave} rounds of {args.concurrency} x {args.prompt_tokens} prompt tokens need "
-                         f"{last[1] + last[0] * args.prompt_tokens} distinct tokens, more than the {NEEDLE_START} "
+    check_windows(args.concurrency, args.prompt_tokens, args.interleave)
+
+
+def check_windows(concurrency: list[int], prompt_tokens: int, rounds: int) -> None:
+    """Refuse ``rounds`` rounds of windows that reach past :data:`NEEDLE_START` (the sequential
+    mode is one round), before any engine starts."""
+    n, start = round_windows(concurrency, prompt_tokens, rounds - 1)[-1]
+    if start + n * prompt_tokens > NEEDLE_START:
+        raise ValueError(f"{rounds} round(s) of {concurrency} x {prompt_tokens} prompt tokens need "
+                         f"{start + n * prompt_tokens} distinct tokens, more than the {NEEDLE_START} "
                          "kept for throughput: lower --interleave, --concurrency or --prompt-tokens")
 
 

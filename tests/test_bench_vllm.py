@@ -98,3 +98,9 @@ def test_markdown_interleaved_states_rounds_and_ratio():
     md = rounds.markdown_interleaved(report)
     assert "orders auto q4d, q4d auto" in md
     assert "| kv_cache q4d | 1 | 32 | 11.00, 5.50 | 8.25 | **1.100x** | 1.100x, 1.100x |" in md
+
+
+def test_the_sequential_windows_are_checked_as_one_round():
+    rounds.check_windows([1, 8, 32], 2048, 1)  # bench_vllm.py's defaults: 83,968 tokens
+    with pytest.raises(ValueError, match=r"1 round\(s\) .* need 167936 distinct tokens"):
+        rounds.check_windows([1, 8, 32], 4096, 1)
