@@ -4,7 +4,6 @@ is done, and a row that is done is fed the padding token."""
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -42,7 +41,7 @@ def _onehot(tokens: list[int]) -> torch.Tensor:
 
 
 def test_rows_finish_on_their_own():
-    service = SimpleNamespace(tokenizer=Letters(), tokenizer_lock=threading.Lock())
+    service = SimpleNamespace(decoder=Letters())
     jobs = [_job(3), _job(10, stop=["cd"], stream=True), _job(10), _job(5)]
     rows = [Row(service, j, prompt=5, cached=100 * (i % 2)) for i, j in enumerate(jobs)]
     # each row's script of next tokens: row 0 runs to max_tokens, row 1 meets its stop string,
@@ -68,7 +67,7 @@ def test_rows_finish_on_their_own():
 
 
 def test_a_row_past_its_deadline_is_answered_alone():
-    service = SimpleNamespace(tokenizer=Letters(), tokenizer_lock=threading.Lock())
+    service = SimpleNamespace(decoder=Letters())
     late, fine = _job(4, deadline=0.0), _job(2)
     rows = [Row(service, late, prompt=1), Row(service, fine, prompt=1)]
     decode_rows(rows, _onehot([1, 1]), lambda t: _onehot([2, 2]), {EOS}, PAD)
@@ -78,14 +77,14 @@ def test_a_row_past_its_deadline_is_answered_alone():
 
 
 def test_decode_rows_checks_the_logits_shape():
-    service = SimpleNamespace(tokenizer=Letters(), tokenizer_lock=threading.Lock())
+    service = SimpleNamespace(decoder=Letters())
     rows = [Row(service, _job(2), prompt=1)]
     with pytest.raises(ValueError, match=r"logits must be \[batch=1, vocab\]; got shape \(2, 8\)"):
         decode_rows(rows, torch.zeros(2, V), lambda t: t, {EOS}, PAD)
 
 
 def test_rows_that_drew_their_first_token_start_by_feeding_it():
-    service = SimpleNamespace(tokenizer=Letters(), tokenizer_lock=threading.Lock())
+    service = SimpleNamespace(decoder=Letters())
     rows = [Row(service, _job(3), prompt=1), Row(service, _job(2), prompt=1)]
     for r, t in zip(rows, [1, 2]):
         r.step(_onehot([t])[0], {EOS})  # each from its own prefill

@@ -9,6 +9,10 @@ Shared by ``kvcache serve`` (:mod:`kv_cache.integrations.serve`) and the lm-eval
   whose probability reaches ``top_p`` (nucleus sampling), drawn with a seeded generator);
 * :func:`stop_scan` says how much of a generated text is final given stop strings (the part
   that cannot turn out to start a stop string);
+* :class:`TextStream` turns tokens into text as they come, in work linear in the answer: each
+  token is decoded within a window of a few tokens (the prefix / read offsets vLLM and TGI use)
+  and stop strings are matched on the new tail only (what :func:`stop_scan` does to the whole
+  text, done incrementally);
 * :func:`generate_tokens` feeds each drawn token back through the model at the next absolute
   position (:func:`kv_cache.context.forward_at`), until an end-of-sequence token or
   ``max_new_tokens``; the caller stops it early (stop strings, timeouts) by closing it.
@@ -154,4 +158,98 @@ def generate_tokens(model: torch.nn.Module, cache: Any, logits: torch.Tensor, po
         pos += 1
 
 
-__all__ = ["MAX_TEMPERATURE", "SamplingParams", "generate_tokens", "sample_token", "stop_scan"]
+DETOKENIZE_WINDOW = 16
+"""Tokens :class:`TextStream` lets wait undecoded at most (a character whose bytes span tokens,
+runs of special tokens): past it the window is decoded as it is, so each token costs O(window)."""
+
+
+class TextStream:
+    """The text of generated tokens, decoded incrementally, with stop strings.
+
+    :meth:`push` takes one token and returns the text that became final with it (possibly
+    ``""``); :meth:`finish` returns the rest once no token follows. Joined, the pieces are
+    ``tokenizer.decode(tokens, skip_special_tokens=True)`` cut before the earliest stop string,
+    as :func:`stop_scan` gives it, for every tokenizer whose decoding of a token depends on at most
+    the token before it (byte-level BPE, SentencePiece).
+
+    Work is linear in the answer: each token decodes two windows (``tokens[prefix:read]`` and
+    ``tokens[prefix:]``, a few tokens: a new piece is emitted once the longer decodes to more
+    text not ending in U+FFFD, then ``prefix, read = read, len(tokens)``; at most
+    :data:`DETOKENIZE_WINDOW` tokens wait), and the stop strings are searched in the new text plus
+    a held tail shorter than the longest stop string (a released character can never belong to a
+    stop string, :func:`stop_scan`'s invariant). :attr:`work` counts tokens decoded plus characters
+    searched, for tests of that bound.
+
+    Not thread-safe; ``tokenizer`` only needs ``decode(ids, skip_special_tokens=True)``.
+    """
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stops = tuple(s for s in stops if s)
+        self.tokens: list[int] = []
+        self.pieces: list[str] = []
+        self.stopped = False
+        self.work = 0
+        self._prefix = self._read = 0
+        self._held = ""  # decoded text that may still start a stop string
+
+    @property
+    def text(self) -> str:
+        """The final text so far (the answer, once :meth:`finish` ran)."""
+        return "".join(self.pieces)
+
+    def _decode(self, ids: list[int]) -> str:
+        self.work += len(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def _new_text(self, force: bool) -> str:
+        """The text the tokens past ``read`` add ("" while it ends inside a character)."""
+        before = self._decode(self.tokens[self._prefix:self._read])
+        after = self._decode(self.tokens[self._prefix:])
+        waiting = len(self.tokens) - self._read
+        if (len(after) > len(before) and not after.endswith("\ufffd")) or force or waiting >= DETOKENIZE_WINDOW:
+            self._prefix, self._read = self._read, len(self.tokens)
+            return after[len(before):]
+        return ""
+
+    def _release(self, new: str, last: bool) -> str:
+        """``new`` text after the held tail, less what may still start a stop string."""
+        buf = self._held + new
+        self.work += len(buf) * max(len(self.stops), 1)
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped, self._held = True, ""
+            out = buf[:min(hits)]
+        elif last:
+            out, self._held = buf, ""
+        else:
+            hold = 0
+            for s in self.stops:
+                for k in range(min(len(s) - 1, len(buf)), hold, -1):
+                    if buf.endswith(s[:k]):
+                        hold = k
+                        break
+            out, self._held = buf[:len(buf) - hold], buf[len(buf) - hold:]
+        if out:
+            self.pieces.append(out)
+        return out
+
+    def push(self, token: int) -> str:
+        """Add ``token``; the text that became final with it ("" once :attr:`stopped`)."""
+        if self.stopped:
+            return ""
+        self.tokens.append(int(token))
+        new = self._new_text(False)
+        return self._release(new, False) if new else ""
+
+    def finish(self) -> str:
+        """The rest of the text once no token follows: the tokens still waiting decoded as they
+        are, the held tail released (or cut at a stop string)."""
+        if self.stopped:
+            return ""
+        new = self._new_text(True) if self._read < len(self.tokens) else ""
+        return self._release(new, True)
+
+
+__all__ = ["DETOKENIZE_WINDOW", "MAX_TEMPERATURE", "SamplingParams", "TextStream", "generate_tokens", "sample_token",
+           "stop_scan"]

@@ -80,6 +80,9 @@ def add_parser(sub) -> None:
                         "when no key flag is given, else none)")
     g.add_argument("--api-keys-file", default=None, metavar="FILE",
                    help="keys, one a line (blank lines and # comments skipped)")
+    g.add_argument("--admin-key", action="append", default=[], metavar="KEY",
+                   help="a key that also reads every key's figures on /metrics (repeatable; a key like the others "
+                        "otherwise: any other key sees only its own)")
     g.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without any key and without TLS, answering any Host")
     g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
@@ -100,6 +103,9 @@ def add_parser(sub) -> None:
                    help="a `kvcache allocate` bit profile: method 'q4p[NAME]'")
     lim = p.add_argument_group("limits (checked before any work)")
     lim.add_argument("--max-body-bytes", default="8M", help="a request body's bytes; then 413 [8M]")
+    lim.add_argument("--max-body-bytes-in-flight", default=None,
+                     help="bytes of all request bodies being read or parsed at once, server-wide; then 503 "
+                          "[4 x --max-body-bytes]")
     lim.add_argument("--body-timeout", type=int, default=d.body_timeout,
                      help=f"seconds a client has to send a request body; then 408 [{d.body_timeout}]")
     lim.add_argument("--max-json-depth", type=int, default=d.max_json_depth,
@@ -128,7 +134,8 @@ def add_parser(sub) -> None:
     lim.add_argument("--limit-concurrency", type=int, default=256,
                      help="connections and requests uvicorn serves at once; then 503 [256]")
     lim.add_argument("--request-timeout", type=float, default=120.0,
-                     help="seconds per request, queue included; then 504 [120]")
+                     help="seconds per request from its first byte: reading, tokenizing, queueing and generating; "
+                          "then 504 [120]")
     p.add_argument("--cache-bytes", default="1G", help="bytes of contexts kept loaded in memory, LRU [1G]")
     p.add_argument("--max-batch", type=int, default=8,
                    help="concurrent chats decoded together at most (without a context, or on stored "
@@ -168,7 +175,9 @@ def limits_from_args(args: argparse.Namespace):
                   max_contexts_per_key=_optional(args.max_contexts_per_key, "--max-contexts-per-key"),
                   max_store_bytes=_optional(args.max_store_bytes, "--max-store-bytes", as_bytes=True),
                   max_store_bytes_per_key=_optional(args.max_store_bytes_per_key, "--max-store-bytes-per-key",
-                                                    as_bytes=True))
+                                                    as_bytes=True),
+                  max_body_bytes_in_flight=None if args.max_body_bytes_in_flight is None else
+                  parse_bytes(args.max_body_bytes_in_flight, "--max-body-bytes-in-flight"))
 
 
 def check_exposure(host: str, keys: list[str], insecure: bool, tls: bool = False, tls_proxy: bool = False) -> None:
@@ -266,8 +275,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0; got {args.shutdown_timeout}")
     keys = collect_keys(args.api_key, args.api_keys_file)
+    admin_keys = collect_keys(args.admin_key, env={}) if args.admin_key else []
     tls = check_tls(args.ssl_keyfile, args.ssl_certfile)
-    check_exposure(args.host, keys, args.insecure, tls, args.behind_tls_proxy)
+    check_exposure(args.host, keys + admin_keys, args.insecure, tls, args.behind_tls_proxy)
     if args.limit_concurrency < 1:
         raise ValueError(f"--limit-concurrency must be an int >= 1; got {args.limit_concurrency}")
     per_key = _per_key(args.max_queued_per_key, "--max-queued-per-key")
@@ -294,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
                                  queue_size=args.queue_size, request_timeout=args.request_timeout, limits=limits,
                                  files=files, shutdown_timeout=args.shutdown_timeout, max_batch=args.max_batch,
                                  batch_wait=args.batch_wait, strict=args.strict, max_queued_per_key=per_key,
-                                 max_running_per_key=per_batch, allowed_hosts=allowed_hosts)
+                                 max_running_per_key=per_batch, allowed_hosts=allowed_hosts, admin_keys=admin_keys)
     shutdown = Shutdown(engine.begin_shutdown, args.shutdown_timeout)
 
     class Server(uvicorn.Server):
@@ -308,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     n = len(service.store.list(ANY_OWNER))
     scheme = "https" if tls else "http"
     print(f"kvcache serve: {name} on {scheme}://{args.host}:{args.port}/v1, {n} stored context(s), "
-          + (f"{len(keys)} API key(s)" if keys else "no API key"), flush=True)
+          + (f"{len(keys) + len(admin_keys)} API key(s)" if keys or admin_keys else "no API key"), flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, limit_concurrency=args.limit_concurrency,
                             access_log=False, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,

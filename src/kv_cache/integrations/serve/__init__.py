@@ -36,7 +36,7 @@ def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key:
           request_timeout: float = 120.0, max_document_tokens: int | None = None, limits: Limits | None = None,
           files: ServedFiles | None = None, shutdown_timeout: float = 10.0, max_batch: int = 8,
           batch_wait: float = 0.05, strict: bool = False, max_queued_per_key: int | None | str = "auto",
-          max_running_per_key: int | None = 4, allowed_hosts: Iterable[str] = ()):
+          max_running_per_key: int | None = 4, allowed_hosts: Iterable[str] = (), admin_keys: Iterable[str] = ()):
     """``(app, service, engine)`` serving ``model`` with contexts in ``store_dir``.
 
     Parameters
@@ -68,6 +68,8 @@ def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key:
         Jobs of one key a batch takes while other keys' jobs of its kind wait (None: no limit).
     allowed_hosts : iterable of str
         With no key, the ``Host`` / ``Origin`` names answered besides loopback ones (``"*"``: any).
+    admin_keys : iterable of str
+        Keys that also read every key's figures on ``/metrics`` (keys like the others otherwise).
     """
     from .app import create_app
 
@@ -85,14 +87,15 @@ def build(model: Any, tokenizer: Any, store_dir: str, *, model_id: str, api_key:
     service = Service(model, tokenizer, store, model_id, limits.max_document_tokens, files or ServedFiles(), limits,
                       strict=strict)
     api_keys = list(api_keys)
-    n_keys = len({*([api_key] if api_key is not None else []), *api_keys})
+    admin_keys = list(admin_keys)
+    n_keys = len({*([api_key] if api_key is not None else []), *api_keys, *admin_keys})
     if max_queued_per_key == "auto":
         max_queued_per_key = max(1, queue_size // 2) if n_keys >= 2 else None
     engine = Engine(queue_size=queue_size, request_timeout=request_timeout, max_batch=max_batch,
                     batch_wait=batch_wait, max_queued_per_key=max_queued_per_key,
                     max_running_per_key=max_running_per_key)
     app = create_app(service, engine, api_key=api_key, api_keys=api_keys, shutdown_timeout=shutdown_timeout,
-                     allowed_hosts=allowed_hosts)
+                     allowed_hosts=allowed_hosts, admin_keys=admin_keys)
     return app, service, engine
 
 

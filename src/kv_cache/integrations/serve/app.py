@@ -19,20 +19,26 @@ context (:mod:`kv_cache.integrations.serve.batch`) and chats on stored contexts,
 
 Open routes (no key): ``GET /health`` answers ``{"status": "ok"}``, or 503 ``{"status":
 "draining"}`` once SIGTERM began the shutdown (a load balancer stops sending); ``GET /version``
-the package's, torch's and transformers' versions and the model served. ``GET /metrics`` (behind
-a key when the server has keys) answers Prometheus' text format
-(:mod:`kv_cache.integrations.serve.metrics`), and every request writes one JSON line to the
-access log and carries an ``X-Request-Id``.
+the package's version and the model served (torch's, transformers' and Python's versions too for
+a request with a valid key, or on a server without keys). ``GET /metrics`` (behind a key when the
+server has keys) answers Prometheus' text format (:mod:`kv_cache.integrations.serve.metrics`;
+every label from a closed set; a key sees its own stored bytes, an admin key every tenant's), and
+every request writes one JSON line to the access log and carries an ``X-Request-Id``.
 
 Before any body is read: with no key configured, a request whose ``Host`` is not loopback (or
 named by ``--allowed-host``) is answered 421 and a browser's cross-origin request (an ``Origin``
 that is not loopback) 403, so that a web page the user visits can neither post to the server nor
 read it through DNS rebinding; a POST whose ``Content-Type`` is not ``application/json`` is
-answered 415. A POST body is then read up to ``--max-body-bytes`` within ``--body-timeout``
-seconds and its depth checked in one linear pass before it is parsed
+answered 415. A POST that does work is then admitted (its place in the queue, or 503 with
+``Retry-After``) before a byte of its body is read; the body is read up to ``--max-body-bytes``
+within ``--body-timeout`` seconds, its bytes taken from the server-wide budget of bodies in flight
+(``--max-body-bytes-in-flight``), and its depth checked in one linear pass before it is parsed
 (:mod:`kv_cache.integrations.serve.limits`), checked against its schema
 (:mod:`kv_cache.integrations.serve.schemas`, published in ``/openapi.json``), tokenized outside
-the model lock, in a thread of its own, and only then queued for the worker. Every error is OpenAI's JSON body
+the model lock, in a thread of its own, and only then queued for the worker. The request's
+deadline (``--request-timeout``) runs from its first byte: reading, tokenizing, queueing and
+generating all count. A client that disconnects cancels its work, streaming or not: a queued job
+leaves the queue, a running one stops at its next decoding step. Every error is OpenAI's JSON body
 with the status of its case (:mod:`kv_cache.integrations.serve.errors`), its message free of server paths; an
 unexpected failure is logged with its traceback and answered 500 with an incident id, and the
 server keeps serving.
@@ -59,8 +65,8 @@ from .batch import chat_batch
 from .batch_context import context_batch
 from .engine import Engine, Job, internal_error
 from .errors import ApiError, redact
-from .limits import parse_json, read_body
-from .metrics import ServerMetrics, access_line, access_log
+from .limits import BodyBudget, parse_json, read_body
+from .metrics import REFUSALS, ServerMetrics, access_line, access_log, method_label
 from .requests import parse_chat, parse_context
 from .schemas import ChatCompletionRequest, ContextCreateRequest
 from .service import Service, _store_error
@@ -100,8 +106,8 @@ class AccessLog:
     """Pure ASGI middleware: an ``X-Request-Id`` on every response, and at the response's last
     byte (a stream's included) one access-log line and the request's metrics."""
 
-    def __init__(self, app: Any, metrics: ServerMetrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: Any, metrics: ServerMetrics, request_timeout: float):
+        self.app, self.metrics, self.request_timeout = app, metrics, request_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -109,6 +115,7 @@ class AccessLog:
         rid = "req-" + secrets.token_hex(8)
         state = scope.setdefault("state", {})
         state["request_id"], state["started"] = rid, time.monotonic()
+        state["deadline"] = state["started"] + self.request_timeout  # from the first byte: reading counts
         status = {"code": 500, "done": False}
 
         async def send_logged(message):
@@ -131,8 +138,10 @@ class AccessLog:
         route = scope.get("route")
         usage = state.get("usage") or {}
         ttft = state.get("first_token")
-        entry = {"id": state["request_id"], "key": state.get("owner"), "method": scope.get("method"),
-                 "route": getattr(route, "path", None) or "other", "path": scope.get("path", "")[:200],
+        refused = state.get("refused")
+        entry = {"id": state["request_id"], "key": state.get("owner"), "method": method_label(scope.get("method")),
+                 "route": self.metrics.route_label(getattr(route, "path", None)),
+                 "path": None if refused else scope.get("path", "")[:200], "refused": refused,
                  "status": code, "prompt_tokens": usage.get("prompt_tokens"),
                  "completion_tokens": usage.get("completion_tokens"),
                  "latency_ms": round((time.monotonic() - state["started"]) * 1000.0, 2),
@@ -167,22 +176,50 @@ async def _result(job: Job, state: Any = None) -> Any:
             raise payload
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns once the client of ``request`` (its body read already) has gone away."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _answer(job: Job, request: Request, engine: Engine, state: Any = None) -> Any:
+    """:func:`_result`, or, once the client disconnects, the job cancelled (out of the queue at
+    once, or stopped at its next check) and ``client_closed_request`` raised (nobody reads it)."""
+    result = asyncio.ensure_future(_result(job, state))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if result.done():
+            return result.result()
+        why = ApiError("client_closed_request", "the client disconnected before the answer")
+        engine.cancel(job, why)
+        raise why
+    finally:
+        for task in (result, gone):
+            if not task.done():
+                task.cancel()
+
+
 def create_app(service: Service, engine: Engine, *, api_key: str | None = None, api_keys: Iterable[str] = (),
-               shutdown_timeout: float = 10.0, allowed_hosts: Iterable[str] = ()) -> FastAPI:
+               shutdown_timeout: float = 10.0, allowed_hosts: Iterable[str] = (),
+               admin_keys: Iterable[str] = ()) -> FastAPI:
     """The application over ``service`` (model, tokenizer, store, limits) and ``engine`` (the worker).
 
-    ``api_key`` and ``api_keys``: the keys (none: no authentication). ``allowed_hosts``: with no
+    ``api_key`` and ``api_keys``: the keys (none: no authentication); ``admin_keys``: keys that
+    also read every tenant's figures on ``/metrics``. ``allowed_hosts``: with no
     key, the ``Host`` / ``Origin`` names answered besides loopback ones (``"*"``: any; the CLI's
     ``--insecure`` gives that). The engine's worker and the tokenizer thread are started and
     stopped with the application (its lifespan); at the end the store is closed after any write
     in progress (at most ``shutdown_timeout`` seconds)."""
     from contextlib import asynccontextmanager
 
-    keys = ApiKeys([*([api_key] if api_key is not None else []), *api_keys], salt=service.store.owner_salt)
+    keys = ApiKeys([*([api_key] if api_key is not None else []), *api_keys], salt=service.store.owner_salt,
+                   admin=admin_keys)
     allowed_hosts = tuple(allowed_hosts)
-    metrics = ServerMetrics(service.store, engine)
-    engine.on_batch = metrics.batch.observe
     limits = service.limits
+    bodies = BodyBudget(limits.body_budget, engine.retry_after)  # bytes of request bodies in flight, server-wide
     hidden = [str(service.store.directory.resolve()), *service.files.paths]
     name_or_path = getattr(getattr(service.model, "config", None), "_name_or_path", None)
     if isinstance(name_or_path, str) and name_or_path != service.model_id:
@@ -214,7 +251,7 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
 
     app = FastAPI(title="kv_cache", summary="OpenAI-compatible chat over compressed KV-cache contexts",
                   lifespan=lifespan, version=_version())
-    app.state.metrics = metrics
+    app.state.bodies = bodies
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -237,6 +274,7 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
         """Host and Origin (no key), the key, the Content-Type: checked before any body is read;
         the request's owner goes to its state."""
         headers = Headers(scope=scope)
+        state = scope.setdefault("state", {})
         if not keys.enabled:
             if not host_allowed(headers.get("host"), allowed_hosts):
                 return ApiError("misdirected_request", "this server has no API key, so it answers only requests "
@@ -249,9 +287,14 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
                                                     "name the origin's host with kvcache serve --allowed-host")
         if scope["path"] not in OPEN_PATHS:
             try:
-                scope.setdefault("state", {})["owner"] = keys.owner(headers.get("authorization"))
+                state["owner"] = keys.owner(headers.get("authorization"))
             except ApiError as exc:
                 return exc
+        elif headers.get("authorization") is not None:  # an open route: a valid key may see more (/version)
+            try:
+                state["owner"], state["authenticated"] = keys.owner(headers.get("authorization")), True
+            except ApiError:
+                pass
         if scope["method"] == "POST":
             ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if ctype not in JSON_TYPES:
@@ -279,33 +322,51 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
                 return await self.inner(scope, receive, send)
             refused = guard(scope)
             if refused is not None:
+                if refused.code in REFUSALS:  # before the key: counted without a series of its own
+                    scope["state"]["refused"] = refused.code
                 return await error_response(refused)(scope, receive, send)
             if scope["path"] == "/health" and scope["method"] == "GET":
                 return await health_answer()(scope, receive, send)
             return await self.inner(scope, receive, send)
 
-    async def checked(request: Request, parse, *args) -> Any:
-        """The request's body read (within its limits), parsed and checked by ``parse`` in a parser
-        thread: ``parse(json_value, *args)``."""
-        raw = await read_body(request, limits.max_body_bytes, limits.body_timeout)
-        return await asyncio.get_running_loop().run_in_executor(
-            parsers, lambda: parse(parse_json(raw, limits.max_json_depth), *args))
+    async def before_deadline(request: Request, future: Any) -> Any:
+        """``future``'s result, or ``request_timeout`` (504) at the request's deadline."""
+        try:
+            return await asyncio.wait_for(future, max(request.state.deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            raise ApiError("request_timeout", "the request ran past the server's per-request timeout before it was "
+                                              "queued (kvcache serve --request-timeout)") from None
 
-    async def prepare(fn, *args) -> Any:
-        """``fn(*args)`` in the tokenizer thread: outside the model lock, off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+    async def checked(request: Request, parse, *args) -> Any:
+        """The request's body read (within its limits and the budget of bodies in flight), parsed
+        and checked by ``parse`` in a parser thread: ``parse(json_value, *args)``. The body's bytes
+        are given back to the budget once it is parsed."""
+        with bodies.lease() as lease:
+            raw = await read_body(request, limits.max_body_bytes, limits.body_timeout, lease=lease,
+                                  deadline=request.state.deadline)
+            return await before_deadline(request, asyncio.get_running_loop().run_in_executor(
+                parsers, lambda: parse(parse_json(raw, limits.max_json_depth), *args)))
+
+    async def prepare(request: Request, fn, *args) -> Any:
+        """``fn(*args)`` in the tokenizer thread: outside the model lock, off the event loop, within
+        the request's deadline."""
+        return await before_deadline(request, asyncio.get_running_loop().run_in_executor(pool, fn, *args))
 
     @app.get("/health")
     async def health() -> JSONResponse:  # answered by Guard before routing; here for /openapi.json
         return health_answer()
 
     @app.get("/version")
-    async def version() -> dict[str, Any]:
-        return {"version": _version(), "model": service.model_id, **_library_versions()}
+    async def version(request: Request) -> dict[str, Any]:
+        out = {"version": _version(), "model": service.model_id}
+        if not keys.enabled or getattr(request.state, "authenticated", False):  # no key: nothing to fingerprint
+            out.update(_library_versions())
+        return out
 
     @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        body, ctype = metrics.render()
+    async def prometheus_metrics(request: Request) -> Response:
+        owner = request.state.owner
+        body, ctype = metrics.render(owner, everyone=not keys.enabled or keys.is_admin(owner))
         return Response(body, media_type=ctype)
 
     @app.get("/v1/models")
@@ -317,15 +378,16 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
     @app.post("/v1/contexts", status_code=201, openapi_extra=_body_schema(ContextCreateRequest))
     async def create_context(request: Request) -> JSONResponse:
         owner = request.state.owner
-        req = await checked(request, parse_context, limits)
-        if req.method is not None:  # a spec naming a file: 400 even when the queue is full
-            service.files.resolve_spec(req.method)  # the result is used in the tokenizer thread
-        service.check_characters(req)  # a text that cannot fit: 400 even when the queue is full
-        with engine.reserve(owner):
-            prep = await prepare(service.prepare_compress, req, owner)
-            job = engine.submit(lambda j: service.compress(prep, j), asyncio.get_running_loop(), owner=owner)
+        with engine.reserve(owner):  # admitted before a byte of the body is read
+            req = await checked(request, parse_context, limits)
+            if req.method is not None:  # a spec naming a file
+                service.files.resolve_spec(req.method)  # the result is used in the tokenizer thread
+            service.check_characters(req)  # a text that cannot fit: 400 before it is tokenized
+            prep = await prepare(request, service.prepare_compress, req, owner)
+            job = engine.submit(lambda j: service.compress(prep, j), asyncio.get_running_loop(), owner=owner,
+                                deadline=request.state.deadline)
         request.state.usage = {"prompt_tokens": len(prep.kept), "completion_tokens": 0}
-        return JSONResponse(await _result(job), status_code=201)
+        return JSONResponse(await _answer(job, request, engine), status_code=201)
 
     @app.get("/v1/contexts")
     async def list_contexts(request: Request) -> dict[str, Any]:
@@ -350,25 +412,26 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat(request: Request) -> Response:
         owner = request.state.owner
-        req = await checked(request, parse_chat, service.model_id, limits)
-        service.check_characters(req)  # messages that cannot fit: 400 even when the queue is full
-        if req.context_id is not None:  # another key's or a missing context: 404 even when the queue is full
-            try:
-                service.store.describe(req.context_id, owner)
-            except (ContextNotFound, ContextCorrupted) as exc:
-                raise _store_error(exc, req.context_id[:64], "context_id") from None
-        with engine.reserve(owner):
-            prep = await prepare(service.prepare_chat, req, owner)
+        with engine.reserve(owner):  # admitted before a byte of the body is read
+            req = await checked(request, parse_chat, service.model_id, limits)
+            service.check_characters(req)  # messages that cannot fit: 400 before they are tokenized
+            if req.context_id is not None:  # another key's or a missing context: 404
+                try:
+                    service.store.describe(req.context_id, owner)
+                except (ContextNotFound, ContextCorrupted) as exc:
+                    raise _store_error(exc, req.context_id[:64], "context_id") from None
+            prep = await prepare(request, service.prepare_chat, req, owner)
             # chats may run together with others of their kind waiting: without a stored context
             # (kv_cache.integrations.serve.batch), on stored contexts (kv_cache.integrations.serve.batch_context)
             batch = ({"batch_key": "plain", "item": prep, "batch_fn": functools.partial(chat_batch, service)}
                      if req.context_id is None else
                      {"batch_key": "context", "item": prep, "batch_fn": functools.partial(context_batch, service)})
-            job = engine.submit(lambda j: service.chat(prep, j), asyncio.get_running_loop(), owner=owner, **batch)
+            job = engine.submit(lambda j: service.chat(prep, j), asyncio.get_running_loop(), owner=owner,
+                                deadline=request.state.deadline, **batch)
         cid, now = "chatcmpl-" + secrets.token_hex(12), int(time.time())
         state = request.state
         if not req.stream:
-            result = await _result(job, state)
+            result = await _answer(job, request, engine, state)
             state.usage = result["usage"]
             return JSONResponse({
                 "id": cid, "object": "chat.completion", "created": now, "model": service.model_id,
@@ -378,7 +441,7 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
         try:  # errors before the first token are answered with their status, not inside a stream
             kind, payload = await _next_event(job, state)
         except BaseException:
-            job.cancel()
+            engine.cancel(job)
             raise
         if kind == "error":
             raise payload
@@ -413,7 +476,7 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
                         break
                 yield "data: [DONE]\n\n"
             finally:
-                job.cancel()  # a client that went away stops the generation
+                engine.cancel(job)  # a client that went away stops the generation (or leaves the queue)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -427,8 +490,12 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
         return app.openapi_schema
 
     app.openapi = openapi
+    # the route label's values: these templates (closed), anything else "other"
+    metrics = ServerMetrics(service.store, engine, routes=[getattr(r, "path", None) for r in app.routes])
+    engine.on_batch = metrics.batch.observe
+    app.state.metrics = metrics
     app.add_middleware(Guard)
-    app.add_middleware(AccessLog, metrics=metrics)  # added last: the outermost, so every answer is logged
+    app.add_middleware(AccessLog, metrics=metrics, request_timeout=engine.request_timeout)  # added last: the outermost, so every answer is logged
     return app
 
 

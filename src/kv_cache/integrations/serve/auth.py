@@ -12,6 +12,9 @@
   salts were per store keeps :data:`LEGACY_SALT`, so its owners still match. A key sees, uses
   and deletes only contexts with its
   owner id. Without keys the owner id is None, the owner of contexts stored without keys.
+* **Admin keys** (``--admin-key``, repeatable) are keys like the others (with contexts of their
+  own) that may also read every tenant's figures on ``/metrics``; any other key sees only its
+  own (:meth:`ApiKeys.is_admin`).
 * :func:`is_loopback`: ``kvcache serve`` refuses a non-loopback ``--host`` without a key unless
   ``--insecure`` is given.
 """
@@ -112,15 +115,22 @@ def origin_allowed(origin: str | None, allowed: Iterable[str] = ()) -> bool:
 
 
 class ApiKeys:
-    """The configured keys (none: no authentication, every request is owner None)."""
+    """The configured keys (none: no authentication, every request is owner None); ``admin``:
+    keys that also see every tenant's figures (they are keys too)."""
 
-    def __init__(self, keys: Iterable[str] = (), salt: bytes = LEGACY_SALT):
-        keys = list(keys)
+    def __init__(self, keys: Iterable[str] = (), salt: bytes = LEGACY_SALT, admin: Iterable[str] = ()):
+        admin = list(admin)
+        keys = [*keys, *admin]
         for k in keys:
             if not isinstance(k, str) or not k:
                 raise ValueError(f"an API key must be a non-empty string; got {k!r}")
         self._digests = [hashlib.sha256(k.encode()).digest() for k in dict.fromkeys(keys)]
         self._owners = [key_id(k, salt) for k in dict.fromkeys(keys)]
+        self._admins = frozenset(key_id(k, salt) for k in admin)
+
+    def is_admin(self, owner: str | None) -> bool:
+        """True for the owner id of an admin key."""
+        return owner is not None and owner in self._admins
 
     @property
     def enabled(self) -> bool:

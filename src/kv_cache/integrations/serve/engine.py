@@ -8,10 +8,11 @@ test) takes the same lock.
 
 * The queue holds at most ``queue_size`` waiting jobs; :meth:`Engine.submit` past that raises
   :class:`~kv_cache.integrations.serve.errors.ApiError` ``queue_full`` (503 with ``Retry-After``).
-* Each job has a deadline (``request_timeout`` seconds after it was submitted). A job still
+* Each job has a deadline: the request's own (``request_timeout`` seconds after its first byte,
+  so reading and tokenizing count), or ``request_timeout`` after it was submitted. A job still
   queued at its deadline is dropped; a running one checks it between tokens and stops with
-  ``request_timeout`` (504). A job whose client went away (:meth:`Job.cancel`) is dropped or
-  stopped the same way.
+  ``request_timeout`` (504). A job whose client went away (:meth:`Engine.cancel`) leaves the
+  queue at once, or stops at its next check (one decoding step).
 * A job with a ``batch_key`` (a chat: ``"plain"`` without a stored context, ``"context"`` on
   one) takes with it the queued jobs of the same key, up to ``max_batch`` in all, and they run
   as one batch (``batch_fn``; :mod:`kv_cache.integrations.serve.batch`, :mod:`kv_cache.integrations.serve.batch_context`).
@@ -293,16 +294,31 @@ class Engine:
 
     def submit(self, fn: Callable[[Job], Any], loop: asyncio.AbstractEventLoop | None = None, *,
                batch_key: Any = None, batch_fn: Callable[[list[Job]], None] | None = None, item: Any = None,
-               owner: str | None = None) -> Job:
+               owner: str | None = None, deadline: float | None = None) -> Job:
         """Queue ``fn``; :class:`ApiError` ``queue_full`` when ``queue_size`` jobs already wait.
-        ``batch_key`` / ``batch_fn`` / ``item`` / ``owner``: see :class:`Job`."""
+        ``batch_key`` / ``batch_fn`` / ``item`` / ``owner``: see :class:`Job`; ``deadline``: a
+        ``time.monotonic()`` time (the request's, from its first byte), else ``request_timeout``
+        from now."""
         self._refuse_if_stopping()
-        job = Job(fn, time.monotonic() + self.request_timeout, loop, batch_key, batch_fn, item, owner)
+        if deadline is None:
+            deadline = time.monotonic() + self.request_timeout
+        job = Job(fn, deadline, loop, batch_key, batch_fn, item, owner)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
             raise self._full() from None
         return job
+
+    def cancel(self, job: Job, why: ApiError | None = None) -> None:
+        """Cancel ``job`` (its client went away, its deadline passed): removed from the queue if it
+        waits there (its place is free at once), else stopped at its next check."""
+        job.cancel(why)
+        with self._queue.mutex:
+            try:
+                self._queue.queue.remove(job)
+            except ValueError:  # taken by the worker already, or never queued
+                return
+            self._queue.not_full.notify()
 
     @property
     def waiting(self) -> int:

@@ -6,8 +6,13 @@ a request meets them:
 =============================  =========  =============================================================
 limit (flag)                   default    past it
 =============================  =========  =============================================================
+``--queue-size``               16         503 ``queue_full`` with ``Retry-After``, before the body is read
+``--max-body-bytes-in-flight`` 4 bodies   503 ``bodies_in_flight_full`` with ``Retry-After`` (all bodies
+                                          being read or parsed at once, server-wide)
 ``--max-body-bytes``           8 MiB      413 ``payload_too_large``, while reading, before parsing
 ``--body-timeout``             30 s       408 ``request_body_timeout`` (a body sent too slowly)
+``--request-timeout``          120 s      504 ``request_timeout``: from the request's first byte, over
+                                          reading, tokenizing, queueing and generating
 ``--max-json-depth``           32         400 ``json_too_deep``, before parsing
 ``--max-document-chars``       1,000,000  400 ``text_too_long`` (the document; a chat's messages)
 ``--max-tokens``               1024       400 ``invalid_parameter`` (a chat's ``max_tokens``)
@@ -17,8 +22,15 @@ limit (flag)                   default    past it
 ``--max-store-bytes``          16 GiB     429 ``storage_quota_exceeded`` (``.kvc`` bytes on disk)
 ``--max-store-bytes-per-key``  2 GiB      429 ``storage_quota_exceeded``
 ``--max-document-tokens``      positions  400 ``document_too_long``, after tokenizing, before the queue
-``--queue-size``               16         503 ``queue_full`` with ``Retry-After``
 =============================  =========  =============================================================
+
+**Admission before reading.** A POST that does work (a compression, a chat) takes its place in
+the queue (``--queue-size``, ``--max-queued-per-key``) before a byte of its body is read, so at
+most ``--queue-size`` bodies are read at once; their bytes together are bounded by one
+server-wide :class:`BodyBudget` (``--max-body-bytes-in-flight``, default four bodies at the
+limit): a declared ``Content-Length`` is taken from it before reading, a chunked body as it grows,
+and given back once the body is parsed. Past it: 503 ``bodies_in_flight_full`` with
+``Retry-After``, the body unread.
 
 A body past ``--max-body-bytes`` is read to its end and dropped chunk by chunk (memory does not
 grow with it) before the 413 is sent, so a client still sending gets the status rather than a
@@ -31,8 +43,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import ApiError
 
@@ -67,6 +82,9 @@ class Limits:
         Stored contexts, in all and per API key (None: no limit).
     max_store_bytes, max_store_bytes_per_key : int or None, default 16 GiB and 2 GiB
         Bytes of ``.kvc`` files on disk, in all and per API key (None: no limit).
+    max_body_bytes_in_flight : int or None, default None
+        Bytes of all request bodies being read or parsed at once (None: four times
+        ``max_body_bytes``); at least ``max_body_bytes``.
     """
 
     max_body_bytes: int = 8 * MiB
@@ -80,10 +98,11 @@ class Limits:
     max_contexts_per_key: int | None = 1_000
     max_store_bytes: int | None = 16 << 30
     max_store_bytes_per_key: int | None = 2 << 30
+    max_body_bytes_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         optional = {"max_document_tokens", "max_contexts", "max_contexts_per_key", "max_store_bytes",
-                    "max_store_bytes_per_key"}
+                    "max_store_bytes_per_key", "max_body_bytes_in_flight"}
         for f in fields(self):
             v = getattr(self, f.name)
             if v is None and f.name in optional:
@@ -91,6 +110,72 @@ class Limits:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 allowed = "an int >= 1 or None" if f.name in optional else "an int >= 1"
                 raise ValueError(f"Limits.{f.name} must be {allowed}; got {v!r}")
+        if self.max_body_bytes_in_flight is not None and self.max_body_bytes_in_flight < self.max_body_bytes:
+            raise ValueError(f"Limits.max_body_bytes_in_flight must be at least max_body_bytes ({self.max_body_bytes:,}) "
+                             f"or no body at the limit could ever be read; got {self.max_body_bytes_in_flight:,}")
+
+    @property
+    def body_budget(self) -> int:
+        """Bytes of bodies in flight, server-wide (``max_body_bytes_in_flight`` or four bodies)."""
+        return self.max_body_bytes_in_flight or 4 * self.max_body_bytes
+
+
+class BodyBudget:
+    """The bytes of request bodies held at once, server-wide (thread-safe).
+
+    Each request reads its body within a :meth:`lease`, which takes bytes as the body needs them
+    (:meth:`Lease.need`) and gives them all back when it ends; past the budget a request is
+    refused ``bodies_in_flight_full`` (503, ``Retry-After``) rather than waiting, so a slow sender
+    never holds others' memory."""
+
+    def __init__(self, max_bytes: int, retry_after: int = 1):
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"max_bytes must be an int >= 1; got {max_bytes!r}")
+        self.max_bytes, self.retry_after = max_bytes, retry_after
+        self.held = 0
+        self.peak = 0  # the most bytes held at once since start-up
+        self._lock = threading.Lock()
+
+    def _take(self, n: int) -> bool:
+        with self._lock:
+            if self.held + n > self.max_bytes:
+                return False
+            self.held += n
+            self.peak = max(self.peak, self.held)
+            return True
+
+    def _give(self, n: int) -> None:
+        with self._lock:
+            self.held -= n
+
+    @contextmanager
+    def lease(self) -> Iterator["Lease"]:
+        lease = Lease(self)
+        try:
+            yield lease
+        finally:
+            self._give(lease.bytes)
+            lease.bytes = 0
+
+
+class Lease:
+    """The bytes one request holds of a :class:`BodyBudget`."""
+
+    def __init__(self, budget: BodyBudget):
+        self.budget, self.bytes = budget, 0
+
+    def need(self, total: int) -> None:
+        """Hold ``total`` bytes in all (more are taken when needed); ``bodies_in_flight_full``
+        (503) when the budget cannot give them."""
+        more = total - self.bytes
+        if more <= 0:
+            return
+        if not self.budget._take(more):
+            b = self.budget
+            raise ApiError("bodies_in_flight_full", f"the server is reading {b.held:,} bytes of request bodies, of the "
+                           f"{b.max_bytes:,} it holds at once (kvcache serve --max-body-bytes-in-flight); retry after "
+                           f"{b.retry_after} s", headers={"Retry-After": str(b.retry_after), "Connection": "close"})
+        self.bytes = total
 
 
 def json_depth(raw: bytes) -> int:
@@ -156,21 +241,32 @@ def too_large(limit: int, what: str = "") -> ApiError:
                                          f"takes at most {limit:,} (kvcache serve --max-body-bytes)")
 
 
-async def read_body(request: Any, limit: int, timeout: float | None = None) -> bytes:
+async def read_body(request: Any, limit: int, timeout: float | None = None, *, lease: Lease | None = None,
+                    deadline: float | None = None) -> bytes:
     """The body of ``request`` (a Starlette request), at most ``limit`` bytes, read chunk by chunk
     within ``timeout`` seconds in all (None: no limit; past it ``request_body_timeout``, 408, and
-    the connection is closed).
+    the connection is closed) and before ``deadline`` (a ``time.monotonic()`` time: the request's
+    own, from its first byte; past it ``request_timeout``, 504).
 
-    Past ``limit`` (as declared by ``Content-Length`` or as read) the rest is read and dropped,
-    up to :data:`DRAIN_BYTES`, then ``payload_too_large`` (413) is raised; the server closes the
-    connection after answering when it stopped reading before the end."""
+    ``lease`` (of the server's :class:`BodyBudget`): the bytes kept are taken from it, a declared
+    ``Content-Length`` before the first byte is read, a chunked body as it grows
+    (``bodies_in_flight_full``, 503, when the budget has no room). Past ``limit`` (as declared by
+    ``Content-Length`` or as read) the rest is read and dropped, up to :data:`DRAIN_BYTES`, then
+    ``payload_too_large`` (413) is raised; the server closes the connection after answering when
+    it stopped reading before the end."""
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.strip().isdigit():
+        if not declared.strip().isdigit() or len(declared.strip()) > 20:
             raise ApiError("invalid_json", f"Content-Length must be a byte count; got {declared[:40]!r}")
     over = declared is not None and int(declared) > limit
+    if lease is not None and declared is not None and not over:
+        lease.need(int(declared))
     buf, drained, complete = bytearray(), 0, False
-    end = None if timeout is None else asyncio.get_running_loop().time() + timeout
+    now = time.monotonic()
+    ends = [(now + timeout, "body")] if timeout is not None else []
+    if deadline is not None:
+        ends.append((deadline, "request"))
+    end, which = min(ends) if ends else (None, None)
     stream = request.stream().__aiter__()
     try:
         while True:
@@ -178,14 +274,20 @@ async def read_body(request: Any, limit: int, timeout: float | None = None) -> b
                 if end is None:
                     chunk = await stream.__anext__()
                 else:
-                    chunk = await asyncio.wait_for(stream.__anext__(), max(end - asyncio.get_running_loop().time(), 0))
+                    chunk = await asyncio.wait_for(stream.__anext__(), max(end - time.monotonic(), 0))
             except StopAsyncIteration:
                 complete = True
                 break
             except asyncio.TimeoutError:
+                if which == "request":
+                    raise ApiError("request_timeout", "the request ran past the server's per-request timeout while "
+                                   "its body was read (kvcache serve --request-timeout)",
+                                   headers={"Connection": "close"}) from None
                 raise ApiError("request_body_timeout", f"the request body was not sent within {timeout:g} s (kvcache "
                                "serve --body-timeout)", headers={"Connection": "close"}) from None
             if not over and len(buf) + len(chunk) <= limit:
+                if lease is not None:
+                    lease.need(len(buf) + len(chunk))
                 buf += chunk
                 continue
             if not over:
@@ -199,7 +301,7 @@ async def read_body(request: Any, limit: int, timeout: float | None = None) -> b
         complete = False
     if not over:
         if not complete:
-            raise ApiError("invalid_json", "the request body ended early (the client disconnected)")
+            raise ApiError("client_closed_request", "the request body ended early (the client disconnected)")
         return bytes(buf)
     exc = too_large(limit)
     if not complete:

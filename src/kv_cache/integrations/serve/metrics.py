@@ -8,9 +8,12 @@ not mix). ``GET /metrics`` answers them in Prometheus' text format:
 metric                                      type       labels / what
 ==========================================  =========  ==============================================
 ``kvcache_requests_total``                  counter    ``route`` (the route's template), ``method``,
-                                                       ``status``
+                                                       ``status``: requests that passed the key check
 ``kvcache_request_duration_seconds``        histogram  ``route``: from the request's first byte to
                                                        its response's last (a stream included)
+``kvcache_refused_total``                   counter    ``reason``: requests refused before the key
+                                                       check (``invalid_api_key``,
+                                                       ``misdirected_request``, ``forbidden_origin``)
 ``kvcache_time_to_first_token_seconds``     histogram  chats: from the request to the first token
 ``kvcache_batch_size``                      histogram  jobs the worker ran together (1: alone)
 ``kvcache_prompt_tokens_total``             counter    ``route``: tokens read (a chat's prompt and
@@ -21,15 +24,25 @@ metric                                      type       labels / what
 ``kvcache_running_jobs``                    gauge      jobs the worker runs now
 ``kvcache_contexts``                        gauge      stored contexts (every key)
 ``kvcache_store_bytes``                     gauge      ``key``: bytes of ``.kvc`` files per key hash
-                                                       (the owner id; ``none`` without a key)
+                                                       (the owner id; ``none`` without a key): a key
+                                                       sees its own series only, an admin key every
+                                                       one
 ``kvcache_cache_bytes``                     gauge      bytes of contexts held loaded in memory
 ``kvcache_draining``                        gauge      1 once SIGTERM began the shutdown
 ==========================================  =========  ==============================================
 
+**Every label value comes from a closed set**, never from what a client sends: ``route`` is one of
+the application's route templates or ``other``; ``method`` one of :data:`METHODS` or ``other``;
+``status`` a status the server chose; ``reason`` one of :data:`REFUSALS`, every series made at
+start-up; ``key`` an owner id of a configured key. A request refused before its key is checked
+adds no series (one of the ``kvcache_refused_total`` series counts it), so a client without a key
+cannot grow the process, whatever methods and paths it sends.
+
 The access log (:func:`access_line`) is one JSON object a line on the logger
 ``kv_cache.serve.access`` per request: ``id`` (also sent as the ``X-Request-Id`` header),
-``key`` (the key's owner id, a salted hash, never the key), ``method``, ``route``, ``path``,
-``status``, ``prompt_tokens``, ``completion_tokens``, ``latency_ms``, ``ttft_ms``.
+``key`` (the key's owner id, a salted hash, never the key), ``method`` and ``route`` (closed sets,
+as the labels), ``path`` (its first 200 characters; null for a request refused before its key was
+checked), ``status``, ``prompt_tokens``, ``completion_tokens``, ``latency_ms``, ``ttft_ms``.
 """
 
 from __future__ import annotations
@@ -42,14 +55,26 @@ ACCESS_LOG = "kv_cache.serve.access"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
+"""HTTP methods counted by name; any other is ``other``."""
+REFUSALS = ("invalid_api_key", "misdirected_request", "forbidden_origin")
+"""Why a request is refused before its key is checked: ``kvcache_refused_total``'s ``reason``."""
+OTHER = "other"
+
 access_log = logging.getLogger(ACCESS_LOG)
+
+
+def method_label(method: Any) -> str:
+    """``method`` when it is one of :data:`METHODS`, else ``other``."""
+    return method if method in METHODS else OTHER
 
 
 class ServerMetrics:
     """One application's metrics (see the module docstring); ``store`` and ``engine`` are read at
-    each scrape for the gauges."""
+    each scrape for the gauges; ``routes``: the application's route templates (the ``route``
+    label's values besides ``other``)."""
 
-    def __init__(self, store: Any, engine: Any):
+    def __init__(self, store: Any, engine: Any, routes: Any = ()):
         from prometheus_client import CollectorRegistry, Counter, Histogram
         from prometheus_client.core import GaugeMetricFamily
 
@@ -66,6 +91,12 @@ class ServerMetrics:
         self.prompt_tokens = Counter("kvcache_prompt_tokens", "Tokens read (prompts, stored contexts, documents)",
                                      ["route"], registry=r)
         self.completion_tokens = Counter("kvcache_completion_tokens", "Tokens generated", registry=r)
+        self.refused = Counter("kvcache_refused", "Requests refused before their key was checked", ["reason"],
+                               registry=r)
+        for reason in REFUSALS:  # every series exists from the start: a refusal never adds one
+            self.refused.labels(reason)
+        self.routes = frozenset(routes)
+        self.store = store
 
         class _Live:
             """The gauges read at scrape time from the engine and the store."""
@@ -78,26 +109,45 @@ class ServerMetrics:
                 by_key = store.usage_by_owner()
                 yield GaugeMetricFamily("kvcache_contexts", "Stored contexts (every key)",
                                         value=sum(n for n, _ in by_key.values()))
-                g = GaugeMetricFamily("kvcache_store_bytes", "Bytes of stored context files per key hash",
-                                      labels=["key"])
-                for owner, (_, nbytes) in sorted(by_key.items(), key=lambda kv: str(kv[0])):
-                    g.add_metric(["none" if owner is None else owner], nbytes)
-                yield g
                 yield GaugeMetricFamily("kvcache_cache_bytes", "Bytes of contexts held loaded in memory",
                                         value=store.cache_bytes_held)
 
         r.register(_Live())
 
-    def render(self) -> tuple[bytes, str]:
-        """``(body, content type)`` of ``GET /metrics``."""
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    def render(self, viewer: Any = None, everyone: bool = True) -> tuple[bytes, str]:
+        """``(body, content type)`` of ``GET /metrics``; ``kvcache_store_bytes`` holds every key's
+        series when ``everyone`` (an admin key, or a server without keys), else ``viewer``'s only
+        (the owner id of the key that asked)."""
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+        from prometheus_client.core import GaugeMetricFamily
 
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        by_key = self.store.usage_by_owner()
+        g = GaugeMetricFamily("kvcache_store_bytes", "Bytes of stored context files per key hash", labels=["key"])
+        for owner, (_, nbytes) in sorted(by_key.items(), key=lambda kv: str(kv[0])):
+            if everyone or owner == viewer:
+                g.add_metric(["none" if owner is None else owner], nbytes)
+
+        class _One:
+            def collect(self_inner):
+                yield g
+
+        mine = CollectorRegistry(auto_describe=False)
+        mine.register(_One())
+        return generate_latest(self.registry) + generate_latest(mine), CONTENT_TYPE_LATEST
+
+    def route_label(self, route: Any) -> str:
+        """``route`` when it is one of the application's templates, else ``other``."""
+        return route if route in self.routes else OTHER
 
     def observe(self, entry: dict[str, Any]) -> None:
-        """Count one answered request (an :func:`access_line` entry)."""
-        route = entry["route"]
-        self.requests.labels(route, entry["method"], str(entry["status"])).inc()
+        """Count one answered request (an :func:`access_line` entry); one refused before its key
+        was checked (``entry["refused"]``, one of :data:`REFUSALS`) only in ``kvcache_refused_total``."""
+        refused = entry.get("refused")
+        if refused is not None:
+            self.refused.labels(refused if refused in REFUSALS else REFUSALS[0]).inc()
+            return
+        route = self.route_label(entry["route"])
+        self.requests.labels(route, method_label(entry["method"]), str(int(entry["status"]))).inc()
         self.latency.labels(route).observe(entry["latency_ms"] / 1000.0)
         if entry.get("ttft_ms") is not None:
             self.ttft.observe(entry["ttft_ms"] / 1000.0)

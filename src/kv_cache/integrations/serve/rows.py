@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ...generation import sample_token, stop_scan
+from ...generation import TextStream, sample_token
 from .engine import Job, emit_many
 from .errors import ApiError
 
@@ -30,8 +30,8 @@ class Row:
         prep = job.item
         self.service, self.job, self.req, self.n_new = service, job, prep.req, prep.n_new
         self.prompt, self.cached = prompt, cached
-        self.out: list[int] = []
-        self.text, self.sent, self.stopped, self.done = "", 0, False, False
+        self.stream = TextStream(service.decoder, prep.req.stop)  # decoded and stop-matched incrementally
+        self.done = False
         self.gen = None if prep.req.sampling.greedy else prep.req.sampling.generator()
         self.error: ApiError | None = None
         self.pending: list[tuple[str, Any]] = []  # events not sent yet (:func:`flush`)
@@ -46,15 +46,10 @@ class Row:
         if token in eos:
             self.done = True
             return
-        self.out.append(token)
-        with self.service.tokenizer_lock:
-            self.text = self.service.tokenizer.decode(self.out, skip_special_tokens=True)
-        end, self.stopped = stop_scan(self.text, self.req.stop)
-        if self.req.stream and end > self.sent:
-            self.emit("delta", self.text[self.sent:end])
-            self.sent = end
-        if self.stopped:
-            self.text = self.text[:end]
+        piece = self.stream.push(token)
+        if self.req.stream and piece:
+            self.emit("delta", piece)
+        if self.stream.stopped:
             self.done = True
             return
         try:
@@ -65,14 +60,24 @@ class Row:
         if len(self.out) == self.n_new:
             self.done = True
 
+    @property
+    def out(self) -> list[int]:
+        """The tokens drawn so far (an end-of-sequence token is never among them)."""
+        return self.stream.tokens
+
+    @property
+    def text(self) -> str:
+        return self.stream.text
+
     def finish(self) -> None:
         """Answer the request: its error, or its text, finish reason and usage."""
         if self.error is not None:
             self.emit("error", self.error)
             return
-        if self.req.stream and len(self.text) > self.sent:
-            self.emit("delta", self.text[self.sent:])
-        finish = "stop" if self.stopped or len(self.out) < self.n_new else "length"
+        piece = self.stream.finish()
+        if self.req.stream and piece:
+            self.emit("delta", piece)
+        finish = "stop" if self.stream.stopped or len(self.out) < self.n_new else "length"
         prompt = self.cached + self.prompt
         self.emit("done", {"text": self.text, "finish_reason": finish,
                                "usage": {"prompt_tokens": prompt, "completion_tokens": len(self.out),

@@ -35,7 +35,7 @@ import torch
 
 from ...cache import FidelityError, compress
 from ...context import CompressedContext, fit_context, forward_at, max_positions, text_token_ids, token_ids
-from ...generation import generate_tokens, stop_scan
+from ...generation import TextStream, generate_tokens
 from .engine import Job
 from .errors import ApiError
 from .files import ServedFiles
@@ -100,6 +100,18 @@ def _longest_token(tokenizer: Any) -> int:
         return 0
 
 
+def _decoder_copy(tokenizer: Any) -> Any:
+    """A copy of ``tokenizer`` for decoding on the worker thread (the tokenizer itself when it
+    cannot be copied: then decoding shares it, as HF tokenizers allow for reads)."""
+    import copy
+
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # a tokenizer that cannot be copied
+        log.warning("the tokenizer cannot be copied; answers are decoded with the one that tokenizes requests")
+        return tokenizer
+
+
 def _store_error(exc: Exception, cid: str, param: str | None = None) -> ApiError:
     if isinstance(exc, ContextNotFound):
         return ApiError("context_not_found", f"no context with id {cid!r} (GET /v1/contexts lists them)", param=param)
@@ -118,13 +130,16 @@ class Service:
     max_document_tokens: int | None = None  # None: what the model's positions allow
     files: ServedFiles = field(default_factory=ServedFiles)  # the operator's registered files
     limits: Limits = field(default_factory=Limits)
-    tokenizer_lock: Any = field(default_factory=threading.Lock, repr=False)
+    tokenizer_lock: Any = field(default_factory=threading.Lock, repr=False)  # the tokenizer thread's, around encoding
     strict: bool = False  # refuse a context whose cache fails the fidelity or eviction check (§26) instead of warning
 
     def __post_init__(self) -> None:
         if self.max_document_tokens is None:
             self.max_document_tokens = self.limits.max_document_tokens
         self._longest = _longest_token(self.tokenizer)  # at start-up: never under the lock on the event loop
+        # the worker's own copy for decoding answers: it never waits for (nor races) the tokenizer
+        # thread, which may hold the tokenizer for seconds on a document at --max-document-chars
+        self.decoder = _decoder_copy(self.tokenizer)
 
     def chars_past(self, tokens: int | None) -> int | None:
         """Characters of text past which it surely takes more than ``tokens`` tokens (None: no
@@ -330,27 +345,23 @@ class Service:
     def _generate(self, req: ChatRequest, job: Job, cache: Any, logits: torch.Tensor, pos: int, n_new: int,
                   cached: int, prompt: int) -> dict[str, Any]:
         job.emit("start")
-        out: list[int] = []
-        text, sent, stopped = "", 0, False
+        stream = TextStream(self.decoder, req.stop)  # on the worker thread: decoder is its own
         gen = generate_tokens(self.model, cache, logits, pos, max_new_tokens=n_new, params=req.sampling,
                               eos=_eos(self.tokenizer, self.model))
         try:
             for token in gen:
-                out.append(token)
-                with self.tokenizer_lock:
-                    text = self.tokenizer.decode(out, skip_special_tokens=True)
-                end, stopped = stop_scan(text, req.stop)
-                if req.stream and end > sent:
-                    job.emit("delta", text[sent:end])
-                    sent = end
-                if stopped:
-                    text = text[:end]
+                piece = stream.push(token)
+                if req.stream and piece:
+                    job.emit("delta", piece)
+                if stream.stopped:
                     break
                 job.check()  # the deadline, a client that left, a shutdown
         finally:
             gen.close()
-        if req.stream and len(text) > sent:
-            job.emit("delta", text[sent:])
+        piece = stream.finish()
+        if req.stream and piece:
+            job.emit("delta", piece)
+        out, stopped, text = stream.tokens, stream.stopped, stream.text
         finish = "stop" if stopped or len(out) < n_new else "length"
         return {"text": text, "finish_reason": finish,
                 "usage": {"prompt_tokens": cached + prompt, "completion_tokens": len(out),
