@@ -413,28 +413,31 @@ def test_contexts_stored_without_keys_belong_to_none_until_assigned(stories, tmp
     assert not (tmp_path / f"{cid}.kvc").exists()
 
 
-def test_refusals_come_before_the_queue(srv, http, http2):
-    """With the worker busy and the queue full, a spec naming a file is still a 400 and another
-    key's context a 404 (no 503): both are refused before any work is queued."""
+def test_admission_comes_before_the_body_and_refusals_after_it(srv, http, http2):
+    """With the worker busy and the queue full, every POST that does work is 503 ``queue_full``
+    with ``Retry-After`` before its body is read (issue 60: admission before reading), whatever
+    the body holds; with room again, a spec naming a file is 400 and another key's context 404."""
     mine = create(http, method="q4d")["id"]
     started, release = threading.Event(), threading.Event()
     srv.engine.submit(lambda job: (started.set(), release.wait(30)))
+    bad_spec = {"document": DOC, "method": "plan[/etc/passwd]"}
+    other_key = {"model": MODEL, "context_id": mine, "messages": [{"role": "user", "content": "hi"}]}
     try:
         assert started.wait(30)
         for _ in range(srv.engine.queue_size):
             srv.engine.submit(lambda job: None)
-        error(http2.post("/v1/contexts", json={"document": DOC, "method": "plan[/etc/passwd]"}), 400, "invalid_method")
-        error(http2.post("/v1/chat/completions", json={"model": MODEL, "context_id": mine,
-                                                       "messages": [{"role": "user", "content": "hi"}]}),
-              404, "context_not_found")
-        r = http.post("/v1/chat/completions", json={"model": MODEL, "context_id": mine,
-                                                    "messages": [{"role": "user", "content": "hi"}]})
-        error(r, 503, "queue_full")  # its owner's request is well formed: it waits for room
+        for client, route, body in ((http2, "/v1/contexts", bad_spec), (http2, "/v1/chat/completions", other_key),
+                                    (http, "/v1/chat/completions", other_key)):
+            r = client.post(route, json=body)
+            error(r, 503, "queue_full")
+            assert r.headers["retry-after"]
     finally:
         release.set()
     deadline = time.monotonic() + 30
     while srv.engine.waiting and time.monotonic() < deadline:
         time.sleep(0.01)
+    error(http2.post("/v1/contexts", json=bad_spec), 400, "invalid_method")
+    error(http2.post("/v1/chat/completions", json=other_key), 404, "context_not_found")
     _clean(http)
 
 

@@ -55,8 +55,8 @@ MiB = 1 << 20
 DRAIN_BYTES = 64 * MiB
 """Bytes of an oversized body the server still reads (and drops) before answering 413."""
 
-SCAN_BLOCK = 1 << 20
-"""Bytes :func:`json_depth` scans at a time."""
+SCAN_BLOCK = 1 << 16
+"""Bytes :func:`json_depth` scans at a time (its int32 temporaries: a few times this, per body)."""
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ class Lease:
         self.bytes = total
 
 
-def json_depth(raw: bytes) -> int:
+def json_depth(raw: bytes | bytearray) -> int:
     """The deepest nesting of arrays and objects in the JSON text ``raw`` (brackets inside strings
     skipped), in one pass over the bytes: time and memory linear in ``len(raw)``, whatever it holds.
 
@@ -219,7 +219,7 @@ def json_depth(raw: bytes) -> int:
     return deepest
 
 
-def parse_json(raw: bytes, max_depth: int) -> Any:
+def parse_json(raw: bytes | bytearray, max_depth: int) -> Any:
     """The JSON value of a request body: ``json_too_deep`` past ``max_depth`` (checked first),
     ``invalid_json`` for anything that is not JSON text in UTF-8."""
     depth = json_depth(raw)
@@ -242,7 +242,7 @@ def too_large(limit: int, what: str = "") -> ApiError:
 
 
 async def read_body(request: Any, limit: int, timeout: float | None = None, *, lease: Lease | None = None,
-                    deadline: float | None = None) -> bytes:
+                    deadline: float | None = None) -> bytearray:
     """The body of ``request`` (a Starlette request), at most ``limit`` bytes, read chunk by chunk
     within ``timeout`` seconds in all (None: no limit; past it ``request_body_timeout``, 408, and
     the connection is closed) and before ``deadline`` (a ``time.monotonic()`` time: the request's
@@ -302,7 +302,7 @@ async def read_body(request: Any, limit: int, timeout: float | None = None, *, l
     if not over:
         if not complete:
             raise ApiError("client_closed_request", "the request body ended early (the client disconnected)")
-        return bytes(buf)
+        return buf  # not copied to bytes: a body is held once
     exc = too_large(limit)
     if not complete:
         exc.headers["Connection"] = "close"
