@@ -87,6 +87,23 @@ def test_requests_without_a_key_add_no_series_whatever_their_method_and_path(key
     assert set(refused) == {"invalid_api_key", "misdirected_request", "forbidden_origin"}
 
 
+def test_the_access_log_takes_closed_values_for_whatever_a_client_sends(keyed, caplog):
+    import logging
+
+    from kv_cache.integrations.serve.metrics import ACCESS_LOG
+
+    with caplog.at_level(logging.INFO, logger=ACCESS_LOG):
+        with httpx.Client(base_url=keyed.base_url, timeout=30) as c:
+            c.request("XQWERTY", "/v1/" + "a" * 300)  # no key
+            c.request("BREW", "/pot/" + "b" * 300, headers=AUTH)  # a key, an unknown path
+            c.get("/v1/models", headers=AUTH)
+        _wait(lambda: len([r for r in caplog.records if r.name == ACCESS_LOG]) >= 3, "the access lines")
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == ACCESS_LOG][-3:]
+    assert [(d["method"], d["route"], d["path"], d["status"]) for d in lines] == [
+        ("other", "other", None, 401), ("other", "other", None, 404),
+        ("GET", "/v1/models", "/v1/models", 200)]
+
+
 def test_labels_of_keyed_requests_come_from_closed_sets(keyed):
     rng = random.Random(1)
     with httpx.Client(base_url=keyed.base_url, headers=AUTH, timeout=30) as c:

@@ -139,9 +139,10 @@ class AccessLog:
         usage = state.get("usage") or {}
         ttft = state.get("first_token")
         refused = state.get("refused")
+        label = self.metrics.route_label(getattr(route, "path", None))
         entry = {"id": state["request_id"], "key": state.get("owner"), "method": method_label(scope.get("method")),
-                 "route": self.metrics.route_label(getattr(route, "path", None)),
-                 "path": None if refused else scope.get("path", "")[:200], "refused": refused,
+                 "route": label,  # the path only where a route matched and the key was checked: no junk logged
+                 "path": None if refused or label == "other" else scope.get("path", "")[:200], "refused": refused,
                  "status": code, "prompt_tokens": usage.get("prompt_tokens"),
                  "completion_tokens": usage.get("completion_tokens"),
                  "latency_ms": round((time.monotonic() - state["started"]) * 1000.0, 2),
@@ -153,13 +154,14 @@ class AccessLog:
             log.exception("the access log failed")
 
 
-async def _next_event(job: Job, state: Any = None) -> tuple[str, Any]:
-    """The job's next event, or ``request_timeout`` at its deadline (the job is then cancelled).
-    ``state`` (a request's): the time of the first ``start`` / ``delta`` event is recorded there."""
+async def _next_event(job: Job, engine: Engine, state: Any = None) -> tuple[str, Any]:
+    """The job's next event, or ``request_timeout`` at its deadline (the job is then cancelled:
+    out of ``engine``'s queue, or stopped at its next check). ``state`` (a request's): the time of
+    the first ``start`` / ``delta`` event is recorded there."""
     try:
         event = await asyncio.wait_for(job.events.get(), timeout=max(job.deadline - time.monotonic(), 0.0))
     except asyncio.TimeoutError:
-        job.cancel()
+        engine.cancel(job)
         raise ApiError("request_timeout", "the request ran past the server's per-request timeout "
                                           "(kvcache serve --request-timeout)") from None
     if state is not None and event[0] in ("start", "delta") and getattr(state, "first_token", None) is None:
@@ -167,9 +169,9 @@ async def _next_event(job: Job, state: Any = None) -> tuple[str, Any]:
     return event
 
 
-async def _result(job: Job, state: Any = None) -> Any:
+async def _result(job: Job, engine: Engine, state: Any = None) -> Any:
     while True:
-        kind, payload = await _next_event(job, state)
+        kind, payload = await _next_event(job, engine, state)
         if kind == "done":
             return payload
         if kind == "error":
@@ -187,7 +189,7 @@ async def _disconnected(request: Request) -> None:
 async def _answer(job: Job, request: Request, engine: Engine, state: Any = None) -> Any:
     """:func:`_result`, or, once the client disconnects, the job cancelled (out of the queue at
     once, or stopped at its next check) and ``client_closed_request`` raised (nobody reads it)."""
-    result = asyncio.ensure_future(_result(job, state))
+    result = asyncio.ensure_future(_result(job, engine, state))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -439,7 +441,7 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
                              "finish_reason": result["finish_reason"], "logprobs": None}],
                 "usage": result["usage"], "context_id": req.context_id})
         try:  # errors before the first token are answered with their status, not inside a stream
-            kind, payload = await _next_event(job, state)
+            kind, payload = await _next_event(job, engine, state)
         except BaseException:
             engine.cancel(job)
             raise
@@ -456,7 +458,7 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
                 yield chunk({"role": "assistant", "content": ""})
                 while True:
                     try:
-                        kind, payload = await _next_event(job, state)
+                        kind, payload = await _next_event(job, engine, state)
                     except ApiError as exc:
                         kind, payload = "error", exc
                     if kind == "delta":

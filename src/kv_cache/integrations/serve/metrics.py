@@ -41,8 +41,8 @@ cannot grow the process, whatever methods and paths it sends.
 The access log (:func:`access_line`) is one JSON object a line on the logger
 ``kv_cache.serve.access`` per request: ``id`` (also sent as the ``X-Request-Id`` header),
 ``key`` (the key's owner id, a salted hash, never the key), ``method`` and ``route`` (closed sets,
-as the labels), ``path`` (its first 200 characters; null for a request refused before its key was
-checked), ``status``, ``prompt_tokens``, ``completion_tokens``, ``latency_ms``, ``ttft_ms``.
+as the labels), ``path`` (its first 200 characters, where a route matched; null for an unknown
+path or a request refused before its key was checked), ``status``, ``prompt_tokens``, ``completion_tokens``, ``latency_ms``, ``ttft_ms``.
 """
 
 from __future__ import annotations
