@@ -66,7 +66,7 @@ from .batch_context import context_batch
 from .engine import Engine, Job, internal_error
 from .errors import ApiError, redact
 from .limits import BodyBudget, parse_json, read_body
-from .metrics import REFUSALS, ServerMetrics, access_line, access_log, method_label
+from .metrics import REFUSALS, AccessLog, ServerMetrics
 from .requests import parse_chat, parse_context
 from .schemas import ChatCompletionRequest, ContextCreateRequest
 from .service import Service, _store_error
@@ -100,58 +100,6 @@ def _body_components() -> dict[str, Any]:
         out.update(schema.pop("$defs", {}))
         out[model.__name__] = schema
     return out
-
-
-class AccessLog:
-    """Pure ASGI middleware: an ``X-Request-Id`` on every response, and at the response's last
-    byte (a stream's included) one access-log line and the request's metrics."""
-
-    def __init__(self, app: Any, metrics: ServerMetrics, request_timeout: float):
-        self.app, self.metrics, self.request_timeout = app, metrics, request_timeout
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        rid = "req-" + secrets.token_hex(8)
-        state = scope.setdefault("state", {})
-        state["request_id"], state["started"] = rid, time.monotonic()
-        state["deadline"] = state["started"] + self.request_timeout  # from the first byte: reading counts
-        status = {"code": 500, "done": False}
-
-        async def send_logged(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-                message = dict(message, headers=[*message.get("headers", []), (b"x-request-id", rid.encode())])
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False) and not status["done"]:
-                status["done"] = True
-                self._log(scope, state, status["code"])
-
-        try:
-            await self.app(scope, receive, send_logged)
-        finally:
-            if not status["done"]:  # the client went away, or nothing was sent
-                status["done"] = True
-                self._log(scope, state, status["code"] if status["code"] != 500 else 499)
-
-    def _log(self, scope, state, code: int) -> None:
-        route = scope.get("route")
-        usage = state.get("usage") or {}
-        ttft = state.get("first_token")
-        refused = state.get("refused")
-        label = self.metrics.route_label(getattr(route, "path", None))
-        entry = {"id": state["request_id"], "key": state.get("owner"), "method": method_label(scope.get("method")),
-                 "route": label,  # the path only where a route matched and the key was checked: no junk logged
-                 "path": None if refused or label == "other" else scope.get("path", "")[:200], "refused": refused,
-                 "status": code, "prompt_tokens": usage.get("prompt_tokens"),
-                 "completion_tokens": usage.get("completion_tokens"),
-                 "latency_ms": round((time.monotonic() - state["started"]) * 1000.0, 2),
-                 "ttft_ms": None if ttft is None else round((ttft - state["started"]) * 1000.0, 2)}
-        try:
-            self.metrics.observe(entry)
-            access_log.info(access_line(entry))
-        except Exception:  # observability never fails a request
-            log.exception("the access log failed")
 
 
 async def _next_event(job: Job, engine: Engine, state: Any = None) -> tuple[str, Any]:

@@ -1,4 +1,5 @@
-"""What an operator of ``kvcache serve`` can watch: ``/metrics`` (Prometheus) and the access log.
+"""What an operator of ``kvcache serve`` can watch: ``/metrics`` (Prometheus) and the access log
+(:class:`AccessLog`, the ASGI middleware that writes both at each response's last byte).
 
 :class:`ServerMetrics` holds one application's metrics in a registry of its own
 (``prometheus_client.CollectorRegistry``: nothing process-wide, two servers in one process do
@@ -49,6 +50,8 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
+import time
 from typing import Any
 
 ACCESS_LOG = "kv_cache.serve.access"
@@ -62,6 +65,7 @@ REFUSALS = ("invalid_api_key", "misdirected_request", "forbidden_origin")
 OTHER = "other"
 
 access_log = logging.getLogger(ACCESS_LOG)
+log = logging.getLogger(__name__)
 
 
 def method_label(method: Any) -> str:
@@ -162,3 +166,55 @@ def access_line(entry: dict[str, Any]) -> str:
     order = ("id", "key", "method", "route", "path", "status", "prompt_tokens", "completion_tokens", "latency_ms",
              "ttft_ms")
     return json.dumps({k: entry.get(k) for k in order}, separators=(",", ":"), ensure_ascii=True)
+
+
+class AccessLog:
+    """Pure ASGI middleware: an ``X-Request-Id`` on every response, and at the response's last
+    byte (a stream's included) one access-log line and the request's metrics."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics, request_timeout: float):
+        self.app, self.metrics, self.request_timeout = app, metrics, request_timeout
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = "req-" + secrets.token_hex(8)
+        state = scope.setdefault("state", {})
+        state["request_id"], state["started"] = rid, time.monotonic()
+        state["deadline"] = state["started"] + self.request_timeout  # from the first byte: reading counts
+        status = {"code": 500, "done": False}
+
+        async def send_logged(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                message = dict(message, headers=[*message.get("headers", []), (b"x-request-id", rid.encode())])
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False) and not status["done"]:
+                status["done"] = True
+                self._log(scope, state, status["code"])
+
+        try:
+            await self.app(scope, receive, send_logged)
+        finally:
+            if not status["done"]:  # the client went away, or nothing was sent
+                status["done"] = True
+                self._log(scope, state, status["code"] if status["code"] != 500 else 499)
+
+    def _log(self, scope, state, code: int) -> None:
+        route = scope.get("route")
+        usage = state.get("usage") or {}
+        ttft = state.get("first_token")
+        refused = state.get("refused")
+        label = self.metrics.route_label(getattr(route, "path", None))
+        entry = {"id": state["request_id"], "key": state.get("owner"), "method": method_label(scope.get("method")),
+                 "route": label,  # the path only where a route matched and the key was checked: no junk logged
+                 "path": None if refused or label == "other" else scope.get("path", "")[:200], "refused": refused,
+                 "status": code, "prompt_tokens": usage.get("prompt_tokens"),
+                 "completion_tokens": usage.get("completion_tokens"),
+                 "latency_ms": round((time.monotonic() - state["started"]) * 1000.0, 2),
+                 "ttft_ms": None if ttft is None else round((ttft - state["started"]) * 1000.0, 2)}
+        try:
+            self.metrics.observe(entry)
+            access_log.info(access_line(entry))
+        except Exception:  # observability never fails a request
+            log.exception("the access log failed")
