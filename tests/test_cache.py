@@ -251,6 +251,10 @@ def test_smollm2_4bit_h2o_holds_under_a_fifth_of_fp16():
 def test_prefill_attends_to_its_own_full_precision_states():
     """Quantization changes what is stored, not the prefill's own attention (as in KIVI)."""
     model = tiny(LlamaConfig, 4, 2)
+    with torch.no_grad():  # a random model attends almost uniformly, so which key is read barely
+        for layer in model.model.layers:  # shows: sharper queries and keys make token order matter
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
     ids = torch.randint(1, 97, (1, 40))
     with torch.no_grad():
         ref = model(ids, past_key_values=DynamicCache()).logits
@@ -259,12 +263,20 @@ def test_prefill_attends_to_its_own_full_precision_states():
         assert torch.equal(ref, got)
         assert cache.memory_report().codes_bytes > 0
         # The next step reads the 2-bit codes back: it differs from the full cache, but not wildly.
+        # The next-token distribution of this random model is nearly uniform over its 97 tokens
+        # (max p 0.015), so probabilities say little: the error is measured on the logits, relative
+        # to what the context changes in them (the same token's logits with no context at all).
         nxt = torch.randint(1, 97, (1, 1))
         full = DynamicCache()
         model(ids, past_key_values=full)
         a = model(nxt, past_key_values=full).logits
         b = model(nxt, past_key_values=cache).logits
-        assert not torch.equal(a, b) and torch.allclose(a.softmax(-1), b.softmax(-1), atol=0.2)
+        alone = model(nxt, past_key_values=DynamicCache()).logits
+    rel = float((b - a).norm() / (alone - a).norm())
+    # Measured 0.108 (0.09-0.14 over other prompts); 4-bit codes give 0.022, keys read back one
+    # group out of place 0.29, values one group out of place 0.34: the bounds say the codes are
+    # really 2-bit and each token is read back where it was stored.
+    assert not torch.equal(a, b) and 0.05 < rel < 0.22, rel
 
 
 def test_eviction_policy_is_abstract():
