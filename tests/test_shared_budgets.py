@@ -287,11 +287,39 @@ def test_kvzip_scores_every_context_token_once_chunked(stories):
     assert fed > 130 - first and cache.get_seq_length() == 130
 
 
+def _greedy_in_session(model, cache, context_tokens, question, n, eos):
+    """Reference for ``CompressedContext.ask``: greedy tokens read through ``cache`` in a session,
+    the model called directly at the positions after the context (no ``forward_at``, no
+    ``generate_tokens``)."""
+    out = []
+    with compress(model, cache), cache.session(), torch.no_grad():
+        pos = torch.arange(context_tokens, context_tokens + question.shape[1])[None]
+        logits = model(input_ids=question, position_ids=pos, past_key_values=cache, use_cache=True).logits[0, -1]
+        for step in range(n):
+            t = int(logits.argmax())
+            if t in eos:
+                break
+            out.append(t)
+            if step + 1 < n:
+                pos = torch.tensor([[context_tokens + question.shape[1] + step]])
+                logits = model(input_ids=torch.tensor([[t]]), position_ids=pos, past_key_values=cache,
+                               use_cache=True).logits[0, -1]
+    return out
+
+
 def test_session_drops_the_question_and_counts_its_tail(stories):
+    """A question asked in a session is held (and counted) while it runs, then dropped: the
+    context's length and bytes come back, and the answers asked after it are those of a context
+    built and compressed separately that was never asked anything, decoded greedily by calling
+    the model directly."""
     model, tok = stories
     ids = _ids(tok)
-    cache = CompressedCache(model.config, quant=QUANTS["q4"], eviction=SnapKV(budget=0.5, recent_window=8,
-                                                                               scope="layer"))
+
+    def compressed():
+        return CompressedCache(model.config, quant=QUANTS["q4"], eviction=SnapKV(budget=0.5, recent_window=8,
+                                                                                  scope="layer"))
+
+    cache = compressed()
     prefill(model, cache, ids)
     before = cache.memory_report().total_bytes
     q = tok(" Lily found a", return_tensors="pt", add_special_tokens=False).input_ids
@@ -302,7 +330,13 @@ def test_session_drops_the_question_and_counts_its_tail(stories):
         assert cache.memory_report().total_bytes == walked_nbytes(cache)
     assert cache.get_seq_length() == ids.shape[1] and cache.memory_report().total_bytes == before
     ctx = CompressedContext(model, tok, cache, ids.shape[1])
-    assert ctx.ask(" Lily found a", max_new_tokens=6) == ctx.ask(" Lily found a", max_new_tokens=6)
+    fresh = compressed()
+    prefill(model, fresh, ids)
+    want = _greedy_in_session(model, fresh, ids.shape[1], q, 6, {tok.eos_token_id})
+    assert len(want) >= 3  # an answer of some length, not an immediate end of text
+    # the first ask follows the question asked above, the second follows the first
+    for _ in range(2):
+        assert ctx.ask(" Lily found a", max_new_tokens=6) == tok.decode(want, skip_special_tokens=True)
 
 
 def test_generate_over_a_ragged_cache(stories):
