@@ -570,8 +570,8 @@ def table(r: dict) -> str:
             shown = ", ".join(f"{k}: {v}" for k, v in st.items())
             p50 = r["p50_s"].get(action)
             lines.append(f"| {kind} | {action} | {shown} | {'-' if p50 is None else f'{p50:.2f}'} |")
-    lines += ["", "503 is the bounded queue answering `queue_full`, or the budget of bodies in flight "
-              "`bodies_in_flight_full` (clients back off briefly and retry); 504 a "
+    lines += ["", "503 is the bounded queue answering `queue_full`, or the memory budget of bodies in flight "
+              "`body_memory_full` (clients back off briefly and retry); 504 a "
               "request past `--request-timeout`; 429 a key's store quota (`--max-contexts-per-key 40`) or its "
               "queue share; `delete_missing` a delete sent by a client that held no context (404). Hostile: 400 / "
               "401 / 404 / 413 / 415 as each case asks (401 for every unknown key), 408 a body that trickled past "

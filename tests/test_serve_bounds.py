@@ -145,24 +145,51 @@ def test_version_tells_library_versions_to_a_key_only(keyed):
 
 
 # ------------------------------------------------------------------------------ admission, budget
-def test_body_budget_refuses_past_its_bytes_and_gives_them_back():
-    budget = BodyBudget(100)
+def test_body_budget_refuses_past_its_memory_and_gives_it_back():
+    """A body byte takes BODY_MEMORY_PER_BYTE (7) bytes of the budget (the byte, the parse's peak)."""
+    budget = BodyBudget(700)
     with budget.lease() as a:
         a.need(60)
-        a.need(40)  # a total, not an increment: 60 are held already
-        assert budget.held == 60
+        a.need(40)  # a total, not an increment: 60 bytes are held already
+        assert budget.held == 420
         with budget.lease() as b:
             b.need(40)
             with pytest.raises(ApiError) as exc:
                 with budget.lease() as c:
                     c.need(1)
-            assert exc.value.code == "bodies_in_flight_full" and exc.value.status == 503
-            assert exc.value.headers["Retry-After"] and "--max-body-bytes-in-flight" in exc.value.message
-        assert budget.held == 60
-    assert budget.held == 0 and budget.peak == 100
-    with pytest.raises(ValueError, match="at least max_body_bytes"):
-        Limits(max_body_bytes=1 << 20, max_body_bytes_in_flight=1 << 19)
-    assert Limits().body_budget == 4 * Limits().max_body_bytes
+            assert exc.value.code == "body_memory_full" and exc.value.status == 503
+            assert exc.value.headers["Retry-After"] and "--max-body-memory" in exc.value.message
+        assert budget.held == 420
+    assert budget.held == 0 and budget.peak == 700
+    with pytest.raises(ValueError, match="at least 7,340,032"):
+        Limits(max_body_bytes=1 << 20, max_body_memory=(7 << 20) - 1)
+    assert Limits().body_budget == 4 * 7 * Limits().max_body_bytes
+
+
+@pytest.mark.parametrize("text", ["a", "é漢", "\U0001F600", "a\U0001F600"])
+@pytest.mark.parametrize("ascii_only", [False, True])
+def test_a_body_parse_holds_less_than_its_accounted_memory(text, ascii_only):
+    """The parse of a body (JSON, then the schema) peaks below ``BODY_MEMORY_PER_BYTE - 1`` bytes
+    a body byte (measured: 2.0 for ASCII, up to 5.2 for raw astral-plane UTF-8), so the budget,
+    which counts the body byte and that peak, bounds the memory."""
+    import tracemalloc
+
+    from kv_cache.integrations.serve.limits import BODY_MEMORY_PER_BYTE, parse_json
+    from kv_cache.integrations.serve.requests import parse_context
+
+    n = 1 << 20
+    doc = text * (n // (4 * len(text)))
+    body = bytearray(json.dumps({"document": doc}, ensure_ascii=ascii_only).encode())
+    tracemalloc.start()
+    try:
+        try:
+            parse_context(parse_json(body, 32), Limits(max_body_bytes=4 * n, max_document_chars=10**8))
+        except ApiError:
+            pass
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= (BODY_MEMORY_PER_BYTE - 1) * len(body), peak / len(body)
 
 
 def _raw_post(port: int, path: str, length: int, first: bytes = b"", key: str = KEY) -> socket.socket:
@@ -190,12 +217,13 @@ def _rss_mb(pid: int) -> float:
 
 
 def test_slow_uploads_at_the_size_limit_stay_within_the_budget_while_health_answers(tmp_path):
-    """12 uploads of a 4 MiB body each (the limit), sent slowly, against a budget of two bodies:
-    two are read, the others answered 503 before a byte of their body is sent; the server's RSS
-    grows by far less than 12 bodies while ``/health`` answers every poll."""
-    limit, budget, n = 4 << 20, 8 << 20, 12
+    """12 uploads of a 4 MiB body each (the limit), sent slowly, against a budget of 56 MiB (two
+    bodies, each byte counted 7 times): two are read, the others answered 503 before a byte of their
+    body is sent; the server's RSS grows by less than the budget while ``/health`` answers every
+    poll."""
+    limit, budget, n = 4 << 20, 56 << 20, 12
     child, base = start_child(tmp_path / "store", tmp_path / "marker", free_port(), "none", "--max-body-bytes", "4M",
-                              "--max-body-bytes-in-flight", "8M", "--queue-size", "16", "--body-timeout", "60")
+                              "--max-body-memory", "56M", "--queue-size", "16", "--body-timeout", "60")
     port = int(base.rsplit(":", 1)[1])
     try:
         start = _rss_mb(child.pid)
@@ -223,7 +251,7 @@ def test_slow_uploads_at_the_size_limit_stay_within_the_budget_while_health_answ
                 refused.append((s, _status(s)))
             except socket.timeout:
                 admitted.append(s)
-        assert len(admitted) == budget // limit, (len(admitted), [c for _, c in refused])
+        assert len(admitted) == budget // (7 * limit), (len(admitted), [c for _, c in refused])
         assert all(code == 503 for _, code in refused), [c for _, c in refused]
         sent = 1024
         while sent < len(body):  # the admitted ones trickle their bodies in
@@ -239,9 +267,9 @@ def test_slow_uploads_at_the_size_limit_stay_within_the_budget_while_health_answ
         for s in socks:
             s.close()
         grown = max(peak) - start
-        # measured: 15 MB for the two 4 MiB bodies the 8 MiB budget lets in (each buffer, its
-        # decoded text); the 12 bodies the queue alone would admit hold 48 MiB in buffers only
-        assert grown < 32, (grown, start)
+        # measured: 15-22 MB for the two 4 MiB bodies the budget lets in (each buffer, its
+        # decoded text): under the budget (56 MiB), which bounds the worst text's parse too
+        assert grown < budget / 2**20, (grown, start)
         assert health and all(code == 200 for code in health), health
     finally:
         child.terminate()

@@ -103,9 +103,10 @@ def add_parser(sub) -> None:
                    help="a `kvcache allocate` bit profile: method 'q4p[NAME]'")
     lim = p.add_argument_group("limits (checked before any work)")
     lim.add_argument("--max-body-bytes", default="8M", help="a request body's bytes; then 413 [8M]")
-    lim.add_argument("--max-body-bytes-in-flight", default=None,
-                     help="bytes of all request bodies being read or parsed at once, server-wide; then 503 "
-                          "[4 x --max-body-bytes]")
+    lim.add_argument("--max-body-memory", default=None,
+                     help="memory of all request bodies being read or parsed at once, server-wide, each body byte "
+                          "counted 7 times (the byte and the parse's peak); then 503 [28 x --max-body-bytes: four "
+                          "bodies]")
     lim.add_argument("--body-timeout", type=int, default=d.body_timeout,
                      help=f"seconds a client has to send a request body; then 408 [{d.body_timeout}]")
     lim.add_argument("--max-json-depth", type=int, default=d.max_json_depth,
@@ -176,8 +177,8 @@ def limits_from_args(args: argparse.Namespace):
                   max_store_bytes=_optional(args.max_store_bytes, "--max-store-bytes", as_bytes=True),
                   max_store_bytes_per_key=_optional(args.max_store_bytes_per_key, "--max-store-bytes-per-key",
                                                     as_bytes=True),
-                  max_body_bytes_in_flight=None if args.max_body_bytes_in_flight is None else
-                  parse_bytes(args.max_body_bytes_in_flight, "--max-body-bytes-in-flight"))
+                  max_body_memory=None if args.max_body_memory is None else
+                  parse_bytes(args.max_body_memory, "--max-body-memory"))
 
 
 def check_exposure(host: str, keys: list[str], insecure: bool, tls: bool = False, tls_proxy: bool = False) -> None:

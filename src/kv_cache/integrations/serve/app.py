@@ -32,7 +32,7 @@ read it through DNS rebinding; a POST whose ``Content-Type`` is not ``applicatio
 answered 415. A POST that does work is then admitted (its place in the queue, or 503 with
 ``Retry-After``) before a byte of its body is read; the body is read up to ``--max-body-bytes``
 within ``--body-timeout`` seconds, its bytes taken from the server-wide budget of bodies in flight
-(``--max-body-bytes-in-flight``), and its depth checked in one linear pass before it is parsed
+(``--max-body-memory``), and its depth checked in one linear pass before it is parsed
 (:mod:`kv_cache.integrations.serve.limits`), checked against its schema
 (:mod:`kv_cache.integrations.serve.schemas`, published in ``/openapi.json``), tokenized outside
 the model lock, in a thread of its own, and only then queued for the worker. The request's
@@ -169,7 +169,7 @@ def create_app(service: Service, engine: Engine, *, api_key: str | None = None, 
                    admin=admin_keys)
     allowed_hosts = tuple(allowed_hosts)
     limits = service.limits
-    bodies = BodyBudget(limits.body_budget, engine.retry_after)  # bytes of request bodies in flight, server-wide
+    bodies = BodyBudget(limits.body_budget, engine.retry_after)  # memory of request bodies in flight, server-wide
     hidden = [str(service.store.directory.resolve()), *service.files.paths]
     name_or_path = getattr(getattr(service.model, "config", None), "_name_or_path", None)
     if isinstance(name_or_path, str) and name_or_path != service.model_id:

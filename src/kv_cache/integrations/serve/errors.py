@@ -56,7 +56,7 @@ ERROR_CASES: dict[str, ErrorCase] = {
     "rate_limit_exceeded": ErrorCase(429, "rate_limit_error"),  # --max-queued-per-key, with Retry-After
     "server_error": ErrorCase(500, "server_error"),
     "queue_full": ErrorCase(503, "overloaded_error"),  # with Retry-After
-    "bodies_in_flight_full": ErrorCase(503, "overloaded_error"),  # --max-body-bytes-in-flight, with Retry-After
+    "body_memory_full": ErrorCase(503, "overloaded_error"),  # --max-body-memory, with Retry-After
     "shutting_down": ErrorCase(503, "overloaded_error"),  # SIGTERM: in flight or queued when the server stops
     "request_timeout": ErrorCase(504, "timeout_error"),  # past --request-timeout
     "client_closed_request": ErrorCase(499, "invalid_request_error"),  # the client left (logged; nobody reads it)

@@ -7,8 +7,8 @@ a request meets them:
 limit (flag)                   default    past it
 =============================  =========  =============================================================
 ``--queue-size``               16         503 ``queue_full`` with ``Retry-After``, before the body is read
-``--max-body-bytes-in-flight`` 4 bodies   503 ``bodies_in_flight_full`` with ``Retry-After`` (all bodies
-                                          being read or parsed at once, server-wide)
+``--max-body-memory``          4 bodies   503 ``body_memory_full`` with ``Retry-After`` (the memory of
+                                          every body being read or parsed, server-wide)
 ``--max-body-bytes``           8 MiB      413 ``payload_too_large``, while reading, before parsing
 ``--body-timeout``             30 s       408 ``request_body_timeout`` (a body sent too slowly)
 ``--request-timeout``          120 s      504 ``request_timeout``: from the request's first byte, over
@@ -26,11 +26,14 @@ limit (flag)                   default    past it
 
 **Admission before reading.** A POST that does work (a compression, a chat) takes its place in
 the queue (``--queue-size``, ``--max-queued-per-key``) before a byte of its body is read, so at
-most ``--queue-size`` bodies are read at once; their bytes together are bounded by one
-server-wide :class:`BodyBudget` (``--max-body-bytes-in-flight``, default four bodies at the
-limit): a declared ``Content-Length`` is taken from it before reading, a chunked body as it grows,
-and given back once the body is parsed. Past it: 503 ``bodies_in_flight_full`` with
-``Retry-After``, the body unread.
+most ``--queue-size`` bodies are read at once; the memory they take is bounded by one
+server-wide :class:`BodyBudget` (``--max-body-memory``, default four bodies at the limit). Each
+byte of a body counts :data:`BODY_MEMORY_PER_BYTE` (7) bytes: the byte itself, held while the
+body is read, and what parsing it holds at its peak (the decoded text, the parsed value, the
+schema's copy: at most 5.2 bytes a body byte, measured on raw astral-plane UTF-8, the worst
+case; 2 for ASCII), so the budget bounds the memory, not only the bytes read. A declared ``Content-Length`` is taken from the budget before
+reading, a chunked body as it grows, and given back once the body is parsed. Past it: 503
+``body_memory_full`` with ``Retry-After``, the body unread.
 
 A body past ``--max-body-bytes`` is read to its end and dropped chunk by chunk (memory does not
 grow with it) before the 413 is sent, so a client still sending gets the status rather than a
@@ -54,6 +57,10 @@ from .errors import ApiError
 MiB = 1 << 20
 DRAIN_BYTES = 64 * MiB
 """Bytes of an oversized body the server still reads (and drops) before answering 413."""
+
+BODY_MEMORY_PER_BYTE = 7
+"""Bytes of memory a body's byte may take while it is read and parsed: the byte, and the parse's
+peak (measured at most 5.2 on any text; ``tests/test_serve_bounds.py`` checks the bound)."""
 
 SCAN_BLOCK = 1 << 16
 """Bytes :func:`json_depth` scans at a time (its int32 temporaries: a few times this, per body)."""
@@ -82,9 +89,10 @@ class Limits:
         Stored contexts, in all and per API key (None: no limit).
     max_store_bytes, max_store_bytes_per_key : int or None, default 16 GiB and 2 GiB
         Bytes of ``.kvc`` files on disk, in all and per API key (None: no limit).
-    max_body_bytes_in_flight : int or None, default None
-        Bytes of all request bodies being read or parsed at once (None: four times
-        ``max_body_bytes``); at least ``max_body_bytes``.
+    max_body_memory : int or None, default None
+        Bytes of memory of all request bodies being read or parsed at once, each body byte
+        counted :data:`BODY_MEMORY_PER_BYTE` times (None: four bodies at ``max_body_bytes``); at
+        least one body at the limit.
     """
 
     max_body_bytes: int = 8 * MiB
@@ -98,11 +106,11 @@ class Limits:
     max_contexts_per_key: int | None = 1_000
     max_store_bytes: int | None = 16 << 30
     max_store_bytes_per_key: int | None = 2 << 30
-    max_body_bytes_in_flight: int | None = None
+    max_body_memory: int | None = None
 
     def __post_init__(self) -> None:
         optional = {"max_document_tokens", "max_contexts", "max_contexts_per_key", "max_store_bytes",
-                    "max_store_bytes_per_key", "max_body_bytes_in_flight"}
+                    "max_store_bytes_per_key", "max_body_memory"}
         for f in fields(self):
             v = getattr(self, f.name)
             if v is None and f.name in optional:
@@ -110,23 +118,26 @@ class Limits:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 allowed = "an int >= 1 or None" if f.name in optional else "an int >= 1"
                 raise ValueError(f"Limits.{f.name} must be {allowed}; got {v!r}")
-        if self.max_body_bytes_in_flight is not None and self.max_body_bytes_in_flight < self.max_body_bytes:
-            raise ValueError(f"Limits.max_body_bytes_in_flight must be at least max_body_bytes ({self.max_body_bytes:,}) "
-                             f"or no body at the limit could ever be read; got {self.max_body_bytes_in_flight:,}")
+        one = BODY_MEMORY_PER_BYTE * self.max_body_bytes
+        if self.max_body_memory is not None and self.max_body_memory < one:
+            raise ValueError(f"Limits.max_body_memory must be at least {one:,} ({BODY_MEMORY_PER_BYTE} x max_body_bytes: "
+                             f"one body at the limit, read and parsed) or no such body could ever be read; got "
+                             f"{self.max_body_memory:,}")
 
     @property
     def body_budget(self) -> int:
-        """Bytes of bodies in flight, server-wide (``max_body_bytes_in_flight`` or four bodies)."""
-        return self.max_body_bytes_in_flight or 4 * self.max_body_bytes
+        """Bytes of memory for the bodies in flight, server-wide (``max_body_memory``, or four
+        bodies at the limit)."""
+        return self.max_body_memory or 4 * BODY_MEMORY_PER_BYTE * self.max_body_bytes
 
 
 class BodyBudget:
-    """The bytes of request bodies held at once, server-wide (thread-safe).
+    """The memory of the request bodies held at once, server-wide (thread-safe).
 
-    Each request reads its body within a :meth:`lease`, which takes bytes as the body needs them
-    (:meth:`Lease.need`) and gives them all back when it ends; past the budget a request is
-    refused ``bodies_in_flight_full`` (503, ``Retry-After``) rather than waiting, so a slow sender
-    never holds others' memory."""
+    Each request reads its body within a :meth:`lease`, which takes memory as the body grows
+    (:meth:`Lease.need`: :data:`BODY_MEMORY_PER_BYTE` bytes a body byte) and gives it all back
+    when it ends; past the budget a request is refused ``body_memory_full`` (503,
+    ``Retry-After``) rather than waiting, so a slow sender never holds others' memory."""
 
     def __init__(self, max_bytes: int, retry_after: int = 1):
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
@@ -164,16 +175,17 @@ class Lease:
     def __init__(self, budget: BodyBudget):
         self.budget, self.bytes = budget, 0
 
-    def need(self, total: int) -> None:
-        """Hold ``total`` bytes in all (more are taken when needed); ``bodies_in_flight_full``
-        (503) when the budget cannot give them."""
+    def need(self, body_bytes: int) -> None:
+        """Hold the memory of a body of ``body_bytes`` bytes in all (more is taken when needed);
+        ``body_memory_full`` (503) when the budget cannot give it."""
+        total = BODY_MEMORY_PER_BYTE * body_bytes
         more = total - self.bytes
         if more <= 0:
             return
         if not self.budget._take(more):
             b = self.budget
-            raise ApiError("bodies_in_flight_full", f"the server is reading {b.held:,} bytes of request bodies, of the "
-                           f"{b.max_bytes:,} it holds at once (kvcache serve --max-body-bytes-in-flight); retry after "
+            raise ApiError("body_memory_full", f"the server holds {b.held:,} bytes of memory for request bodies, of the "
+                           f"{b.max_bytes:,} it allows at once (kvcache serve --max-body-memory); retry after "
                            f"{b.retry_after} s", headers={"Retry-After": str(b.retry_after), "Connection": "close"})
         self.bytes = total
 
@@ -248,9 +260,9 @@ async def read_body(request: Any, limit: int, timeout: float | None = None, *, l
     the connection is closed) and before ``deadline`` (a ``time.monotonic()`` time: the request's
     own, from its first byte; past it ``request_timeout``, 504).
 
-    ``lease`` (of the server's :class:`BodyBudget`): the bytes kept are taken from it, a declared
-    ``Content-Length`` before the first byte is read, a chunked body as it grows
-    (``bodies_in_flight_full``, 503, when the budget has no room). Past ``limit`` (as declared by
+    ``lease`` (of the server's :class:`BodyBudget`): the memory of the bytes kept is taken from it,
+    for a declared ``Content-Length`` before the first byte is read, for a chunked body as it grows
+    (``body_memory_full``, 503, when the budget has no room). Past ``limit`` (as declared by
     ``Content-Length`` or as read) the rest is read and dropped, up to :data:`DRAIN_BYTES`, then
     ``payload_too_large`` (413) is raised; the server closes the connection after answering when
     it stopped reading before the end."""
