@@ -50,25 +50,23 @@ prefix-cache hit, which re-encodes the group from its own dequantized values and
 residual are per-sequence state: they have no paged form and are dropped here (documented quality
 cost in ``docs/vllm.md``).
 
-Nothing here imports vLLM.
+The encodings a slot is made of: :mod:`.encodings` (one file each). Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
-from ...compression.codebook import LOG_SCALE_MIN_EXP, LOG_SCALE_STEP, lloyd_max_gaussian, log_scale_range
-from ...compression.packing import pack_bits, unpack_bits
 from ...compression.rotation import RandomizedHadamard
+from .encodings import channel_keys, lloyd_max, token_int8, uniform
+from .encodings.bits import pack, unpack
+from .encodings.channel_keys import KEY_GROUP
+from .encodings.lloyd_max import log_norm_table, value_levels
+from .encodings.uniform import VALUE_CHANNEL_GROUP
 
-KEY_GROUP = 32
-"""Tokens per per-channel key group (one group never spans two blocks)."""
-VALUE_CHANNEL_GROUP = 32
-"""Channels per scale of KIVI's per-token values."""
+_levels, _log_norm_table = value_levels, log_norm_table  # the old private names
 
 _SPECS = {
     # name: (key layout, key bits, value layout, value bits, keys before RoPE)
@@ -173,191 +171,6 @@ class PagedCodec:
         b = a + self.key_meta_bytes
         c = b + self.value_code_bytes
         return 0, a, b, c, c + self.value_meta_bytes
-
-
-# ---------------------------------------------------------------------------------------------
-# Bit packing along the last dim (D codes -> D * bits / 8 bytes; D is a multiple of 8).
-
-
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[..., D]`` uint8 codes -> ``[..., D * bits // 8]`` uint8 bytes."""
-    if bits == 8:
-        return codes
-    d = codes.shape[-1]
-    return pack_bits(codes.contiguous(), bits).view(*codes.shape[:-1], d * bits // 8)
-
-
-def _unpack(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
-    """``[..., D * bits // 8]`` uint8 bytes -> ``[..., D]`` uint8 codes."""
-    if bits == 8:
-        return packed
-    if bits == 4 and _nibble_low_first():  # the common case, two shifts instead of the fold plan
-        return torch.stack((packed & 0x0F, packed >> 4), dim=-1).view(*packed.shape[:-1], d)
-    n = packed.numel() * 8 // bits
-    return unpack_bits(packed.contiguous().view(-1), bits, n).view(*packed.shape[:-1], d)
-
-
-@lru_cache(maxsize=1)
-def _nibble_low_first() -> bool:
-    """Whether :func:`pack_bits` puts the first 4-bit code in the low nibble (checked once)."""
-    probe = pack_bits(torch.tensor([1, 2], dtype=torch.uint8), 4)
-    return int(probe[0]) == 0x21
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-token symmetric int8 (q8).
-
-
-def _encode_token_int8(x: torch.Tensor) -> torch.Tensor:
-    """``[..., D]`` float -> ``[..., D + 2]`` uint8: codes ``round(x / s) + 128`` and fp16 ``s``."""
-    xf = x.float()
-    s = (xf.abs().amax(dim=-1, keepdim=True) / 127.0).half()
-    sf = s.float()
-    q = torch.where(sf > 0, torch.round(xf / torch.where(sf > 0, sf, torch.ones_like(sf))), torch.zeros_like(xf))
-    codes = (q.clamp(-127, 127) + 128).to(torch.uint8)
-    return torch.cat((codes, s.view(torch.uint8)), dim=-1)
-
-
-def _decode_token_int8(codes: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
-    """``[..., D]`` uint8 codes and ``[..., 2]`` uint8 (fp16 scale) -> ``[..., D]`` float32."""
-    s = scale_bytes.contiguous().view(torch.float16).float()
-    return (codes.float() - 128.0) * s
-
-
-# ---------------------------------------------------------------------------------------------
-# Rotated Lloyd-Max values with one 8-bit log-coded norm (§18, §18.8).
-
-
-@lru_cache(maxsize=8)
-def value_levels(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    levels = lloyd_max_gaussian(bits).float()
-    return levels, (levels[:-1] + levels[1:]) * 0.5
-
-
-@lru_cache(maxsize=1)
-def log_norm_table() -> torch.Tensor:
-    c = torch.arange(256, dtype=torch.float64)
-    table = torch.pow(2.0, LOG_SCALE_MIN_EXP + (c - 1) * LOG_SCALE_STEP)
-    table[0] = 0.0
-    return table.float()
-
-
-_levels, _log_norm_table = value_levels, log_norm_table  # the old private names
-
-
-def _encode_log_norm(rms: torch.Tensor) -> torch.Tensor:
-    """RMS norms ``>= 0`` -> 8-bit log codes (§18.8); norms past the largest code are clamped to it."""
-    lo, hi = log_scale_range()
-    r = rms.double().clamp(max=hi)
-    code = torch.round((torch.log2(r.clamp_min(lo)) - LOG_SCALE_MIN_EXP) / LOG_SCALE_STEP) + 1
-    return torch.where(r > 0, code.clamp(1, 255), torch.zeros_like(code)).to(torch.uint8)
-
-
-def _encode_lloyd_max(x_rot: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[..., D]`` rotated float -> (codes ``[..., D]`` uint8, norm code ``[..., 1]`` uint8)."""
-    xf = x_rot.float()
-    rms = xf.square().mean(dim=-1, keepdim=True).sqrt()
-    ncode = _encode_log_norm(rms)
-    s = log_norm_table().to(x_rot.device)[ncode.long()]
-    v = torch.where(s > 0, xf / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xf))
-    _, mids = value_levels(bits)
-    codes = torch.bucketize(v, mids.to(x_rot.device)).to(torch.uint8)
-    return codes, ncode
-
-
-def _decode_lloyd_max(codes: torch.Tensor, ncode: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes ``[..., D]`` and norm codes ``[..., 1]`` -> rotated values ``[..., D]`` float32."""
-    levels, _ = value_levels(bits)
-    s = log_norm_table().to(codes.device)[ncode.long()]
-    return levels.to(codes.device)[codes.long()] * s
-
-
-# ---------------------------------------------------------------------------------------------
-# Uniform asymmetric groups (KIVI values: per token, 32 channels per group).
-
-
-def _encode_uniform_channel_groups(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[..., D]`` -> (codes ``[..., D]``, meta ``[..., 4 * D / 32]`` uint8: fp16 scales then minima)."""
-    d = x.shape[-1]
-    xg = x.float().view(*x.shape[:-1], d // VALUE_CHANNEL_GROUP, VALUE_CHANNEL_GROUP)
-    mn = xg.amin(dim=-1, keepdim=True)
-    mx = xg.amax(dim=-1, keepdim=True)
-    codes, s16, m16 = _uniform(xg, mn, mx, bits)
-    meta = torch.cat((s16.squeeze(-1), m16.squeeze(-1)), dim=-1)  # [..., 2 D / 32]
-    return codes.view(*x.shape), meta.contiguous().view(torch.uint8)
-
-
-def _decode_uniform_channel_groups(codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-    d = codes.shape[-1]
-    n = d // VALUE_CHANNEL_GROUP
-    m = meta.contiguous().view(torch.float16).float()  # [..., 2 n]
-    s, mn = m[..., :n, None], m[..., n:, None]
-    cg = codes.float().view(*codes.shape[:-1], n, VALUE_CHANNEL_GROUP)
-    return (mn + cg * s).view(*codes.shape)
-
-
-def _uniform(x: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: int):
-    """Codes of ``x`` on the grid ``mn + c * s`` (``s = (mx - mn) / (2**bits - 1)``, both stored fp16)."""
-    top = (1 << bits) - 1
-    s16 = ((mx - mn) / top).half()
-    m16 = mn.half()
-    sf, mf = s16.float(), m16.float()
-    q = torch.where(sf > 0, torch.round((x - mf) / torch.where(sf > 0, sf, torch.ones_like(sf))), torch.zeros_like(x))
-    return q.clamp(0, top).to(torch.uint8), s16, m16
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-channel key groups.
-
-
-def _decode_channel_keys(codes: torch.Tensor, meta: torch.Tensor, bits: int, d: int) -> torch.Tensor:
-    """Keys of whole groups: codes ``[..., 32 * g, Kc]``, meta ``[..., 32 * g, D/8]`` -> ``[..., 32 * g, D]``.
-
-    The metadata of a group is the concatenation of its 32 slots' shares: ``4 D`` bytes, read as
-    float16 ``[2, D]`` (scales, then minima).
-    """
-    lead, t = codes.shape[:-2], codes.shape[-2]
-    g = t // KEY_GROUP
-    m = meta.contiguous().view(*lead, g, KEY_GROUP * meta.shape[-1]).view(torch.float16).float()  # [..., g, 2D]
-    s, mn = m[..., None, :d], m[..., None, d:]  # [..., g, 1, D]
-    c = _unpack(codes, bits, d).float().view(*lead, g, KEY_GROUP, d)
-    return (mn + c * s).view(*lead, t, d)
-
-
-def _write_channel_keys(cache: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor, codec: PagedCodec) -> None:
-    """Write keys ``[N, H, D]`` at ``slot_mapping`` ``[N]``, re-encoding every touched 32-slot group.
-
-    A group's stored tokens are the slots before the first new one in that group (tokens of one
-    sequence arrive in order; a rewrite from the group's start, as after a preemption, discards
-    the old content).
-    """
-    nb, h, bs, _ = cache.shape
-    d, bits = codec.head_dim, codec.key_bits
-    kc0, km0, kc1 = 0, codec.key_code_bytes, codec.key_code_bytes + codec.key_meta_bytes
-    groups = bs // KEY_GROUP
-    cache5 = cache.view(nb, h, groups, KEY_GROUP, cache.shape[-1])
-    slot = slot_mapping.long()
-    blk, off = slot // bs, slot % bs
-    gid = blk * groups + off // KEY_GROUP
-    within = off % KEY_GROUP
-    uniq, inv = torch.unique(gid, return_inverse=True)
-    first = torch.full((uniq.numel(),), KEY_GROUP, dtype=torch.long, device=slot.device)
-    first = first.scatter_reduce(0, inv, within, reduce="amin")
-    ublk, ug = uniq // groups, uniq % groups
-    stored = cache5[ublk, :, ug]  # [U, H, 32, C]
-    old = _decode_channel_keys(stored[..., kc0:km0], stored[..., km0:kc1], bits, d)  # [U, H, 32, D]
-    ar = torch.arange(KEY_GROUP, device=slot.device)
-    valid = ar[None, :] < first[:, None]  # [U, 32]
-    vals = torch.where(valid[:, None, :, None], old, torch.zeros_like(old))
-    vals[inv, :, within] = key.float()
-    valid[inv, within] = True
-    vmask = valid[:, None, :, None]
-    mn = torch.where(vmask, vals, torch.full_like(vals, math.inf)).amin(dim=2, keepdim=True)  # [U, H, 1, D]
-    mx = torch.where(vmask, vals, torch.full_like(vals, -math.inf)).amax(dim=2, keepdim=True)
-    codes, s16, m16 = _uniform(vals, mn, mx, bits)
-    meta = torch.cat((s16, m16), dim=-1).contiguous().view(torch.uint8)  # [U, H, 1, 4D]
-    meta = meta.view(uniq.numel(), h, KEY_GROUP, codec.key_meta_bytes)
-    cache5[ublk, :, ug, :, kc0:kc1] = torch.cat((_pack(codes, bits), meta), dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,19 +299,19 @@ def write_slots(
     o = codec.offsets()
     # values (per token)
     if codec.value_layout == "token_int8":
-        vbytes = _encode_token_int8(value)
+        vbytes = token_int8.encode(value)
     elif codec.value_layout == "rotated_lloyd_max":
-        codes, ncode = _encode_lloyd_max(value, codec.value_bits)
-        vbytes = torch.cat((_pack(codes, codec.value_bits), ncode), dim=-1)
+        codes, ncode = lloyd_max.encode(value, codec.value_bits)
+        vbytes = torch.cat((pack(codes, codec.value_bits), ncode), dim=-1)
     else:
-        codes, meta = _encode_uniform_channel_groups(value, codec.value_bits)
-        vbytes = torch.cat((_pack(codes, codec.value_bits), meta), dim=-1)
+        codes, meta = uniform.encode_channel_groups(value, codec.value_bits)
+        vbytes = torch.cat((pack(codes, codec.value_bits), meta), dim=-1)
     cache[blk, :, off, o[2]:o[4]] = vbytes
     # keys
     if codec.key_layout == "token_int8":
-        cache[blk, :, off, o[0]:o[2]] = _encode_token_int8(key)
+        cache[blk, :, off, o[0]:o[2]] = token_int8.encode(key)
     else:
-        _write_channel_keys(cache, key, slot, codec)
+        channel_keys.write(cache, key, slot, codec)
 
 
 def read_blocks(cache: torch.Tensor, blocks: torch.Tensor, codec: PagedCodec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -519,14 +332,14 @@ def read_blocks(cache: torch.Tensor, blocks: torch.Tensor, codec: PagedCodec) ->
     d = codec.head_dim
     o = codec.offsets()
     if codec.key_layout == "token_int8":
-        k = _decode_token_int8(raw[..., o[0]:o[1]], raw[..., o[1]:o[2]])
+        k = token_int8.decode(raw[..., o[0]:o[1]], raw[..., o[1]:o[2]])
     else:
-        k = _decode_channel_keys(raw[..., o[0]:o[1]], raw[..., o[1]:o[2]], codec.key_bits, d)
+        k = channel_keys.decode(raw[..., o[0]:o[1]], raw[..., o[1]:o[2]], codec.key_bits, d)
     vc, vm = raw[..., o[2]:o[3]], raw[..., o[3]:o[4]]
     if codec.value_layout == "token_int8":
-        v = _decode_token_int8(vc, vm)
+        v = token_int8.decode(vc, vm)
     elif codec.value_layout == "rotated_lloyd_max":
-        v = _decode_lloyd_max(_unpack(vc, codec.value_bits, d), vm, codec.value_bits)
+        v = lloyd_max.decode(unpack(vc, codec.value_bits, d), vm, codec.value_bits)
     else:
-        v = _decode_uniform_channel_groups(_unpack(vc, codec.value_bits, d), vm)
+        v = uniform.decode_channel_groups(unpack(vc, codec.value_bits, d), vm)
     return k, v
