@@ -59,11 +59,12 @@ def triton_module(required: bool = False) -> ModuleType | None:
                 except Exception as exc:  # noqa: BLE001 - any import failure means "no Triton"
                     _triton_error = f"{type(exc).__name__}: {exc}"
                     logger.warning("kv_cache.kernels: Triton is not usable (%s); CUDA tensors use the torch "
-                                   "reference kernels (slower). Install it with: pip install triton", _triton_error)
+                                   "reference kernels (slower). Install it with: pip install 'kv_cache[triton]'",
+                                   _triton_error)
                 _triton_tried = True
     if _triton is None and required:
         raise RuntimeError(f"{_build.ENV_BACKEND}=triton but Triton cannot be imported ({_triton_error}); "
-                           "install it (pip install triton) or unset the variable")
+                           "install it (pip install 'kv_cache[triton]') or unset the variable")
     return _triton
 
 
