@@ -144,22 +144,13 @@ def _run_eval(args: argparse.Namespace) -> int:
     methods, _ = parse_methods(cfg.methods)  # fail fast on typos, before any model is loaded
     for task in cfg.tasks:
         resolve_task(task)
-    bar = None
     if args.quiet:
-        progress = None
+        doc = run_eval(cfg, opts["out"], progress=None)
     else:
-        from tqdm import tqdm
+        from .progress import progress_bar
 
-        bar = tqdm(total=len(methods) * len(cfg.tasks) * cfg.samples, unit="sample", dynamic_ncols=True)
-
-        def progress(n: int, what: str) -> None:
-            bar.set_postfix_str(what)
-            bar.update(n)
-    try:
-        doc = run_eval(cfg, opts["out"], progress=progress)
-    finally:
-        if bar is not None:
-            bar.close()
+        with progress_bar(len(methods) * len(cfg.tasks) * cfg.samples) as progress:
+            doc = run_eval(cfg, opts["out"], progress=progress)
     paths = write_reports(doc, opts["out"])
     print(paths["markdown"].read_text())
     for spec, why in doc.get("skipped", {}).items():
