@@ -47,6 +47,27 @@ def _online(s, vt, m, l, acc):
 
 
 @triton.jit
+def _program(q_ptr, q_s0, q_s1, G, d, BG: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr):
+    """What a program of :func:`_attend_packed` / :func:`_attend_dense` is: ``(r, ci, gs, gmask, c,
+    cv, q)``: its row, its chunk, its ``BG`` query indices (``gmask``: those below ``G``), the key
+    and value channels (``[DP]``, ``[DVP]``) and its queries ``q`` ``[BG, DP]`` (0 past ``d``)."""
+    r = tl.program_id(0).to(tl.int64)
+    ci = tl.program_id(1)
+    gs = tl.program_id(2) * BG + tl.arange(0, BG)
+    gmask = gs < G
+    c = tl.arange(0, DP)
+    cv = tl.arange(0, DVP)
+    q = tl.load(q_ptr + r * q_s0 + gs[:, None] * q_s1 + c[None, :], mask=gmask[:, None] & (c[None, :] < d), other=0.0)
+    return r, ci, gs, gmask, c, cv, q
+
+
+@triton.jit
+def _empty_state(BG: tl.constexpr, DVP: tl.constexpr):
+    """The online softmax's ``(m, l, acc)`` before any token: ``-inf``, 0, 0."""
+    return tl.full((BG,), -float("inf"), tl.float32), tl.zeros((BG,), tl.float32), tl.zeros((BG, DVP), tl.float32)
+
+
+@triton.jit
 def _store_partial(pm_ptr, pl_ptr, pa_ptr, r, item, NI, gs, gmask, G, dv, m, l, acc, inv_ptr, inv_H,
                    HAS_INV: tl.constexpr, DVP: tl.constexpr, BJ: tl.constexpr):
     """Write one item's ``(m, l, acc)``; a rotated block's ``acc`` times ``inverse[r % H]`` first."""
@@ -158,13 +179,7 @@ def _attend_packed(q_ptr, q_s0, q_s1, start_ptr, length_ptr, logit_ptr, lg_s0, l
                    BN: tl.constexpr, BG: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, BJ: tl.constexpr):
     """Program = (row, chunk of ``chunk`` tokens, ``BG`` queries) of a packed block; ``ROPE``: its
     keys are stored before RoPE and turned to their positions ``rpos[r, t]`` here (§29.8)."""
-    r = tl.program_id(0).to(tl.int64)
-    ci = tl.program_id(1)
-    gs = tl.program_id(2) * BG + tl.arange(0, BG)
-    gmask = gs < G
-    c = tl.arange(0, DP)
-    cv = tl.arange(0, DVP)
-    q = tl.load(q_ptr + r * q_s0 + gs[:, None] * q_s1 + c[None, :], mask=gmask[:, None] & (c[None, :] < d), other=0.0)
+    r, ci, gs, gmask, c, cv, q = _program(q_ptr, q_s0, q_s1, G, d, BG, DP, DVP)
     qa = q
     qb = q
     qr = q
@@ -188,9 +203,7 @@ def _attend_packed(q_ptr, q_s0, q_s1, start_ptr, length_ptr, logit_ptr, lg_s0, l
     if not LOGITS:  # only tiles with valid tokens (every score is written when LOGITS)
         begin = tl.maximum(lo, tl.minimum(first, hi))
         end = tl.maximum(begin, tl.minimum(hi, last))
-    m = tl.full((BG,), -float("inf"), tl.float32)
-    l = tl.zeros((BG,), tl.float32)
-    acc = tl.zeros((BG, DVP), tl.float32)
+    m, l, acc = _empty_state(BG, DVP)
     for t0 in range(begin, end, BN):
         t = t0 + tl.arange(0, BN)
         tin = t < end
@@ -225,13 +238,7 @@ def _attend_dense(q_ptr, q_s0, q_s1, start_ptr, pm_ptr, pl_ptr, pa_ptr, item0, N
                   HAS_START: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr, DP: tl.constexpr,
                   DVP: tl.constexpr):
     """Program = (row, chunk, ``BG`` queries) of a full-precision block ``[B, H, n, d]`` (any float dtype)."""
-    r = tl.program_id(0).to(tl.int64)
-    ci = tl.program_id(1)
-    gs = tl.program_id(2) * BG + tl.arange(0, BG)
-    gmask = gs < G
-    c = tl.arange(0, DP)
-    cv = tl.arange(0, DVP)
-    q = tl.load(q_ptr + r * q_s0 + gs[:, None] * q_s1 + c[None, :], mask=gmask[:, None] & (c[None, :] < d), other=0.0)
+    r, ci, gs, gmask, c, cv, q = _program(q_ptr, q_s0, q_s1, G, d, BG, DP, DVP)
     k_row = k_ptr + (r // H) * k_sb + (r % H) * k_sh
     v_row = v_ptr + (r // H) * v_sb + (r % H) * v_sh
     lo = ci * chunk
@@ -239,9 +246,7 @@ def _attend_dense(q_ptr, q_s0, q_s1, start_ptr, pm_ptr, pl_ptr, pa_ptr, item0, N
     begin = lo
     if HAS_START:
         begin = tl.maximum(lo, tl.minimum(tl.load(start_ptr + r), hi))
-    m = tl.full((BG,), -float("inf"), tl.float32)
-    l = tl.zeros((BG,), tl.float32)
-    acc = tl.zeros((BG, DVP), tl.float32)
+    m, l, acc = _empty_state(BG, DVP)
     for t0 in range(begin, hi, BN):
         t = t0 + tl.arange(0, BN)
         tin = t < hi
