@@ -42,6 +42,12 @@ def kernels_serve(device: torch.device | str) -> bool:
     return backend(device) in ("compiled", "triton")
 
 
+def _check_key_rope(codec: PagedCodec, key_rope: PagedRope | None) -> None:
+    """A codec storing keys before RoPE reads them only with the layer's frame."""
+    if codec.pre_rope and key_rope is None:
+        raise ValueError(f"kv_cache codec {codec.name!r} stores keys before RoPE: pass key_rope (the layer's frame)")
+
+
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
            mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(softmax(q k^T * scale) v, logsumexp)`` for ``[B, H, L, D]`` inputs (torch's CPU flash kernel).
@@ -118,8 +124,7 @@ def attend(
     -------
     torch.Tensor, float32, ``[R, Q, Hq, D]``
     """
-    if codec.pre_rope and key_rope is None:
-        raise ValueError(f"kv_cache codec {codec.name!r} stores keys before RoPE: pass key_rope (the layer's frame)")
+    _check_key_rope(codec, key_rope)
     r, nq, hq, d = q.shape
     h = cache.shape[1]
     bs = cache.shape[2]
@@ -229,8 +234,7 @@ def attend_batch(
     -------
     torch.Tensor, float32, ``[N, Hq, D]`` (rows past ``query_start[-1]`` are 0)
     """
-    if codec.pre_rope and key_rope is None:
-        raise ValueError(f"kv_cache codec {codec.name!r} stores keys before RoPE: pass key_rope (the layer's frame)")
+    _check_key_rope(codec, key_rope)
     if kernels is None:
         kernels = backend(q.device) == "compiled"
     if kernels:
