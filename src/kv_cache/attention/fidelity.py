@@ -34,7 +34,7 @@ FIDELITY_QUERIES = 8
 
 FIDELITY_THRESHOLD = 0.5
 """Relative attention-output error (a layer's heads together) past which a layer is reported as
-broken. Measured (``docs/results/README.md``, "Keys before RoPE: the whole cache"): the 4-bit
+broken. Measured (``docs/results/archive/diary.md``, "Keys before RoPE: the whole cache"): the 4-bit
 default reaches 0.11-0.22 on the three families' *Moby Dick* windows and SmolLM2's needles;
 per-token keys after RoPE reach 1.16 on Qwen2.5 (+48% perplexity), ``q2d`` 0.72 on SmolLM2
 (+19.7%)."""
