@@ -314,7 +314,26 @@ struct PagedMerge {
 };
 constexpr int kMergeRows = 64;
 
-struct PagedArgs {
+// A paged slot's layout as kernels/paged.py's SlotLayout passes it: the key and value kinds and
+// bit widths, and the byte offsets in a slot of the key codes, key meta, value codes and value
+// meta. One for a read (PagedArgs) and a write (WriteArgs, kv_paged_write.h).
+struct SlotFields {
+  int k_kind = 0, k_bits = 0, v_kind = 0, v_bits = 0;
+  int64_t ko = 0, kmo = 0, vo = 0, vmo = 0;  // byte offsets in a slot
+  void set_slot(int64_t key_kind, int64_t key_bits, int64_t value_kind, int64_t value_bits,
+                const std::vector<int64_t>& offsets) {  // offsets: 4 entries (checked by the caller)
+    k_kind = static_cast<int>(key_kind);
+    k_bits = static_cast<int>(key_bits);
+    v_kind = static_cast<int>(value_kind);
+    v_bits = static_cast<int>(value_bits);
+    ko = offsets[0];
+    kmo = offsets[1];
+    vo = offsets[2];
+    vmo = offsets[3];
+  }
+};
+
+struct PagedArgs : SlotFields {
   const float* q;        // [R * H, M, D]; batch mode: [N, Hq, D]
   int M = 0, D = 0;
   int64_t H = 0;
@@ -323,8 +342,6 @@ struct PagedArgs {
   const int32_t* table;  // [R, tpitch] block ids
   int64_t tpitch = 0;
   const int64_t* len;    // [R] cached tokens of each request (clipped by the host)
-  int k_kind = 0, k_bits = 0, v_kind = 0, v_bits = 0;
-  int64_t ko = 0, kmo = 0, vo = 0, vmo = 0;  // byte offsets in a slot
   int kmb = 0;           // key meta bytes per slot (channel groups: 4 D / 32)
   Lut klut, vlut;
   const float* norm_table = nullptr;  // [256] for kPagedValueLevels

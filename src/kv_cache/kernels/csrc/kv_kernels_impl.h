@@ -9,6 +9,8 @@
 // vector loops never need a tail; the padding is zero and stays zero.
 
 // ============================================================================= vectors
+// One set of wrappers per ISA, alike in shape: the same names over each ISA's own intrinsics
+// (AVX-512, AVX2, portable loops), so that the kernels below are written once against them.
 #if KVK_ISA == 2
 constexpr int W = 16;
 typedef __m512 vf;
@@ -1222,6 +1224,28 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
     grp = (t0 + a0) / B.gs;
     return static_cast<int>(std::min<int64_t>(nt, (grp + 1) * B.gs - t0));
   };
+  // The tile's runs [a0, b0) of tokens sharing a channel group of B (the keys' and the values'
+  // walk): on_group(grp) when the group changes from `cur` (load_group and the group's constants),
+  // then on_run(a0, b0) for every run. False on a group outside the scale table (kBadGroup).
+  auto group_runs = [&](const BlockView& B, int64_t t0, int nt, int64_t& cur, auto&& on_group, auto&& on_run) {
+    for (int a0 = 0; a0 < nt;) {
+      int64_t grp;
+      const int b0 = run_of(B, t0, a0, nt, grp);
+      if (grp < 0 || grp >= B.NG) return false;
+      if (grp != cur) {
+        on_group(grp);
+        cur = grp;
+      }
+      on_run(a0, b0);
+      a0 = b0;
+    }
+    return true;
+  };
+  // B's scale and zero of channel group grp into s and z ([B.d] each)
+  auto load_group = [&](const BlockView& B, int64_t grp, float* s, float* z) {
+    meta_load(B.scale, (mrow(B.scale, r) + grp) * B.d, B.d, s);
+    meta_load(B.zero, (mrow(B.zero, r) + grp) * B.d, B.d, z);
+  };
   for (int64_t t0 = it.t0; t0 < it.t1; t0 += T) {
     const int nt = static_cast<int>(std::min<int64_t>(T, it.t1 - t0));
     // the tiles after this one, requested now: decoding is latency-bound on cold caches
@@ -1252,29 +1276,26 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
       decode_tile<kNoScale>(K.codes + (crow(K, r) + t0) * K.P, K.P, nt, dk, K.bits, K.lut, nullptr, 0, Kb, dkp);
       const float* mu = rope->mean ? rope->mean + r * dk : nullptr;
       const float* sg = rope->scale ? rope->scale + r * dk : nullptr;
-      for (int a0 = 0; a0 < nt;) {
-        int64_t grp;
-        const int b0 = run_of(K, t0, a0, nt, grp);
-        if (grp < 0 || grp >= K.NG) {
-          a.status->store(kBadGroup);
-          return;
-        }
-        if (grp != curK) {  // A = f sigma scale_G, C = f (mu - sigma scale_G zero_G); f = 1 past the pairs
-          meta_load(K.scale, (mrow(K.scale, r) + grp) * dk, dk, sK);
-          meta_load(K.zero, (mrow(K.zero, r) + grp) * dk, dk, zK);
-          for (int c = 0; c < dk; ++c) {
-            const float sc = (sg ? sg[c] : 1.0f) * sK[c];
-            const float f = c < 2 * rope->half ? rope->factor : 1.0f;
-            rA[c] = f * sc;
-            rC[c] = f * ((mu ? mu[c] : 0.0f) - sc * zK[c]);
-          }
-          curK = grp;
-        }
-        for (int t = a0; t < b0; ++t) {
-          float* row = Kb + static_cast<size_t>(t) * dkp;
-          for (int c = 0; c < dkp; c += W) vstore(row + c, vfma(vload(rA + c), vload(row + c), vload(rC + c)));
-        }
-        a0 = b0;
+      const bool ok = group_runs(
+          K, t0, nt, curK,
+          [&](int64_t grp) {  // A = f sigma scale_G, C = f (mu - sigma scale_G zero_G); f = 1 past the pairs
+            load_group(K, grp, sK, zK);
+            for (int c = 0; c < dk; ++c) {
+              const float sc = (sg ? sg[c] : 1.0f) * sK[c];
+              const float f = c < 2 * rope->half ? rope->factor : 1.0f;
+              rA[c] = f * sc;
+              rC[c] = f * ((mu ? mu[c] : 0.0f) - sc * zK[c]);
+            }
+          },
+          [&](int a0, int b0) {
+            for (int t = a0; t < b0; ++t) {
+              float* row = Kb + static_cast<size_t>(t) * dkp;
+              for (int c = 0; c < dkp; c += W) vstore(row + c, vfma(vload(rA + c), vload(row + c), vload(rC + c)));
+            }
+          });
+      if (!ok) {
+        a.status->store(kBadGroup);
+        return;
       }
     }
     if (rope) {
@@ -1290,33 +1311,30 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
       dots(qs, dkp, G, Kb, dkp, nt, dkp, S, T);
     } else if (K.grouping == kChannel) {
       decode_tile<kNoScale>(K.codes + (crow(K, r) + t0) * K.P, K.P, nt, dk, K.bits, K.lut, nullptr, 0, Kb, dkp);
-      for (int a0 = 0; a0 < nt;) {
-        int64_t grp;
-        const int b0 = run_of(K, t0, a0, nt, grp);
-        if (grp < 0 || grp >= K.NG) {
-          a.status->store(kBadGroup);
-          return;
-        }
-        if (grp != curK) {  // q~_G = scaling * q * scale_G, b_G = q~_G . zero_G
-          meta_load(K.scale, (mrow(K.scale, r) + grp) * dk, dk, sK);
-          meta_load(K.zero, (mrow(K.zero, r) + grp) * dk, dk, zK);
-          for (int g = 0; g < G; ++g) {
-            const float* qrow = qs + static_cast<size_t>(g) * dkp;
-            float* trow = qt + static_cast<size_t>(g) * dkp;
-            vf bacc = vzero();
-            for (int c = 0; c < dkp; c += W) {
-              const vf v = vmul(vload(qrow + c), vload(sK + c));
-              vstore(trow + c, v);
-              bacc = vfma(v, vload(zK + c), bacc);
+      const bool ok = group_runs(
+          K, t0, nt, curK,
+          [&](int64_t grp) {  // q~_G = scaling * q * scale_G, b_G = q~_G . zero_G
+            load_group(K, grp, sK, zK);
+            for (int g = 0; g < G; ++g) {
+              const float* qrow = qs + static_cast<size_t>(g) * dkp;
+              float* trow = qt + static_cast<size_t>(g) * dkp;
+              vf bacc = vzero();
+              for (int c = 0; c < dkp; c += W) {
+                const vf v = vmul(vload(qrow + c), vload(sK + c));
+                vstore(trow + c, v);
+                bacc = vfma(v, vload(zK + c), bacc);
+              }
+              bK[g] = vhsum(bacc);
             }
-            bK[g] = vhsum(bacc);
-          }
-          curK = grp;
-        }
-        dots(qt, dkp, G, Kb + static_cast<size_t>(a0) * dkp, dkp, b0 - a0, dkp, S + a0, T);
-        for (int g = 0; g < G; ++g)
-          for (int t = a0; t < b0; ++t) S[g * T + t] -= bK[g];
-        a0 = b0;
+          },
+          [&](int a0, int b0) {
+            dots(qt, dkp, G, Kb + static_cast<size_t>(a0) * dkp, dkp, b0 - a0, dkp, S + a0, T);
+            for (int g = 0; g < G; ++g)
+              for (int t = a0; t < b0; ++t) S[g * T + t] -= bK[g];
+          });
+      if (!ok) {
+        a.status->store(kBadGroup);
+        return;
       }
     } else {  // s_t = sum_j scale_tj (q_j . lut[code] - zero_tj sum(q_j))
       decode_token_tile(K, r, t0, nt, Kb, dkp, ksc, kzs, kzsT, cs);
@@ -1347,26 +1365,23 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
     // ---- values
     if (V.grouping == kChannel) {
       decode_tile<kNoScale>(V.codes + (crow(V, r) + t0) * V.P, V.P, nt, dv, V.bits, V.lut, nullptr, 0, Vb, dvp);
-      for (int a0 = 0; a0 < nt;) {
-        int64_t grp;
-        const int b0 = run_of(V, t0, a0, nt, grp);
-        if (grp < 0 || grp >= V.NG) {
-          a.status->store(kBadGroup);
-          return;
-        }
-        if (grp != curV) {
-          flushV();
-          meta_load(V.scale, (mrow(V.scale, r) + grp) * dv, dv, sV);
-          meta_load(V.zero, (mrow(V.zero, r) + grp) * dv, dv, zV);
-          curV = grp;
-        }
-        accum(S + a0, T, G, Vb + static_cast<size_t>(a0) * dvp, dvp, b0 - a0, dvp, accG, dvp);
-        for (int g = 0; g < G; ++g) {
-          float ps = 0.0f;
-          for (int t = a0; t < b0; ++t) ps += S[g * T + t];
-          psum[g] += ps;
-        }
-        a0 = b0;
+      const bool ok = group_runs(
+          V, t0, nt, curV,
+          [&](int64_t grp) {
+            flushV();  // the previous group's sums, with its scale and zero
+            load_group(V, grp, sV, zV);
+          },
+          [&](int a0, int b0) {
+            accum(S + a0, T, G, Vb + static_cast<size_t>(a0) * dvp, dvp, b0 - a0, dvp, accG, dvp);
+            for (int g = 0; g < G; ++g) {
+              float ps = 0.0f;
+              for (int t = a0; t < b0; ++t) ps += S[g * T + t];
+              psum[g] += ps;
+            }
+          });
+      if (!ok) {
+        a.status->store(kBadGroup);
+        return;
       }
     } else {  // acc += sum_t p_t scale_tj lut[code]; corr += sum_t p_t scale_tj zero_tj
       decode_token_tile(V, r, t0, nt, Vb, dvp, vsc, vzs, vzsT, cs);

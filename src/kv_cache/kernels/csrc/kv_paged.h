@@ -24,14 +24,7 @@ static void paged_setup(PagedArgs& a, const at::Tensor& cache, const at::Tensor&
   a.cache = cache.data_ptr<uint8_t>();
   a.table = table.data_ptr<int32_t>();
   a.tpitch = R > 1 ? table.stride(0) : table.size(1);
-  a.k_kind = static_cast<int>(k_kind);
-  a.k_bits = static_cast<int>(k_bits);
-  a.v_kind = static_cast<int>(v_kind);
-  a.v_bits = static_cast<int>(v_bits);
-  a.ko = offsets[0];
-  a.kmo = offsets[1];
-  a.vo = offsets[2];
-  a.vmo = offsets[3];
+  a.set_slot(k_kind, k_bits, v_kind, v_bits, offsets);
   a.kmb = static_cast<int>(a.vo - a.kmo);
   TORCH_CHECK(a.k_kind != kPagedKeyChannel || a.kmb * kTile == 4 * a.D, "key meta bytes");
   fill_lut(a.klut, k_lut, a.k_kind == kPagedKeyInt8 ? 8 : a.k_bits);

@@ -67,9 +67,9 @@ static void encode_int8(const float* x, int d, uint8_t* codes, uint8_t* meta) {
   put_f16(meta, s);
 }
 
-struct WriteArgs {
-  int D = 0, k_kind = 0, k_bits = 0, v_kind = 0, v_bits = 0;
-  int64_t ko = 0, kmo = 0, vo = 0, vmo = 0, sw = 0;
+struct WriteArgs : SlotFields {
+  int D = 0;
+  int64_t sw = 0;
   const float* mids = nullptr;  // Lloyd-Max midpoints, 2**v_bits - 1
   int nmids = 0;
   const float* norm_table = nullptr;  // [256]
@@ -188,14 +188,7 @@ void write_paged(at::Tensor& cache, const at::Tensor& key, const at::Tensor& val
   TORCH_CHECK(key.size(1) == H && bs % kPagedChannelGroup == 0, "heads / block size");
   WriteArgs a;
   a.D = static_cast<int>(key.size(2));
-  a.k_kind = static_cast<int>(k_kind);
-  a.k_bits = static_cast<int>(k_bits);
-  a.v_kind = static_cast<int>(v_kind);
-  a.v_bits = static_cast<int>(v_bits);
-  a.ko = offsets[0];
-  a.kmo = offsets[1];
-  a.vo = offsets[2];
-  a.vmo = offsets[3];
+  a.set_slot(k_kind, k_bits, v_kind, v_bits, offsets);
   a.sw = cache.size(3);
   if (a.v_kind == kPagedValueLevels) {
     TORCH_CHECK(mids.has_value() && mids->scalar_type() == at::kFloat && mids->is_contiguous() &&
