@@ -29,9 +29,10 @@ RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
 def _evidence() -> dict[str, str]:
-    """Spec -> ``resolved`` of every method in the committed results documents."""
+    """Spec -> ``resolved`` of every method in the committed results documents (the current ones
+    and the archive's)."""
     found: dict[str, str] = {}
-    for path in sorted(RESULTS.glob("*.json")):
+    for path in sorted([*RESULTS.glob("*.json"), *(RESULTS / "archive").glob("*.json")]):
         data = json.loads(path.read_text())
         if "methods" not in data:  # another kind of result (bench_vllm's codecs inside vLLM)
             continue
@@ -45,9 +46,12 @@ EVIDENCE = _evidence()
 
 
 def test_evidence_covers_the_documented_commands():
-    readme = (RESULTS / "README.md").read_text()
+    """Every spec of a documented ``--methods`` run (the current page and the archive's diary)
+    has committed evidence, and every committed spec is documented."""
+    pages = (RESULTS / "README.md").read_text() + (RESULTS / "archive" / "diary.md").read_text()
     # A run may be quoted (specs with a bit profile, p[...], hold shell glob characters).
-    documented = {s for run in re.findall(r"--methods ['\"]?([^\s'\"]+)", readme) if "," in run for s in run.split(",")}
+    runs = re.findall(r"--methods ['\"]?([^\s'\"`]+)", pages)
+    documented = {s for run in runs if "," in run for s in run.split(",") if s}
     assert len(EVIDENCE) >= 16 and documented == set(EVIDENCE)
 
 
