@@ -25,7 +25,12 @@ value, a uint16 token index, a uint8 channel, padding; the sinks at 16 bits):
 * ``post-tok`` / ``post-ctok`` / ``pre-ctok``: per token, the values' layout (randomized
   Hadamard, Lloyd-Max levels, one 8-bit norm per vector), uncentered or after subtracting the
   prompt's per-channel mean (``c``), on post- or pre-RoPE keys; ``-g64``: one norm per 64
-  rotated channels (the same as one per vector at head_dim 64).
+  rotated channels (the same as one per vector at head_dim 64);
+* ``pre-ctok-w`` / ``-h`` / ``-q``: ``pre-ctok`` with each centered channel multiplied by ``a_c``
+  before the rotation and divided after (wave 6, issue 62; :func:`channel_weights`): ``w`` the
+  inverse of its prompt RMS (``scale_keys=True``), ``h`` the inverse square root of it (half
+  whitening: ``scale_keys="sqrt"``, today's default), ``q`` the optimum for the prompt's own
+  queries, ``(Q_c / K_c)^(1/4)`` (a bound on what a query-aware scale could add).
 
 Run: ``python benchmarks/probe_prerope_keys.py --models smollm2,qwen2.5-0.5b --windows 4``.
 Writes ``benchmarks/results/probe_prerope_keys.md`` (and ``.json``; rows already there are kept, so
@@ -101,7 +106,32 @@ def code_static(k: torch.Tensor, bits: int, prompt: int, outliers: float, levels
     return out, bits * H * T * D + meta + OUTLIER_BITS * n_out
 
 
-def code_tokens(k: torch.Tensor, bits: int, prompt: int, center: bool, group: int = 0) -> tuple[torch.Tensor, float]:
+def channel_weights(k: torch.Tensor, prompt: int, weight: str, q_energy: torch.Tensor | None) -> torch.Tensor:
+    """Per-channel pre-scale ``a`` ``[H, 1, D]`` of a per-token key code (the key is coded as
+    ``a * (k - mu)`` and divided by ``a`` after decoding). ``K_c`` is the centered prompt keys'
+    energy per channel, floored at 1% of its mean; ``Q_c`` the prompt queries' (RoPE removed,
+    averaged over the GQA group and over each RoPE pair, which turns together).
+
+    * ``w``: ``K_c^(-1/2)`` (whitening: ``scale_keys``);
+    * ``h``: ``K_c^(-1/4)`` (the optimum of the logit error for isotropic queries);
+    * ``q``: ``(Q_c / K_c)^(1/4)``, the optimum of ``E[(q . e)^2]``: with error spread evenly over
+      the scaled channels, ``sum_c Q_c / a_c^2 * sum_c a_c^2 K_c`` is least at
+      ``a_c^2 = sqrt(Q_c / K_c)`` (Cauchy-Schwarz)."""
+    x = k[:, :prompt] - k[:, :prompt].mean(1, keepdim=True)
+    K = x.pow(2).mean(1, keepdim=True)
+    K = torch.maximum(K, 0.01 * K.mean(-1, keepdim=True))
+    if weight == "w":
+        return K.rsqrt()
+    if weight == "h":
+        return K.pow(-0.25)
+    Q = q_energy[:, None, :]
+    Q = torch.maximum(Q, 0.01 * Q.mean(-1, keepdim=True))
+    a = (Q / K).pow(0.25)
+    return a / a.mean(-1, keepdim=True)
+
+
+def code_tokens(k: torch.Tensor, bits: int, prompt: int, center: bool, group: int = 0,
+                scale: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """Per token (the values' layout, §18): with ``center`` the per-channel mean of the prompt's
     keys subtracted first (float16, one per channel; a constant before RoPE, §29.3), then a
     randomized Hadamard rotation, Lloyd-Max levels of N(0, 1) scaled by the vector's norm, the
@@ -113,6 +143,8 @@ def code_tokens(k: torch.Tensor, bits: int, prompt: int, center: bool, group: in
     H, T, D = k.shape
     mu = k[:, :prompt].mean(1, keepdim=True).half().float() if center else torch.zeros(H, 1, D)
     x = k - mu
+    if scale is not None:
+        x = x * scale
     out = torch.empty_like(k)
     levels = lloyd_max_gaussian(bits).float()
     for h in range(H):
@@ -125,7 +157,9 @@ def code_tokens(k: torch.Tensor, bits: int, prompt: int, center: bool, group: in
         z = y / n * math.sqrt(g)
         idx = (z[..., None] - levels).abs().argmin(-1)
         out[h] = (levels[idx] * n_hat / math.sqrt(g)).reshape(T, D) @ R.T
-    meta = 8 * H * T * (D // (group or D)) + (16 * H * D if center else 0)
+    meta = 8 * H * T * (D // (group or D)) + (16 * H * D if center else 0) + (16 * H * D if scale is not None else 0)
+    if scale is not None:
+        out = out / scale
     return out + mu, bits * H * T * D + meta
 
 
@@ -150,9 +184,15 @@ class Code:
     kind: str  # groups | static | tokens | centered-tokens | centered-tokens-g64
     outliers: float = 0.0
     levels: str = "uniform"
+    weight: str = ""
 
-    def apply(self, k: torch.Tensor, prompt: int) -> tuple[torch.Tensor, float]:
+    def apply(self, k: torch.Tensor, prompt: int, q_energy: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
         body = k[:, SINKS:]
+        if self.weight:
+            a = channel_weights(body, prompt - SINKS, self.weight, q_energy)
+            coded, bits = code_tokens(body, self.bits, prompt - SINKS, True, scale=a)
+            H, T, D = k.shape
+            return torch.cat([k[:, :SINKS], coded], 1), bits + 16 * H * SINKS * D
         if self.kind == "groups":
             coded, bits = code_groups(body, self.bits)
         elif self.kind in ("tokens", "centered-tokens"):
@@ -177,7 +217,10 @@ def codes(widths: list[int]) -> list[Code]:
                 Code(f"pre-nuq-o1% {b}b", b, True, "static", 0.01, "nuq"),
                 Code(f"post-tok {b}b", b, False, "tokens"), Code(f"post-ctok {b}b", b, False, "centered-tokens"),
                 Code(f"pre-ctok {b}b", b, True, "centered-tokens"),
-                Code(f"pre-ctok-g64 {b}b", b, True, "centered-tokens-g64")]
+                Code(f"pre-ctok-g64 {b}b", b, True, "centered-tokens-g64"),
+                Code(f"pre-ctok-w {b}b", b, True, "centered-tokens", weight="w"),
+                Code(f"pre-ctok-h {b}b", b, True, "centered-tokens", weight="h"),
+                Code(f"pre-ctok-q {b}b", b, True, "centered-tokens", weight="q")]
     return out
 
 
@@ -203,7 +246,15 @@ class Probe:
         k = key[0, :, :PREFIX].float()  # [H, PREFIX, D]
         c, s = cos[:PREFIX], sin[:PREFIX]
         base = remove_rope(k, c, s) if self.code.pre_rope else k
-        coded, bits = self.code.apply(base, PREFIX)
+        q_energy = None
+        if self.code.weight == "q":
+            H, D = k.shape[0], k.shape[-1]
+            qp = remove_rope(query[0, :, :PREFIX].float(), c, s)  # [Hq, PREFIX, D]
+            e = qp.pow(2).mean(1).reshape(H, -1, D).mean(1)  # [H, D]: over the GQA group
+            half = D // 2
+            pair = (e[:, :half] + e[:, half:]) / 2
+            q_energy = torch.cat([pair, pair], -1)
+        coded, bits = self.code.apply(base, PREFIX, q_energy)
         k_hat = apply_rope(coded, c, s) if self.code.pre_rope else coded
         self.bits += bits
         self.elements += k.numel()

@@ -1,5 +1,6 @@
-"""``QuantConfig(bits=b)``'s defaults: the measured layout at 2-4 bits (per-channel keys, rotated
-Lloyd-Max values; math dictionary §25), KIVI with 8 bits."""
+"""``QuantConfig(bits=b)``'s defaults: the measured layout at 2-4 bits (per-token keys before RoPE,
+centered and half-whitened; rotated Lloyd-Max keys and values; math dictionary §29.7), the
+per-channel layout after RoPE one argument away (``pre_rope=False``, §25), KIVI with 8 bits."""
 
 from __future__ import annotations
 
@@ -9,30 +10,37 @@ import pytest
 import torch
 
 from kv_cache import CompressedCache, QuantConfig, compress
-from kv_cache.cache.config import AUTO, BEST_LAYOUT, KIVI_LAYOUT
+from kv_cache.cache.config import AUTO, BEST_LAYOUT, DEFAULT_LAYOUT, KIVI_LAYOUT, PRE_ROPE_LAYOUT
 from kv_cache.eval.accounting import walked_nbytes
 from kv_cache.spec.grammar import parse_method, parse_quant
 
 
-def _layout(q: QuantConfig) -> dict:
-    return {name: getattr(q, name) for name in BEST_LAYOUT}
+def _layout(q: QuantConfig, names=BEST_LAYOUT) -> dict:
+    return {name: getattr(q, name) for name in names}
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_low_bit_defaults_are_the_best_layout(bits):
     q = QuantConfig(bits=bits)
-    assert _layout(q) == BEST_LAYOUT
+    assert _layout(q, DEFAULT_LAYOUT) == DEFAULT_LAYOUT
     assert q.channel_group_for(64) == 64 and q.channel_group_for(128) == 128  # one norm per vector
     assert AUTO not in {str(v) for v in dataclasses.asdict(q).values()}  # every field is concrete
+    # the per-channel layout after RoPE (the default before wave 6): one argument away, and what
+    # a model whose RoPE cannot be removed gets
+    assert _layout(QuantConfig(bits=bits, pre_rope=False)) == BEST_LAYOUT
+    assert QuantConfig(bits=bits).after_rope() == QuantConfig(bits=bits, pre_rope=False)
+    assert _layout(QuantConfig(bits=bits, key_grouping="channel")) == BEST_LAYOUT
+    with pytest.raises(ValueError, match="asked for explicitly"):
+        QuantConfig(bits=bits, pre_rope=True).after_rope()
 
 
 def test_eight_bits_and_kivi_keep_the_original_layout():
-    assert _layout(QuantConfig(bits=8)) == KIVI_LAYOUT
-    assert _layout(QuantConfig(bits=2, layer_bits={3: 8})) == KIVI_LAYOUT  # no Lloyd-Max levels at 8 bits
-    assert _layout(QuantConfig(bits=8, key_bits=4)) == KIVI_LAYOUT
+    assert _layout(QuantConfig(bits=8), KIVI_LAYOUT) == KIVI_LAYOUT
+    assert _layout(QuantConfig(bits=2, layer_bits={3: 8}), KIVI_LAYOUT) == KIVI_LAYOUT  # no Lloyd-Max levels at 8 bits
+    assert _layout(QuantConfig(bits=8, key_bits=4), KIVI_LAYOUT) == KIVI_LAYOUT
     for bits in (2, 3, 4, 8):
         q = QuantConfig.kivi(bits=bits)
-        assert _layout(q) == KIVI_LAYOUT
+        assert _layout(q, KIVI_LAYOUT) == KIVI_LAYOUT
         # exactly the string the committed evidence was resolved with (kvcache eval resumes by it)
         assert repr(q) == (f"QuantConfig(bits={bits}, group_size=32, residual_length=32, sink_tokens=0, "
                            "symmetric=False, scale_dtype=torch.float16)")
@@ -40,9 +48,12 @@ def test_eight_bits_and_kivi_keep_the_original_layout():
 
 
 def test_explicit_fields_win_and_dependent_fields_follow():
-    q = QuantConfig(bits=4, key_grouping="token")  # the previous default: per-token keys, rotated and centered
+    q = QuantConfig(bits=4, key_grouping="token", pre_rope=False)  # a wave-4 default: per-token keys after RoPE
     assert (q.group_size, q.residual_length, q.levels, q.scale_dtype, q.channel_group, q.center_keys) == (
         4, 4, "lloyd_max", torch.uint8, "head", True)
+    assert q.scale_keys is False  # a key scale needs keys before RoPE
+    q = QuantConfig(bits=4, scale_keys=False)  # wave 5's per-token codes before RoPE
+    assert _layout(q, PRE_ROPE_LAYOUT) == PRE_ROPE_LAYOUT
     assert q.rotation == "hadamard" and q.sink_tokens == 4
     q = QuantConfig(bits=4, levels="uniform")  # uniform levels everywhere: KIVI's keys and fp16 scales
     assert (q.group_size, q.levels, q.scale_dtype, q.center_keys) == (32, "uniform", torch.float16, False)

@@ -164,7 +164,7 @@ def test_advice_never_recommends_the_setting_in_use():
     from kv_cache.attention.fidelity import fidelity_advice
 
     default4 = fidelity_advice({1: (4, 4, "channel", False), 2: (4, 4, "channel", False)})
-    assert "QuantConfig(bits=b)'s default" not in default4 and "bits=4;" not in default4
+    assert "key_grouping='channel'" not in default4 and "bits=4;" not in default4
     assert "bits=8; 4 are in use" in default4 and "layer_bits={1: 8, 2: 8}" in default4
     token4 = fidelity_advice({0: (4, 4, "token", False)})
     assert "keys per channel" in token4 and "key_grouping='token' is in use" in token4

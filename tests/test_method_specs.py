@@ -22,6 +22,7 @@ from kv_cache.spec.grammar import (
     grammar_help,
     parse_method,
     parse_methods,
+    parse_quant,
 )
 from kv_cache.policies import POLICIES
 
@@ -83,12 +84,15 @@ def test_every_quantization_option_sets_its_field(tmp_path):
              "layer_bits": f"[{profile}]", "evicted_bits": 2,
              "evicted_layer_bits": f"[{profile}]"}  # distinct, valid for every valued field
     text = {o.field: "" if not o.value else str(valid[o.field]) for o in suffixes}
-    values = {o.field: o.convert(text[o.field]) for o in suffixes}
+    # Flags that undo a default (a: after RoPE, m: per-channel keys, i: no key scale) share their
+    # field with another flag: each is checked alone, below.
+    undo = {"a", "m", "i"}
+    values = {o.field: o.convert(text[o.field]) for o in suffixes if o.letter not in undo}
     # All at once: clipping applies to uniform levels only, so with `l` the ratios are 1, and
     # Lloyd-Max levels have no zero point, so `z` is left out.
     every = {**text, "clip_keys": "1.0", "clip_values": "1.0"}
     # `w` (scale_keys) needs centered keys, which `n` turns off: it is checked alone, below
-    together = [o for o in suffixes if o.field not in ("zero_dtype", "scale_keys")]
+    together = [o for o in suffixes if o.field not in ("zero_dtype", "scale_keys") and o.letter not in undo]
     # the evicted tier (o, u) needs a one-shot policy
     policy = "+snapkv@0.5"
     evicts = parse_method(policy[1:]).resolved.split(" eviction=")[1]
@@ -96,6 +100,12 @@ def test_every_quantization_option_sets_its_field(tmp_path):
     combined = {o.field: o.convert(every[o.field]) for o in together}
     assert parse_method(spec).resolved == f"kv_cache quant={QuantConfig.kivi(bits=4, **combined)!r} eviction={evicts}"
     for o in suffixes:  # each alone, the others at QuantConfig's defaults (flags that need others get them)
+        if o.letter in undo:
+            field, value = o.field, o.convert("")
+            assert parse_method(f"q3d{o.letter}").resolved == (
+                f"kv_cache quant={QuantConfig(bits=3, **{field: value})!r} eviction=None")
+            assert getattr(parse_quant(f"q3d{o.letter}"), field) == value != getattr(QuantConfig(bits=3), field)
+            continue
         if o.field == "scale_keys":  # needs pre-RoPE centered keys: per-token keys from the defaults
             assert parse_method("q2dtbw").resolved == (
                 f"kv_cache quant={QuantConfig(bits=2, key_grouping='token', pre_rope=True, scale_keys=True)!r} "

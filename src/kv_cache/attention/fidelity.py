@@ -39,8 +39,8 @@ default reaches 0.11-0.22 on the three families' *Moby Dick* windows and SmolLM2
 per-token keys after RoPE reach 1.16 on Qwen2.5 (+48% perplexity), ``q2d`` 0.72 on SmolLM2
 (+19.7%)."""
 
-ADVICE = ("use a layout that keeps this model's keys (QuantConfig(bits=4) with its default per-channel keys, "
-          "or QuantConfig.kivi(bits=4)), more bits (bits=8), or keep these layers in full precision "
+ADVICE = ("use a layout that keeps this model's keys (QuantConfig(bits=4, key_grouping='channel'): per-channel "
+          "key groups, or QuantConfig.kivi(bits=4)), more bits (bits=8), or keep these layers in full precision "
           "(layer_bits={layer: 8})")
 """The advice when nothing is known of the layers' settings (:func:`fidelity_advice` otherwise)."""
 
@@ -54,8 +54,8 @@ def fidelity_advice(settings: dict[int, tuple[int, int, str, bool]]) -> str:
         return ADVICE
     options = []
     if any(g == "token" and min(k, v) < 16 for k, v, g, _ in settings.values()):
-        options.append("keys per channel instead of per token (QuantConfig(bits=b)'s default, or "
-                       "QuantConfig.kivi(bits=b); key_grouping='token' is in use)")
+        options.append("keys per channel instead of per token (QuantConfig(bits=b, key_grouping='channel'), "
+                       "about 0.6 more bits per element, or QuantConfig.kivi(bits=b); key_grouping='token' is in use)")
     coded = {i: (k, v) for i, (k, v, _, _) in settings.items() if min(k, v) < 16}
     narrow = min((min(kv) for kv in coded.values()), default=16)
     if narrow < 4:

@@ -24,11 +24,13 @@ SCALE_FLOOR = 0.01
 a constant channel (scale 0 after centering) is divided by a finite number."""
 
 
-def key_offset(keys: torch.Tensor, skip: int = 0, scale: bool = False) -> torch.Tensor:
+def key_offset(keys: torch.Tensor, skip: int = 0, scale: bool | str = False) -> torch.Tensor:
     """The per-channel mean of ``keys`` ``[b, h, n, d]`` over tokens ``skip..n-1``, float32 ``[b, h, 1, d]``;
     with ``scale`` also the per-channel RMS of ``keys - mean`` over the same tokens (floored at
     :data:`SCALE_FLOOR` of the row's mean), as ``[b, h, 2, d]``: row 0 the mean, row 1 the scale
-    (keys stored before RoPE are held as ``(k - mu) / sigma``, math dictionary §29.7).
+    (keys stored before RoPE are held as ``(k - mu) / sigma``, math dictionary §29.7); with
+    ``scale="sqrt"`` row 1 is ``sqrt(sigma)`` (half-whitening, §29.7: the scale that minimizes
+    the logit error of a per-token code for queries of equal energy in every channel).
 
     ``skip``: the leading tokens left out of the mean (the attention-sink tokens, whose keys
     are unlike the rest; they are stored in full precision anyway). When the call holds no
@@ -53,6 +55,10 @@ def key_offset(keys: torch.Tensor, skip: int = 0, scale: bool = False) -> torch.
     sigma = (body.float() - mu).square().mean(dim=2, keepdim=True).sqrt()
     floor = SCALE_FLOOR * sigma.mean(dim=-1, keepdim=True)
     sigma = torch.maximum(sigma, floor).clamp_min(torch.finfo(torch.float32).tiny)
+    if scale == "sqrt":
+        sigma = sigma.sqrt()
+    elif scale is not True:
+        raise ValueError(f"scale must be False, True or 'sqrt'; got {scale!r}")
     return torch.cat([mu, sigma], dim=2)
 
 

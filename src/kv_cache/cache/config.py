@@ -24,7 +24,7 @@ AUTO = "auto"
 KIVI_LAYOUT: dict[str, Any] = {
     "group_size": 32, "residual_length": 32, "sink_tokens": 0, "scale_dtype": torch.float16, "rotation": None,
     "key_grouping": "channel", "channel_group": None, "levels": "uniform", "residual_dtype": None,
-    "center_keys": False,
+    "center_keys": False, "pre_rope": False, "scale_keys": False,
 }
 """The original layout (KIVI: per-channel keys in groups of 32 tokens, per-token values, uniform
 asymmetric levels, fp16 scales, int16 zero points, a 32-token residual): the defaults of 8-bit
@@ -35,8 +35,8 @@ BEST_LAYOUT: dict[str, Any] = {
     "key_grouping": "channel", "channel_group": "head", "levels": "lloyd_max", "residual_dtype": torch.float16,
     "center_keys": False,
 }
-"""The default layout at 2-4 bits, measured on two families (SmolLM2 and Qwen2.5, ``docs/results/``;
-math dictionary §25): keys per channel in groups of 32 tokens with uniform levels, a float16
+"""The default layout at 2-4 bits before wave 6, now ``QuantConfig(bits=b, pre_rope=False)`` (and
+what a model whose RoPE cannot be removed gets; math dictionary §25): keys per channel in groups of 32 tokens with uniform levels, a float16
 scale and a zero point per group (KIVI's keys, never rotated: a channel's offset, such as
 Qwen2's key bias, is absorbed by its zero point); values rotated by a randomized Hadamard
 rotation, Lloyd-Max levels with one 8-bit log-coded norm per vector; 4 float16 sinks and a
@@ -52,13 +52,35 @@ one 8-bit norm per key, flush blocks of 4 tokens, and the per-channel key offset
 (§25). Fewer bytes (4.2 bits at 4 bits), but on Qwen2.5 +60% perplexity even so."""
 
 PRE_ROPE_LAYOUT: dict[str, Any] = {
-    **PER_TOKEN_LAYOUT, "group_size": 1, "residual_length": 0, "pre_rope": True,
+    **PER_TOKEN_LAYOUT, "group_size": 1, "residual_length": 0, "pre_rope": True, "scale_keys": False,
 }
 """Per-token keys stored before RoPE (``QuantConfig(bits, pre_rope=True, key_grouping="token")``,
 math dictionary §29.5): the per-token layout (a randomized Hadamard rotation, Lloyd-Max levels, one 8-bit norm per key and
 value vector) on keys with RoPE removed and the prompt's per-channel mean subtracted, which is a
 constant before RoPE (Qwen2's key bias included), so the offset that broke per-token keys on
 Qwen2.5 is gone. Every token is quantized on arrival (no residual); 4 float16 sinks."""
+
+SCALE_KEYS = (False, True, "sqrt")
+"""Values of ``QuantConfig.scale_keys``: no per-channel key scale, the channel's RMS (whitening),
+or its square root (half-whitening, the default of per-token keys before RoPE; §29.7)."""
+
+DEFAULT_LAYOUT: dict[str, Any] = {**PRE_ROPE_LAYOUT, "scale_keys": "sqrt"}
+"""The default layout at 2-4 bits since wave 6 (``QuantConfig(bits=b)``; math dictionary §29.7):
+:data:`PRE_ROPE_LAYOUT` with each centered key channel divided by the square root of its RMS
+over the prompt before the per-token code (half-whitening). Every key is coded on arrival: a
+randomized Hadamard rotation, Lloyd-Max levels, one 8-bit log-coded norm per key and per value
+vector; 4 float16 sinks and no residual, so the bytes are ``b + 8 / head_dim`` bits per element
+plus the sinks and the per-channel mean and scale (4.16 / 3.17 / 2.17 at head_dim 64 and 1,792
+tokens). Keys before RoPE hold a constant per-channel offset and spread (a QK-norm gain, Qwen2's
+key bias), which the centering removes and the scale evens out; a model whose RoPE cannot be
+removed keeps :data:`BEST_LAYOUT` (:meth:`QuantConfig.after_rope`)."""
+
+MIN_TOKEN_CODE_HEAD_DIM = 64
+"""The default's rule read from the model (:class:`~kv_cache.CompressedCache`): per-token codes
+before RoPE (:data:`DEFAULT_LAYOUT`) need heads of at least this many channels (measured at 64,
+SmolLM2 and Qwen2.5, and 256, Gemma 3); narrower heads (a tiny test model's 8) spend too much
+on each vector's norm and leave a Lloyd-Max code too few channels to average over, so they keep
+:data:`BEST_LAYOUT`, per-channel groups after RoPE (:meth:`QuantConfig.after_rope`)."""
 
 LATER_FIELDS: dict[str, Any] = {"pre_rope": False, "scale_keys": False}
 """Fields added after layouts were first saved, at the value that means "as before": left out of
@@ -242,8 +264,8 @@ class QuantConfig:
     evicted_bits: int | None = None
     evicted_layer_bits: Any = ()
     center_keys: Any = AUTO
-    pre_rope: bool = False
-    scale_keys: bool = False
+    pre_rope: Any = AUTO
+    scale_keys: Any = AUTO
 
     @classmethod
     def kivi(cls, **kwargs: Any) -> "QuantConfig":
@@ -265,8 +287,10 @@ class QuantConfig:
                 object.__setattr__(self, name, value)
 
         layout = BEST_LAYOUT if best else KIVI_LAYOUT
+        # Keys before RoPE in per-token codes unless per-channel keys or uniform levels were asked for.
+        put("pre_rope", best and self.key_grouping != "channel" and self.levels != "uniform")
         put("rotation", layout["rotation"])
-        put("key_grouping", layout["key_grouping"])
+        put("key_grouping", "token" if best and self.pre_rope is True else layout["key_grouping"])
         per_token = self.key_grouping == "token"
         put("levels", "lloyd_max" if best else "uniform")
         norm_only = self.levels == "lloyd_max"
@@ -278,8 +302,15 @@ class QuantConfig:
         put("sink_tokens", layout["sink_tokens"])
         put("residual_dtype", layout["residual_dtype"])
         put("center_keys", per_token)
+        put("scale_keys", "sqrt" if best and per_token and self.pre_rope is True and self.center_keys is True
+            else False)
 
     def __post_init__(self) -> None:
+        # The fields left at "auto" (a record, not a field): the cache re-resolves them for a model
+        # whose RoPE cannot be removed (:meth:`after_rope`).
+        object.__setattr__(self, "_auto", frozenset(f.name for f in fields(self)
+                                                    if isinstance(getattr(self, f.name), str)
+                                                    and getattr(self, f.name) == AUTO))
         for name in ("bits", "key_bits", "value_bits", "evicted_bits"):
             b = getattr(self, name)
             if name != "bits" and b is None:
@@ -319,8 +350,9 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.center_keys must be True, False or 'auto'; got {self.center_keys!r}")
         if not isinstance(self.pre_rope, bool):
             raise ValueError(f"QuantConfig.pre_rope must be True or False; got {self.pre_rope!r}")
-        if not isinstance(self.scale_keys, bool):
-            raise ValueError(f"QuantConfig.scale_keys must be True or False; got {self.scale_keys!r}")
+        if not any(self.scale_keys is v or (isinstance(v, str) and self.scale_keys == v) for v in SCALE_KEYS):
+            raise ValueError(f"QuantConfig.scale_keys must be one of {list(SCALE_KEYS)} or 'auto'; "
+                             f"got {self.scale_keys!r}")
         if self.scale_keys and not (self.pre_rope and self.center_keys):
             raise ValueError("QuantConfig.scale_keys divides each centered key channel by its scale, which only a "
                              "layer storing keys before RoPE and centering them undoes at read: it needs "
@@ -346,6 +378,17 @@ class QuantConfig:
             )
         if self.evicted_bits is not None:
             self.evicted_config()  # the evicted tier's layout must be valid at its width
+
+    def after_rope(self) -> "QuantConfig":
+        """This layout with keys stored as the model hands them (``pre_rope=False``), the fields
+        the user left at "auto" resolved again (per-channel key groups at 2-4 bits): what the
+        cache holds for a model whose RoPE it cannot remove (none, or multimodal) when
+        ``pre_rope`` was the default rather than asked for. Raises if ``pre_rope=True`` was
+        given explicitly."""
+        if "pre_rope" not in self._auto:
+            raise ValueError("QuantConfig(pre_rope=True) was asked for explicitly; it is not replaced")
+        explicit = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self._auto}
+        return QuantConfig(**{**explicit, "pre_rope": False})
 
     def evicted_config(self) -> "QuantConfig":
         """The layout of the evicted tier: this layout at ``evicted_bits`` for keys and values
@@ -413,8 +456,9 @@ class QuantConfig:
             )
 
     def __repr__(self) -> str:
+        base = {**LATER_FIELDS, **KIVI_LAYOUT}  # fields added later print only when not "as before"
         shown = [f.name for f in fields(self)
-                 if f.name in _KIVI_FIELDS or getattr(self, f.name) != KIVI_LAYOUT.get(f.name, f.default)]
+                 if f.name in _KIVI_FIELDS or getattr(self, f.name) != base.get(f.name, f.default)]
         return f"QuantConfig({', '.join(f'{n}={getattr(self, n)!r}' for n in shown)})"
 
     def bits_for(self, layer: int) -> tuple[int, int]:

@@ -89,7 +89,8 @@ def _decode_quant(d: dict[str, Any] | None) -> QuantConfig | None:
     known = {f.name for f in dataclasses.fields(QuantConfig)}
     if set(d) - known:
         raise ValueError(f"kv_cache file: QuantConfig fields {sorted(set(d) - known)} are unknown to this version")
-    kw = {k: _decode_value(v) for k, v in d.items()}
+    # A field added later and left out means "as before" (LATER_FIELDS), not today's "auto".
+    kw = {**QUANT_LATER_FIELDS, **{k: _decode_value(v) for k, v in d.items()}}
     try:
         return QuantConfig(**kw)
     except FileNotFoundError:

@@ -9,6 +9,7 @@ import torch
 from ..attention.flat import FlatRaggedBlock
 from ..cache import CompressedCache
 from ..cache.packed import PackedKV, Rotation
+from ..cache.rope_frame import RopeFrame
 from ..cache.storage import LayerStorage
 
 
@@ -32,7 +33,7 @@ def _inner_tensors(obj: Any, seen: set[int]) -> list[torch.Tensor]:
         return [t for v in obj.values() for t in _inner_tensors(v, seen)]
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _inner_tensors(v, seen)]
-    if isinstance(obj, (LayerStorage, PackedKV, Rotation, FlatRaggedBlock)):  # ours: walked like a dict
+    if isinstance(obj, (LayerStorage, PackedKV, Rotation, FlatRaggedBlock, RopeFrame)):  # ours: walked like a dict
         return _inner_tensors(vars(obj), seen)
     return []
 

@@ -81,6 +81,11 @@ QUANT_OPTIONS: tuple[QuantOption, ...] = (
     QuantOption("b", "pre_rope", "", "keys stored before RoPE, rotated back at read (§29)", "", lambda _: True),
     QuantOption("w", "scale_keys", "", "centered key channels divided by their prompt scale (with b; §29.7)", "",
                 lambda _: True),
+    QuantOption("a", "pre_rope", "", "keys stored after RoPE, as the model hands them (pre_rope=False; per-channel "
+                "key groups unless t)", "", lambda _: False),
+    QuantOption("m", "key_grouping", "", "keys grouped per channel (KIVI's 32-token groups)", "",
+                lambda _: "channel"),
+    QuantOption("i", "scale_keys", "", "no per-channel key scale (scale_keys=False)", "", lambda _: False),
 )
 
 
@@ -99,7 +104,7 @@ DEFAULTS_FLAG = "d"
 instead of the KIVI layout that plain ``q<bits>...`` specs start from."""
 
 _QUANT = re.compile(f"^{_HEAD.letter}(?P<{_HEAD.field}>{_HEAD.value})(?P<_defaults>{DEFAULTS_FLAG})?"
-                    + "".join(f"(?:{o.letter}(?P<{o.field}>{o.value}))?" for o in _SUFFIXES) + "$")
+                    + "".join(f"(?:{o.letter}(?P<_o{i}>{o.value}))?" for i, o in enumerate(_SUFFIXES)) + "$")
 _QUANT_GRAMMAR = f"{_HEAD.letter}<{_HEAD.placeholder}>[{DEFAULTS_FLAG}]" + "".join(
     f"[{o.letter}<{o.placeholder}>]" if o.placeholder else f"[{o.letter}]" for o in _SUFFIXES)
 _FILE = re.compile(r"^file(?P<ratio>\d+(?:\.\d+)?)$")
@@ -110,7 +115,8 @@ _POLICY = re.compile(r"^(?P<name>[a-z0-9_]+)@(?:t(?P<threshold>-?\d+(?:\.\d+)?)|
 def _quant_config(m: re.Match[str]) -> QuantConfig:
     """``q<bits>...``: the KIVI layout plus the letters; ``q<bits>d...``: ``QuantConfig``'s
     defaults (the best measured layout for the widths) plus the letters."""
-    kw = {o.field: o.convert(m[o.field]) for o in QUANT_OPTIONS if m[o.field] is not None}
+    groups = [_HEAD.field, *(f"_o{i}" for i in range(len(_SUFFIXES)))]  # one group per option (two may share a field)
+    kw = {o.field: o.convert(m[g]) for o, g in zip(QUANT_OPTIONS, groups) if m[g] is not None}
     return QuantConfig(**kw) if m["_defaults"] else QuantConfig.kivi(**kw)
 
 
