@@ -109,3 +109,56 @@ def test_default_cache_in_generate_counts_every_byte(stories, tmp_path):
     save_cache(cache, path, model_config=model.config)
     loaded, _ = load_cache(path, model_config=model.config)
     assert loaded.quant == cache.quant  # concrete fields round-trip
+
+
+def _tiny(model_type: str, **kw):
+    from transformers import AutoConfig
+
+    base = dict(vocab_size=128, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=256)
+    return AutoConfig.for_model(model_type, **{**base, **kw})
+
+
+def test_the_default_follows_the_model():
+    """The rule read from the model (math dictionary §29.7): heads of 64 channels or more with a
+    RoPE the cache can remove get per-token keys before RoPE (a frame per layer, the mean and the
+    half-whitening scale held per channel and counted); narrower heads keep per-channel groups
+    after RoPE, as does a model without RoPE, with a warning; an explicit pre_rope=True is refused."""
+    from transformers import AutoModelForCausalLM
+
+    config = _tiny("llama", head_dim=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    cache = CompressedCache(config, quant=QuantConfig(bits=4))
+    assert cache.quant == QuantConfig(bits=4) and cache.quant.scale_keys == "sqrt"
+    assert all(layer.rope_frame is not None for layer in cache.layers)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), compress(model, cache):
+        model(ids, past_key_values=cache)
+    assert cache.layers[0].key_offset.shape[2] == 2  # mean and scale
+    assert cache.memory_report().total_bytes == walked_nbytes(cache)
+
+    narrow = CompressedCache(_tiny("llama", head_dim=32), quant=QuantConfig(bits=3))
+    assert narrow.quant == QuantConfig(bits=3, pre_rope=False)
+    assert all(layer.rope_frame is None for layer in narrow.layers)
+    assert CompressedCache(_tiny("llama", head_dim=32), quant=QuantConfig(bits=3, pre_rope=True)).quant.pre_rope
+
+    no_rope = _tiny("gpt2", n_embd=128, n_head=2, n_layer=1)
+    with pytest.warns(UserWarning, match="stores keys before RoPE by default"):
+        cache = CompressedCache(no_rope, quant=QuantConfig(bits=2))
+    assert cache.quant == QuantConfig(bits=2, pre_rope=False)
+    with pytest.raises(ValueError, match="has none"):
+        CompressedCache(no_rope, quant=QuantConfig(bits=2, pre_rope=True))
+
+
+def test_files_written_before_the_new_fields_load_as_before():
+    """A saved layout without ``pre_rope`` / ``scale_keys`` (a ``.kvc`` file or plan from before
+    they existed) means what it meant then: keys after RoPE, unscaled, not today's default."""
+    from kv_cache.cache.serialize_state import decode_quant, encode_quant
+
+    old = QuantConfig(bits=4, pre_rope=False)
+    saved = encode_quant(old)
+    assert "pre_rope" not in saved and "scale_keys" not in saved
+    assert decode_quant(saved) == old
+    new = encode_quant(QuantConfig(bits=4))
+    assert new["pre_rope"] is True and new["scale_keys"] == "sqrt" and decode_quant(new) == QuantConfig(bits=4)

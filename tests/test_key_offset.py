@@ -116,3 +116,16 @@ def test_centered_cache_saves_and_loads_its_offset(stories, tmp_path):
         lb = kv_cache.context.forward_at(model, loaded, nxt, ids.shape[1])
     torch.testing.assert_close(la, lb)
     assert not math.isnan(float(la.sum()))
+
+
+def test_key_scale_is_the_rms_or_its_square_root():
+    """Row 1 of a scaled offset: each centered channel's RMS over the tokens after the sinks
+    (``scale=True``) or its square root (``"sqrt"``, the default's half-whitening, §29.7)."""
+    k = torch.randn(1, 2, 40, 8) * torch.linspace(0.1, 10.0, 8)
+    full, half = key_offset(k, 4, True), key_offset(k, 4, "sqrt")
+    rms = (k[:, :, 4:] - k[:, :, 4:].mean(2, keepdim=True)).square().mean(2, keepdim=True).sqrt()
+    torch.testing.assert_close(full[:, :, 1:], rms)
+    torch.testing.assert_close(half[:, :, 1:], rms.sqrt())
+    torch.testing.assert_close(unshift_keys(shift_keys(k, half), half), k, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="scale must be False, True or 'sqrt'; got 'half'"):
+        key_offset(k, 4, "half")

@@ -72,7 +72,7 @@ def test_json_round_trip_and_fingerprint(stories, tmp_path):
     path = plan.save(tmp_path / "p.json")
     again = CachePlan.load(path)
     assert again == plan and again.fingerprint == plan.fingerprint
-    assert again.quant_config() == q and again.eviction() == KVzip(budget=0.3)
+    assert again.quant_config() == q.for_model(model.config) and again.eviction() == KVzip(budget=0.3)
     other = CachePlan.uniform(model.config, q, KVzip(budget=0.31))
     assert other.fingerprint != plan.fingerprint
     assert dataclasses.replace(plan, name="renamed").fingerprint == plan.fingerprint  # a label only
@@ -221,11 +221,11 @@ def test_preset_on_a_hybrid_model_takes_fewer_bits_before_any_eviction():
     q3 = fp16 / free["q3d"]
     target = (fp16 / free["k4v3d"] + q3) / 2  # past K4V3, within 3 bits
     plan = preset_plan(model.config, f"{target:.3f}x", context_tokens=T)
-    assert plan.policy is None and plan.quant_config() == CANDIDATE_LAYOUTS["q3d"]
+    assert plan.policy is None and plan.quant_config() == CANDIDATE_LAYOUTS["q3d"].for_model(model.config)
     assert plan.predicted["bytes"] == free["q3d"]
     past = fp16 / free["k3v2d"] + 0.5  # past the ladder: its narrowest layout + KVzip, which drops the fewest tokens
     plan = preset_plan(model.config, f"{past:.3f}x", context_tokens=T)
-    assert isinstance(plan.policy, KVzip) and plan.quant_config() == CANDIDATE_LAYOUTS["k3v2d"]
+    assert isinstance(plan.policy, KVzip) and plan.quant_config() == CANDIDATE_LAYOUTS["k3v2d"].for_model(model.config)
     assert plan.predicted["ratio"] >= past
     four = planner._largest_budget(model.config, CANDIDATE_LAYOUTS["q4d"], past, T, torch.float32, "4-bit")
     assert four.policy.budget < plan.policy.budget  # 4-bit codes would drop more

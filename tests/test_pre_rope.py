@@ -175,20 +175,24 @@ def test_per_channel_groups_before_rope_match_the_full_cache(native):
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
+@pytest.mark.parametrize("scale", [True, "sqrt"])
 @pytest.mark.parametrize("native", [False, True], ids=["reference", "native"])
-def test_scaled_channels_are_scaled_back(native):
-    """``scale_keys``: keys held as ``(k - mu) / sigma`` come back as the model's."""
+def test_scaled_channels_are_scaled_back(native, scale):
+    """``scale_keys``: keys held as ``(k - mu) / sigma`` (or ``/ sqrt(sigma)``, the default's
+    half-whitening) come back as the model's."""
     model = _model("qwen2")
     ids = torch.randint(3, 256, (1, 80), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         ref = _run(model, DynamicCache(config=model.config), ids, 60, False)
-    q = _q8(scale_keys=True)
+    q = _q8(scale_keys=scale)
     cache = CompressedCache(model.config, quant=q, fidelity_threshold=1e9)
     got = _run(model, cache, ids, 60, native)
     assert cache.layers[0].key_offset.shape[2] == 2  # the mean and the scale, counted in the bytes
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
     with pytest.raises(ValueError, match="pre_rope=True and center_keys=True"):
-        QuantConfig(bits=4, scale_keys=True)
+        QuantConfig(bits=4, pre_rope=False, scale_keys=scale)
+    with pytest.raises(ValueError, match=r"scale_keys must be one of \[False, True, 'sqrt'\].*got 'half'"):
+        QuantConfig(bits=4, scale_keys="half")
 
 
 def test_pre_rope_codes_beat_post_rope_codes_on_an_offset_channel():
@@ -384,9 +388,10 @@ def test_quantized_on_arrival_with_one_norm_per_vector():
     assert q.scale_dtype == torch.uint8 and q.channel_group == "head"
     cache, _ = parse_ours("q3dtb", None)[0].make(_model())
     assert cache.quant == q
-    channel = QuantConfig(bits=3, pre_rope=True)  # the default layout, keys before RoPE
+    assert q == QuantConfig(bits=3) and q.scale_keys == "sqrt"  # the default since wave 6
+    channel = QuantConfig(bits=3, pre_rope=True, key_grouping="channel")  # per-channel groups, keys before RoPE
     assert (channel.key_grouping, channel.group_size, channel.residual_length) == ("channel", 32, 32)
-    assert parse_ours("q3db", None)[0].make(_model())[0].quant == channel
+    assert parse_ours("q3dbm", None)[0].make(_model())[0].quant == channel
 
 
 @pytest.mark.parametrize("make,match", [

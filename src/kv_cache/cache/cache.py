@@ -12,7 +12,7 @@ from ..compression.global_budget import select_global
 from ..policies.base import EvictionPolicy
 from .architecture import check_decoder, layer_windows
 from .rope_frame import rope_frames
-from .config import MIN_TOKEN_CODE_HEAD_DIM, QuantConfig
+from .config import QuantConfig
 from .budgets import fixed_parts
 import warnings
 
@@ -142,23 +142,9 @@ class CompressedCache(Cache):
                 f"keep at that width; it needs eviction=KVzip(...) or SnapKV(...) (policies with prefill_only); "
                 f"got {got}"
             )
-        if quant is not None and quant.pre_rope and "pre_rope" in quant._auto \
-                and geometry.head_dim < MIN_TOKEN_CODE_HEAD_DIM:
-            quant = quant.after_rope()  # too few channels per vector for per-token codes (documented rule)
-        frames = None
-        if quant is not None and quant.pre_rope:  # keys stored before RoPE (§29)
-            try:
-                frames = rope_frames(config, geometry.head_dim)
-            except ValueError as err:
-                if "pre_rope" not in quant._auto:
-                    raise
-                # The default stores keys before RoPE; a model whose RoPE cannot be removed keeps
-                # them as computed, in the per-channel layout that needs no frame (§25).
-                warnings.warn(f"QuantConfig(bits={quant.bits}) stores keys before RoPE by default, which this model "
-                              f"does not allow ({err}); its keys are stored as computed, per channel "
-                              "(QuantConfig(pre_rope=False)), at about 0.6 more bits per element", UserWarning,
-                              stacklevel=2)
-                quant = quant.after_rope()
+        if quant is not None:
+            quant = quant.for_model(config)  # the default's rule read from the model (§29.7)
+        frames = rope_frames(config, geometry.head_dim) if quant is not None and quant.pre_rope else None
         if quant is not None:
             quant.check_head_dim(geometry.head_dim)
             quant.check_layers(geometry.layers)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -378,6 +379,32 @@ class QuantConfig:
             )
         if self.evicted_bits is not None:
             self.evicted_config()  # the evicted tier's layout must be valid at its width
+
+    def for_model(self, config: Any, warn: bool = True) -> "QuantConfig":
+        """This layout as a cache for the model of ``config`` holds it: the default's keys before
+        RoPE (``pre_rope`` left at "auto") stay there when its heads have at least
+        :data:`MIN_TOKEN_CODE_HEAD_DIM` channels and its RoPE can be removed; otherwise the
+        per-channel layout after RoPE (:meth:`after_rope`; with a ``UserWarning`` when the RoPE is
+        the reason). Anything asked for explicitly is kept (and refused later if it cannot be
+        served)."""
+        if not (self.pre_rope and "pre_rope" in self._auto):
+            return self
+        from .rope_frame import rope_frames
+        from .report import kv_geometry
+
+        head_dim = kv_geometry(config).head_dim
+        if head_dim < MIN_TOKEN_CODE_HEAD_DIM:
+            return self.after_rope()
+        try:
+            rope_frames(config, head_dim)
+        except ValueError as err:
+            if warn:
+                warnings.warn(f"QuantConfig(bits={self.bits}) stores keys before RoPE by default, which this model "
+                              f"does not allow ({err}); its keys are stored as computed, per channel "
+                              "(QuantConfig(pre_rope=False)), at about 0.6 more bits per element", UserWarning,
+                              stacklevel=3)
+            return self.after_rope()
+        return self
 
     def after_rope(self) -> "QuantConfig":
         """This layout with keys stored as the model hands them (``pre_rope=False``), the fields

@@ -122,6 +122,8 @@ class CachePlan:
             layers.append(LayerPlan(kind=FULL if w is None else SLIDING, key_bits=kb, value_bits=vb,
                                     budget=None if (w is not None or eviction is None) else eviction.budget,
                                     evicted_bits=ev))
+        if quant is not None:
+            quant = quant.for_model(config)  # what the cache would hold for this model
         layout = None if quant is None else _base_layout(quant)
         return cls(tuple(layers), layout, eviction, model_identity(config), name)
 
