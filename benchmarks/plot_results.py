@@ -34,10 +34,10 @@ PANELS = [
     {
         "title": "SmolLM2-135M: wikitext-2, 8 windows of 2,048 tokens",
         "rows": [
-            ("smollm2_wikitext_ppl_q4d_ctx2048.md", "q4d", "q4d (default)", OURS_Q),
-            ("smollm2_wikitext_ppl_ctx2048.md", "q4dtn", "q4dtn", OURS_Q, (-6, -9)),
-            ("smollm2_wikitext_ppl_ctx2048.md", "q3dtn", "q3dtn", OURS_Q, (6, -10)),
-            ("smollm2_wikitext_ppl_ctx2048.md", "q2dtn", "q2dtn", OURS_Q),
+            ("smollm2_wikitext_ppl_q4d_ctx2048.md", "q4da", "q4da (default before wave 6)", OURS_Q),
+            ("smollm2_wikitext_ppl_ctx2048.md", "q4dtna", "q4dtna", OURS_Q, (-6, -9)),
+            ("smollm2_wikitext_ppl_ctx2048.md", "q3dtna", "q3dtna", OURS_Q, (6, -10)),
+            ("smollm2_wikitext_ppl_ctx2048.md", "q2dtna", "q2dtna", OURS_Q),
             ("smollm2_wikitext_ppl_ctx2048.md", "q3g4r4s4htc64lfep[profiles/smollm2_b3.084.json]", "3.24-bit profile", OURS_Q, (-6, 4)),
             ("smollm2_wikitext_ppl_ctx2048.md", "kvzip@0.5w0", "kvzip 50%", OURS_E),
             ("smollm2_wikitext_ppl_ctx2048.md", "kvzip@0.25w0", "kvzip 25%", OURS_E, (6, -10)),
@@ -62,8 +62,8 @@ PANELS = [
     {
         "title": "Qwen2.5-Coder-0.5B: wikitext-2, 2 windows of 4,096 tokens",
         "rows": [
-            ("qwen25_wikitext_ppl_ctx4096.md", "q4d", "q4d (default)", OURS_Q),
-            ("qwen25_wikitext_ppl_ctx4096.md", "q2d", "q2d", OURS_Q),
+            ("qwen25_wikitext_ppl_ctx4096.md", "q4da", "q4da (default before wave 6)", OURS_Q),
+            ("qwen25_wikitext_ppl_ctx4096.md", "q2da", "q2da", OURS_Q),
             ("qwen25_wikitext_ppl_ctx4096.md", "kvzip@0.25", "kvzip 25%", OURS_E),
             ("qwen25_wikitext_ppl_ctx4096.md", "kvzap@0.25", "kvzap 25%", OURS_E),
             ("qwen25_wikitext_presets_ctx4096.md", "4x", "4x", OURS_E, (-6, -6)),
@@ -78,9 +78,9 @@ PANELS = [
             ("gemma3-270m_mobydick_prerope_ctx2048.md", "q4d", "q4d (default)", OURS_Q),
             ("gemma3-270m_mobydick_prerope_ctx2048.md", "q3d", "q3d", OURS_Q),
             ("gemma3-270m_mobydick_prerope_ctx2048.md", "q2d", "q2d", OURS_Q),
-            ("gemma3-270m_mobydick_prerope_ctx2048.md", "q4db", "q4db", OURS_Q),
-            ("gemma3-270m_mobydick_prerope_ctx2048.md", "q3db", "q3db", OURS_Q),
-            ("gemma3-270m_mobydick_prerope_ctx2048.md", "q2db", "q2db", OURS_Q, (-6, -3)),
+            ("gemma3-270m_mobydick_prerope_ctx2048.md", "q4da", "q4da", OURS_Q),
+            ("gemma3-270m_mobydick_prerope_ctx2048.md", "q3da", "q3da", OURS_Q),
+            ("gemma3-270m_mobydick_prerope_ctx2048.md", "q2da", "q2da", OURS_Q, (-6, -3)),
             ("gemma3-270m_mobydick_prerope_ctx2048.md", "q4dtbw", "q4dtbw", OURS_Q, (-6, 3)),
             ("gemma3-270m_mobydick_prerope_ctx2048.md", "q3dtbw", "q3dtbw", OURS_Q),
             ("gemma3-270m_mobydick_prerope_ctx2048.md", "q2dtbw", "q2dtbw", OURS_Q, (0, 8)),
@@ -95,8 +95,9 @@ Y_MAX = 40.0
 
 NOTE = ("Each panel is one protocol; the change is against the full\n"
         "cache of the same table. The vertical axis is linear within\n"
-        "+-2% and logarithmic beyond. `q<b>dtn`: the per-token layout\n"
-        "that was the default before wave 4; `q4d`: today's default.\n"
+        "+-2% and logarithmic beyond. `q<b>dtna`: the per-token layout\n"
+        "that was the default before wave 4; `q4da`: the default before\n"
+        "wave 6; `q4d`: today's (keys before RoPE, half-whitened).\n"
         "Sources: benchmarks/plot_results.py, PANELS.")
 
 VLLM_RUNS = [

@@ -125,13 +125,15 @@ class QuantConfig:
     **Defaults: the best measured layout for the widths in use.** Every layout field left at
     ``"auto"`` is resolved in ``__post_init__`` (the stored config holds concrete values):
 
-    * 2-4 bits (keys, values and every ``layer_bits`` entry): :data:`BEST_LAYOUT`: keys per
-      channel in groups of 32 tokens (uniform levels, a float16 scale and a zero point per
-      group, never rotated), values rotated by a randomized Hadamard rotation with Lloyd-Max
-      levels and one 8-bit log-coded norm per vector, 4 float16 sinks and a float16 residual of
-      up to 31 tokens. It holds on SmolLM2, Qwen2.5 and Gemma 3 (``docs/results/``, math
-      dictionary §25), where the earlier per-token keys (:data:`PER_TOKEN_LAYOUT`, one argument
-      away: ``key_grouping="token"``) cost Qwen2.5 +60% perplexity.
+    * 2-4 bits (keys, values and every ``layer_bits`` entry): :data:`DEFAULT_LAYOUT` (since wave 6,
+      math dictionary §29.7): keys stored before RoPE, centered and each channel divided by the
+      square root of its RMS over the prompt (``scale_keys="sqrt"``), then coded per token like the
+      values (a randomized Hadamard rotation, Lloyd-Max levels, one 8-bit log-coded norm per
+      vector), quantized on arrival; 4 float16 sinks. 4.17 / 3.18 / 2.18 bits per element on
+      SmolLM2 and Qwen2.5, 4.10 / 3.10 / 2.10 on Gemma 3, below the per-channel layout's
+      4.77 / 3.79 / 2.80 at a lower KL for the same bytes on all three (``docs/results/``).
+      The cache reads the model (:meth:`for_model`): heads under 64 channels, or a RoPE it cannot
+      remove, keep :data:`BEST_LAYOUT` (per-channel key groups after RoPE, ``pre_rope=False``).
     * any 8-bit width: :data:`KIVI_LAYOUT` (per-channel keys in groups of 32 tokens, per-token
       values, uniform asymmetric levels, a 32-token residual), also :meth:`kivi` at any width.
 
@@ -181,7 +183,8 @@ class QuantConfig:
         file read by :func:`kv_cache.compression.rotation_file.load_calibration`). It must exist;
         its shapes are checked against the model at first use.
     rotation_seed : int, default 0
-    key_grouping : {"channel", "token"}, default "auto" ("channel": 32-token groups at every width)
+    key_grouping : {"channel", "token"}, default "auto" ("token" with keys before RoPE, else "channel":
+        32-token groups)
         Keys quantized per channel (KIVI) or per token (after a rotation spreads the channel
         outliers that made per-channel grouping necessary).
     channel_group : int, "head" or None, default "auto" ("head" with Lloyd-Max levels; 32 with
@@ -220,7 +223,9 @@ class QuantConfig:
         a per-token layout from spending its range on a channel offset (Qwen2's key bias:
         +62% perplexity at 4 bits without it). Per-channel key groups absorb such an offset
         in their zero points already. Costs ``4 * head_dim`` bytes per batch row and KV head.
-    pre_rope : bool, default False
+    pre_rope : bool, default "auto" (True at 2-4 bits unless ``key_grouping="channel"`` or
+        ``levels="uniform"`` is given; the cache may still turn an "auto" True into False for a
+        model, :meth:`for_model`)
         Store keys before RoPE (math dictionary §29): each key the model hands over rotated is
         turned back (``k = R(p)^T k' / s``, the layer's own frequencies read from the config,
         :mod:`kv_cache.cache.rope_frame`) before it is centered and quantized, and rotated again
@@ -232,11 +237,13 @@ class QuantConfig:
         Read by the reference attention path and the native one; positions travel through every
         eviction (shared budgets and the evicted tier included). Models without RoPE and
         multimodal RoPE are refused.
-    scale_keys : bool, default False
+    scale_keys : {False, True, "sqrt"}, default "auto" ("sqrt" with per-token keys before RoPE, else False)
         With ``pre_rope`` and ``center_keys``: also divide each centered key channel by its RMS
-        over the prompt (one per batch row, KV head and channel, taken with the mean; floored at
-        1% of the row's mean), so that a per-token code spends its error on each channel in
-        proportion to the channel's own spread (math dictionary §29.7); multiplied back at read.
+        over the prompt (``True``; one per batch row, KV head and channel, taken with the mean;
+        floored at 1% of the row's mean) or by the square root of it (``"sqrt"``, half-whitening:
+        the least logit error when nothing is known of the queries), so that a per-token code
+        spends its error on each channel according to the channel's own spread (math dictionary
+        §29.7); multiplied back at read.
     evicted_layer_bits : mapping or tuple of pairs, default ()
         Per-layer widths of the evicted tier, in the form of ``layer_bits`` (e.g. a
         ``kvcache allocate`` profile at a low mean width): the sensitive layers' evicted keys at
