@@ -525,7 +525,10 @@ def test_file_decodes_into_q4d_as_a_prefill_stores_it(stories, basis, tmp_path, 
     fp = CompressedContext.load(tmp_path / "c.kvc", model, tok, codec=basis)
     q4d = QuantConfig(bits=4)
     q = CompressedContext.load(tmp_path / "c.kvc", model, tok, codec=basis, quant=q4d)
-    assert q.cache.quant == q4d and q.context_tokens == fp.context_tokens
+    # decoded keys carry their RoPE: the default's keys before RoPE give way to per-channel groups after it
+    assert q.cache.quant == q4d.after_rope() and q.context_tokens == fp.context_tokens
+    with pytest.raises(ValueError, match="before RoPE .* not supported"):
+        CompressedContext.load(tmp_path / "c.kvc", model, tok, codec=basis, quant=QuantConfig(bits=4, pre_rope=True))
     assert q.cache.get_seq_length() == fp.cache.get_seq_length()
     kinds = {type(layer.storage) for layer in q.cache.layers}
     assert kinds <= {QuantizedStorage, PackedRaggedStorage}

@@ -60,7 +60,8 @@ def test_lse_shift_is_what_the_logits_lack():
 
 def test_center_keys_field():
     assert QuantConfig(bits=4, key_grouping="token").center_keys is True
-    assert QuantConfig(bits=4).center_keys is False and QuantConfig.kivi(bits=4).center_keys is False
+    assert QuantConfig(bits=4, pre_rope=False).center_keys is False and QuantConfig.kivi(bits=4).center_keys is False
+    assert QuantConfig(bits=4).center_keys is True  # the default since wave 6: keys before RoPE, per token
     with pytest.raises(ValueError, match="center_keys must be True, False or 'auto'; got 1"):
         QuantConfig(bits=4, center_keys=1)
 

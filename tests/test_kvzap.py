@@ -291,7 +291,8 @@ def _generate(model, cache, ids, n=24, **kw):
                               min_new_tokens=n)
 
 
-@pytest.mark.parametrize("quant", [None, QuantConfig(bits=4, key_grouping="token"), QuantConfig(bits=4, sink_tokens=0),
+@pytest.mark.parametrize("quant", [None, QuantConfig(bits=4, key_grouping="token"),
+                                   QuantConfig(bits=4, sink_tokens=0, key_grouping="channel"),
                                    QuantConfig.kivi(bits=2, group_size=16, residual_length=16)],
                          ids=["fp", "q4", "q4-channel", "kivi2"])
 @pytest.mark.parametrize("policy", [
@@ -319,7 +320,8 @@ def test_kvzap_matrix_bounded_memory(stories, scorer_path, quant, policy, batch)
     if pol.threshold is None:
         budget = pol.budget if isinstance(pol.budget, int) else max(int(pol.budget * T), 1)
         raised = max(budget, pol.sink_tokens + pol.window_tokens(budget)
-                     + (0 if quant is None else max(quant.residual_length, quant.group_size) - 1 + quant.sink_tokens))
+                     + (0 if quant is None else max(cache.quant.residual_length, cache.quant.group_size) - 1
+                        + cache.quant.sink_tokens))
         slack = pol.evict_every - 1
         bound = lengths.max() if pol.scope == "head" else lengths.mean(dim=(0, 2)).max()
         assert bound <= raised + slack + 1

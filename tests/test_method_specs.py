@@ -191,7 +191,7 @@ def test_presets_and_plan_files_as_specs(tmp_path, stories):
     plan.save(path)
     m = parse_method(f"plan[{path}]")
     assert m.resolved == f"kv_cache plan {plan.fingerprint}"
-    assert m.make(model)[0].quant == QuantConfig(bits=2)
+    assert m.make(model)[0].quant == QuantConfig(bits=2).for_model(model.config)
     with pytest.raises(FileNotFoundError, match="no plan file"):
         parse_method(f"plan[{tmp_path / 'missing.json'}]")
     with pytest.raises(ValueError, match="target ratio must be > 1"):

@@ -19,13 +19,15 @@ from kv_cache.spec.grammar import parse_method, parse_quant
 
 # --------------------------------------------------------------------------- model-free
 def test_evicted_config_is_the_layout_at_the_lower_width():
-    q = QuantConfig(bits=3, key_bits=4, layer_bits={0: (4, 4)}, evicted_bits=2)
+    q = QuantConfig(bits=3, key_bits=4, layer_bits={0: (4, 4)}, evicted_bits=2, pre_rope=False)
     low = q.evicted_config()
     assert (low.bits, low.key_bits, low.value_bits, low.layer_bits) == (2, None, None, ())
-    # every token packed at once; per-channel keys (the default) keep their 32-token groups
+    # every token packed at once; per-channel keys keep their 32-token groups
     assert (low.sink_tokens, low.residual_length, low.group_size) == (0, 0, 32)
     per_token = QuantConfig(bits=3, key_grouping="token", evicted_bits=2).evicted_config()
     assert (per_token.sink_tokens, per_token.residual_length, per_token.group_size) == (0, 0, 1)
+    default = QuantConfig(bits=3, evicted_bits=2).evicted_config()  # the default: keys before RoPE, per token
+    assert (default.pre_rope, default.scale_keys, default.group_size, default.residual_length) == (True, "sqrt", 1, 0)
     for name in ("rotation", "key_grouping", "levels", "channel_group", "scale_dtype", "rotation_seed"):
         assert getattr(low, name) == getattr(q, name)
     assert low.evicted_bits is None

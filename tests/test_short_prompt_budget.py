@@ -46,7 +46,7 @@ def _need(quant, policy, prompt_len=6):
 def test_fraction_below_fixed_parts_is_raised_and_reported(stories, policy, same_as):
     model, tok = stories
     inputs = _prompt(tok)
-    quant = QuantConfig(bits=4, key_grouping="token")
+    quant = QuantConfig(bits=4, key_grouping="token", pre_rope=False)
     requested, need = _need(quant, policy)
     assert requested == 3 and need == same_as.budget
     cache = CompressedCache(model.config, quant=quant, eviction=policy)
@@ -66,14 +66,14 @@ def test_fraction_below_fixed_parts_is_raised_and_reported(stories, policy, same
 
 def test_raised_h2o_budget_still_evicts_while_decoding(stories):
     model, tok = stories
-    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, key_grouping="token"), eviction=H2O(budget=0.5))
+    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, key_grouping="token", pre_rope=False), eviction=H2O(budget=0.5))
     _generate(model, _prompt(tok), cache, n=12)  # 6 + 11 stored tokens seen, 8 kept
     assert cache.get_seq_length() == 17
     assert [layer.kept_length() for layer in cache.layers] == [8] * model.config.num_hidden_layers
     assert cache.memory_report().tokens_kept == 8
 
 
-@pytest.mark.parametrize("quant, kept", [(QuantConfig(bits=4, key_grouping="token"), 6), (None, 5)])
+@pytest.mark.parametrize("quant, kept", [(QuantConfig(bits=4, key_grouping="token", pre_rope=False), 6), (None, 5)])
 def test_kvzip_on_a_short_context(stories, quant, kept):
     """KVzip (0.3 of 6 tokens = 2) keeps its 4 sinks and its recent window (1 token: half the
     budget), plus the quantization sinks and residual."""
@@ -99,7 +99,7 @@ def test_kvzip_on_a_short_context(stories, quant, kept):
 def test_a_fraction_above_the_fixed_parts_is_not_raised(stories):
     model, tok = stories
     ids = tok("Once upon a time, there was a little girl named Lily. " * 4, return_tensors="pt")
-    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, key_grouping="token"), eviction=H2O(budget=0.5))
+    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, key_grouping="token", pre_rope=False), eviction=H2O(budget=0.5))
     _generate(model, ids, cache, n=2)
     rep = cache.memory_report()
     assert rep.budget_raised == {} and rep.notes == [] and "note:" not in str(rep)
@@ -109,7 +109,7 @@ def test_a_token_budget_below_the_fixed_parts_still_raises(stories):
     model = stories[0]
     with pytest.raises(ValueError, match=r"budget \(3\) must be >= 8: quantization sinks \(4\) \+ residual .* \(3\) "
                                          r"\+ recent_window \(1\) \+ sink_tokens \(0\)"):
-        CompressedCache(model.config, quant=QuantConfig(bits=4, key_grouping="token"), eviction=H2O(budget=3))
+        CompressedCache(model.config, quant=QuantConfig(bits=4, key_grouping="token", pre_rope=False), eviction=H2O(budget=3))
 
 
 def test_readme_first_example_runs_on_stories260K(stories, monkeypatch, capsys):

@@ -87,7 +87,10 @@ def _restore(layer: Any, q: QuantConfig) -> tuple[Any, torch.Tensor | None]:
 def quantize_cache(cache: Any, quant: QuantConfig) -> None:
     """Re-store every layer of the full-precision ``cache`` (a :class:`~kv_cache.CompressedCache`
     with ``quant=None``, outside any session) in the layout of ``quant``, in place; see the
-    module docstring. Afterwards ``cache.quant`` is ``quant`` and new tokens go into that layout.
+    module docstring. Afterwards ``cache.quant`` is ``quant`` as the model holds it
+    (:meth:`QuantConfig.for_model`) and new tokens go into that layout. The default's keys before
+    RoPE are stored per channel after RoPE instead (:meth:`QuantConfig.after_rope`: the decoded
+    keys carry their rotation); an explicit ``pre_rope=True`` is refused.
 
     Raises
     ------
@@ -114,6 +117,14 @@ def quantize_cache(cache: Any, quant: QuantConfig) -> None:
     if any(layer.demoted is not None for layer in cache.layers):
         raise ValueError("quantize_cache: the cache holds a precision tier; only a full-precision cache can be "
                          "re-stored")
+    if quant.pre_rope:
+        # The decoded keys carry their RoPE and the frame would need each kept token's position:
+        # the default's keys before RoPE give way to its per-channel layout after RoPE (§27.5).
+        if "pre_rope" not in quant._auto:
+            raise ValueError("quantize_cache: re-storing decoded keys before RoPE (pre_rope=True) is not supported; "
+                             "pass the layout with pre_rope=False (or QuantConfig(bits=b), which then stores keys "
+                             "per channel after RoPE)")
+        quant = quant.after_rope()
     # the per-layer configs and every check of the layout against the model, as a new cache makes them
     shape = CompressedCache(cache.config, quant=quant)
     new = [_restore(layer, target.quant) if layer.storage is not None else (None, None)
@@ -123,7 +134,7 @@ def quantize_cache(cache: Any, quant: QuantConfig) -> None:
         if st is not None:
             layer.storage, layer.key_offset = st, mu
             layer.attention_error = None
-    cache.quant = quant
+    cache.quant = shape.quant
 
 
 __all__ = ["quantize_cache"]
