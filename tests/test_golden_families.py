@@ -6,10 +6,12 @@ twice the measured figure (wave 5):
 
 * ``q4d`` (``QuantConfig(bits=4)``) over four windows (chapters 1, 10, 20 and 40): the mean
   next-token KL from the full cache, which is stable across windows where the perplexity of 256
-  tokens is not (KIVI-4 scores *below* the full cache on two of the four windows). Measured
-  0.0021 (SmolLM2) and 0.0038 (Qwen2.5), bounds 0.0042 and 0.0057; KIVI-4 measures 0.0058 and
-  0.0064, so a fall to KIVI's quality fails (on Qwen2.5 KIVI-4 is only 1.7x q4d's KL, hence 1.5x
-  there).
+  tokens is not (KIVI-4 scores *below* the full cache on two of the four windows). Wave 6's
+  default (keys before RoPE, per token, half-whitened, 4.17 bits per element) measured 0.0043
+  (SmolLM2) and 0.0066 (Qwen2.5), bounds 1.5x: 0.0065 and 0.0099. For scale: the per-channel
+  layout before it (4.77 bits) measured 0.0021 / 0.0038 and KIVI-4 (5.0 bits) 0.0058 / 0.0064;
+  the bound fails per-token codes after RoPE on Qwen2.5 (KL 0.40 on the layout table's windows)
+  and, narrowly, wave 5's unscaled codes before RoPE there (0.011).
 * the ``8x`` preset and ``kvzip@0.25`` on the chapter-1 window: perplexity within about twice
   what they measure there (8x +1.86% / +0.37%, kvzip@0.25 +3.38% / +3.12%).
 * KVzap (``q4`` + ``kvzap@0.25``, the shipped scorer) on Qwen2.5's chapter-1 window: the mean
@@ -41,7 +43,7 @@ LIMITS = {  # Δppl on the chapter-1 window, about twice the measured figure
     ("smollm2", "8x"): 0.037, ("smollm2", "kvzip@0.25"): 0.068,
     ("qwen2.5-0.5b", "8x"): 0.0075, ("qwen2.5-0.5b", "kvzip@0.25"): 0.063,
 }
-Q4D_KL = {"smollm2": 0.0042, "qwen2.5-0.5b": 0.0057}  # mean KL over CHAPTERS (see the module docstring)
+Q4D_KL = {"smollm2": 0.0065, "qwen2.5-0.5b": 0.0099}  # mean KL over CHAPTERS (see the module docstring)
 CHAPTERS = ("CHAPTER 1. Loomings.", "CHAPTER 10. A Bosom Friend.", "CHAPTER 20. All Astir.",
             "CHAPTER 40. Midnight, Forecastle.")
 
@@ -98,7 +100,7 @@ CASES = sorted(LIMITS)
 @pytest.mark.parametrize("alias", sorted(Q4D_KL))
 def test_default_layout_holds_on_real_families(alias):
     """``q4d``: the mean next-token KL from the full cache over four held-out windows within
-    Q4D_KL (about twice the measured figure: KIVI-4's quality fails it), the fidelity check quiet."""
+    Q4D_KL (1.5x the measured figure), the fidelity check quiet."""
     model, tok = load_model(alias)
     kls = []
     for chapter in CHAPTERS:

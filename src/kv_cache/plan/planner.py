@@ -66,13 +66,16 @@ BUDGET_STEP = 0.01
 """Resolution of the KVzip fraction the planner searches."""
 
 CANDIDATE_LAYOUTS: dict[str, QuantConfig] = {
-    "q4d": QuantConfig(bits=4),
-    "k4v3d": QuantConfig(bits=3, key_bits=4),
-    "q3d": QuantConfig(bits=3),
-    "k3v2d": QuantConfig(bits=2, key_bits=3),
-    "q2d": QuantConfig(bits=2),
+    "q4d": QuantConfig(bits=4, pre_rope=False),
+    "k4v3d": QuantConfig(bits=3, key_bits=4, pre_rope=False),
+    "q3d": QuantConfig(bits=3, pre_rope=False),
+    "k3v2d": QuantConfig(bits=2, key_bits=3, pre_rope=False),
+    "q2d": QuantConfig(bits=2, pre_rope=False),
 }
-"""The layouts :func:`plan_for` measures (``QuantConfig(bits=b)``'s defaults at each width)."""
+"""The layouts :func:`plan_for` measures and the presets are sized from: the per-channel layout
+after RoPE at each width (``QuantConfig(bits=b)``'s default before wave 6, ``q<b>da``), with which
+every committed preset table was measured; the presets move to the default's keys before RoPE
+once they are re-measured on it (issue 62)."""
 
 PLAN_SCORERS = ("kvzip", "kvzap")
 """The evictions :func:`plan_for` can size and measure with every layout (KVzip with the
