@@ -606,7 +606,9 @@ def test_the_file_records_the_layout_it_is_loaded_into(stories, basis, tmp_path,
     model, tok = stories
     ctx = CompressedContext.build(model, tok, DOC, eviction=KVzip(budget=0.5))
     ctx.save(tmp_path / "c.kvc", file_ratio=1.5, codec=basis, into=QuantConfig(bits=4))
-    assert CompressedContext.load(tmp_path / "c.kvc", model, tok, codec=basis).cache.quant == QuantConfig(bits=4)
+    # recorded as readers hold it: decoded keys carry their RoPE, so the default's per-channel layout after it
+    assert CompressedContext.load(tmp_path / "c.kvc", model, tok, codec=basis).cache.quant == QuantConfig(bits=4,
+                                                                                                     pre_rope=False)
     assert CompressedContext.load(tmp_path / "c.kvc", model, tok, codec=basis, quant=None).cache.quant is None
     assert CompressedContext.load(tmp_path / "c.kvc", model, tok, codec=basis,
                                   quant=QuantConfig.kivi(bits=4)).cache.quant == QuantConfig.kivi(bits=4)
@@ -623,7 +625,7 @@ def test_the_file_records_the_layout_it_is_loaded_into(stories, basis, tmp_path,
     assert main(["compress", str(doc), "-o", str(tmp_path / "e.kvc"), "--model", "stories260K",
                  "--method", "kvzip@0.5", "--into", "q4d", "--raw-text"]) == 0
     assert "into:  readers hold it as q4d" in capsys.readouterr().out
-    assert CompressedContext.load(tmp_path / "e.kvc", model, tok).cache.quant == QuantConfig(bits=4)
+    assert CompressedContext.load(tmp_path / "e.kvc", model, tok).cache.quant == QuantConfig(bits=4, pre_rope=False)
     assert main(["ask", str(tmp_path / "e.kvc"), "Why?", "--into", "full", "--max-new-tokens", "2"]) == 0
     for extra, message in ((["--into", "q4d", "--bits", "4"], "goes with --file-ratio or an eviction-only"),
                            (["--into", "q4zz"], "not one of our quantization specs"),

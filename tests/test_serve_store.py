@@ -82,9 +82,9 @@ def test_a_stored_context_is_held_in_the_layout_its_file_records(stories, tmp_pa
     model, tok = stories
     ctx = CompressedContext.build(model, tok, DOC, eviction=KVzip(budget=0.5))
     cid = ContextStore(tmp_path, model, tok).add(ctx, {"model": MODEL, "method": "kvzip@0.5",
-                                                       "into": _encode_quant(QuantConfig(bits=4))})["id"]
+                                                       "into": _encode_quant(QuantConfig(bits=4, pre_rope=False))})["id"]
     loaded = ContextStore(tmp_path, model, tok).get(cid)  # what a restarted server reads
-    assert ctx.cache.quant is None and loaded.cache.quant == QuantConfig(bits=4)
+    assert ctx.cache.quant is None and loaded.cache.quant == QuantConfig(bits=4, pre_rope=False)
     assert loaded.cache.memory_report().codes_bytes > 0
 
 

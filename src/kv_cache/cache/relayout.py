@@ -84,6 +84,20 @@ def _restore(layer: Any, q: QuantConfig) -> tuple[Any, torch.Tensor | None]:
     return st, mu
 
 
+def restorable(quant: QuantConfig) -> QuantConfig:
+    """The layout decoded tokens are re-stored in for ``quant``: itself, or for the default's keys
+    before RoPE its per-channel layout after RoPE (:meth:`QuantConfig.after_rope`; the decoded keys
+    carry their rotation, and removing it needs each kept token's position). An explicit
+    ``pre_rope=True`` raises ``ValueError``."""
+    if not quant.pre_rope:
+        return quant
+    if "pre_rope" not in quant._auto:
+        raise ValueError("quantize_cache: re-storing decoded keys before RoPE (pre_rope=True) is not supported; "
+                         "pass the layout with pre_rope=False (or QuantConfig(bits=b), which then stores keys "
+                         "per channel after RoPE)")
+    return quant.after_rope()
+
+
 def quantize_cache(cache: Any, quant: QuantConfig) -> None:
     """Re-store every layer of the full-precision ``cache`` (a :class:`~kv_cache.CompressedCache`
     with ``quant=None``, outside any session) in the layout of ``quant``, in place; see the
@@ -117,14 +131,7 @@ def quantize_cache(cache: Any, quant: QuantConfig) -> None:
     if any(layer.demoted is not None for layer in cache.layers):
         raise ValueError("quantize_cache: the cache holds a precision tier; only a full-precision cache can be "
                          "re-stored")
-    if quant.pre_rope:
-        # The decoded keys carry their RoPE and the frame would need each kept token's position:
-        # the default's keys before RoPE give way to its per-channel layout after RoPE (§27.5).
-        if "pre_rope" not in quant._auto:
-            raise ValueError("quantize_cache: re-storing decoded keys before RoPE (pre_rope=True) is not supported; "
-                             "pass the layout with pre_rope=False (or QuantConfig(bits=b), which then stores keys "
-                             "per channel after RoPE)")
-        quant = quant.after_rope()
+    quant = restorable(quant)
     # the per-layer configs and every check of the layout against the model, as a new cache makes them
     shape = CompressedCache(cache.config, quant=quant)
     new = [_restore(layer, target.quant) if layer.storage is not None else (None, None)
@@ -137,4 +144,4 @@ def quantize_cache(cache: Any, quant: QuantConfig) -> None:
     cache.quant = shape.quant
 
 
-__all__ = ["quantize_cache"]
+__all__ = ["quantize_cache", "restorable"]

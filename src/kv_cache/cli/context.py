@@ -201,9 +201,10 @@ def run_compress(args: argparse.Namespace) -> int:
     if len(kept) < len(ids):
         extra.update(document_tokens=len(ids), keep=args.keep or "head")
     if into is not None:
+        from ..cache.relayout import restorable
         from ..cache.serialize_state import _encode_quant
 
-        extra["into"] = _encode_quant(into)
+        extra["into"] = _encode_quant(restorable(into.for_model(model.config)))  # as readers will hold it
     if args.file_ratio is not None:
         from ..cache.report import fp16_kv_bytes
 

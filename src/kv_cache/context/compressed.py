@@ -193,7 +193,9 @@ class CompressedContext:
                                  f"held quantized already ({self.cache.quant!r})")
             if into.evicted_bits is not None:
                 raise ValueError("into= cannot hold precision tiers (evicted_bits): the file keeps the kept tokens only")
-            extra["into"] = _encode_quant(into)
+            from ..cache.relayout import restorable
+
+            extra["into"] = _encode_quant(restorable(into.for_model(self.model.config)))  # as readers will hold it
         if file_ratio is None and codec is None:
             if codec_settings is not None:
                 raise ValueError("codec_settings applies to a coded file: pass file_ratio= or codec= too")
