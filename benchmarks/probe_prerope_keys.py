@@ -30,7 +30,9 @@ value, a uint16 token index, a uint8 channel, padding; the sinks at 16 bits):
   before the rotation and divided after (wave 6, issue 62; :func:`channel_weights`): ``w`` the
   inverse of its prompt RMS (``scale_keys=True``), ``h`` the inverse square root of it (half
   whitening: ``scale_keys="sqrt"``, today's default), ``q`` the optimum for the prompt's own
-  queries, ``(Q_c / K_c)^(1/4)`` (a bound on what a query-aware scale could add).
+  queries, ``(Q_c / K_c)^(1/4)`` (a bound on what a query-aware scale could add);
+  ``-hn`` / ``-wn``: ``-h`` / ``-w`` with no rotation (each scaled channel coded on the vector's
+  norm as it is: what a read without an inverse Hadamard transform per key would hold).
 
 Run: ``python benchmarks/probe_prerope_keys.py --models smollm2,qwen2.5-0.5b --windows 4``.
 Writes ``benchmarks/results/probe_prerope_keys.md`` (and ``.json``; rows already there are kept, so
@@ -131,7 +133,7 @@ def channel_weights(k: torch.Tensor, prompt: int, weight: str, q_energy: torch.T
 
 
 def code_tokens(k: torch.Tensor, bits: int, prompt: int, center: bool, group: int = 0,
-                scale: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+                scale: torch.Tensor | None = None, rotate: bool = True) -> tuple[torch.Tensor, float]:
     """Per token (the values' layout, §18): with ``center`` the per-channel mean of the prompt's
     keys subtracted first (float16, one per channel; a constant before RoPE, §29.3), then a
     randomized Hadamard rotation, Lloyd-Max levels of N(0, 1) scaled by the vector's norm, the
@@ -148,7 +150,7 @@ def code_tokens(k: torch.Tensor, bits: int, prompt: int, center: bool, group: in
     out = torch.empty_like(k)
     levels = lloyd_max_gaussian(bits).float()
     for h in range(H):
-        R = RandomizedHadamard(D, seed=h).matrix()  # diag(s) H, orthonormal
+        R = RandomizedHadamard(D, seed=h).matrix() if rotate else torch.eye(D)  # diag(s) H, orthonormal
         g = group or D
         y = (x[h] @ R).reshape(T, D // g, g)  # [T, D/g, g]
         n = y.norm(dim=-1, keepdim=True).clamp_min(1e-12)
@@ -189,8 +191,9 @@ class Code:
     def apply(self, k: torch.Tensor, prompt: int, q_energy: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
         body = k[:, SINKS:]
         if self.weight:
-            a = channel_weights(body, prompt - SINKS, self.weight, q_energy)
-            coded, bits = code_tokens(body, self.bits, prompt - SINKS, True, scale=a)
+            a = channel_weights(body, prompt - SINKS, self.weight.rstrip("n"), q_energy)
+            coded, bits = code_tokens(body, self.bits, prompt - SINKS, True, scale=a,
+                                      rotate=not self.weight.endswith("n"))
             H, T, D = k.shape
             return torch.cat([k[:, :SINKS], coded], 1), bits + 16 * H * SINKS * D
         if self.kind == "groups":
@@ -220,7 +223,9 @@ def codes(widths: list[int]) -> list[Code]:
                 Code(f"pre-ctok-g64 {b}b", b, True, "centered-tokens-g64"),
                 Code(f"pre-ctok-w {b}b", b, True, "centered-tokens", weight="w"),
                 Code(f"pre-ctok-h {b}b", b, True, "centered-tokens", weight="h"),
-                Code(f"pre-ctok-q {b}b", b, True, "centered-tokens", weight="q")]
+                Code(f"pre-ctok-q {b}b", b, True, "centered-tokens", weight="q"),
+                Code(f"pre-ctok-hn {b}b", b, True, "centered-tokens", weight="hn"),
+                Code(f"pre-ctok-wn {b}b", b, True, "centered-tokens", weight="wn")]
     return out
 
 
