@@ -71,7 +71,7 @@ DEFAULT_LAYOUT: dict[str, Any] = {**PRE_ROPE_LAYOUT, "scale_keys": "sqrt"}
 over the prompt before the per-token code (half-whitening). Every key is coded on arrival: a
 randomized Hadamard rotation, Lloyd-Max levels, one 8-bit log-coded norm per key and per value
 vector; 4 float16 sinks and no residual, so the bytes are ``b + 8 / head_dim`` bits per element
-plus the sinks and the per-channel mean and scale (4.16 / 3.17 / 2.17 at head_dim 64 and 1,792
+plus the sinks and the per-channel mean and scale (4.17 / 3.18 / 2.18 at head_dim 64 and 1,792
 tokens). Keys before RoPE hold a constant per-channel offset and spread (a QK-norm gain, Qwen2's
 key bias), which the centering removes and the scale evens out; a model whose RoPE cannot be
 removed keeps :data:`BEST_LAYOUT` (:meth:`QuantConfig.after_rope`)."""
