@@ -444,3 +444,27 @@ def test_a_damaged_bitmap_is_refused(tmp_path):
         _decode_positions(layer, {"arrived": layer._arrived, "kept_arrivals": "x"}, Reader())
     with pytest.raises(ValueError, match="needs its arrivals"):
         _decode_positions(layer, {"arrived": 3}, Reader())
+
+
+def test_a_dense_read_says_so_once():
+    """Keys before RoPE in a Hadamard space of a head_dim that is not a power of two cannot be
+    turned from their codes in the kernels (§29.8): the layer reads a dense dequantized copy, and
+    the cache says so once, with a PerformanceWarning, whatever the layers and steps."""
+    import warnings
+
+    from kv_cache import PerformanceWarning
+
+    model = _model(head_dim=48, hidden_size=96, num_attention_heads=2, num_key_value_heads=1)
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(5))
+    cache = CompressedCache(model.config, quant=QuantConfig(bits=4, pre_rope=True, key_grouping="token"),
+                            fidelity_threshold=1e9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run(model, cache, ids, 30, True)
+    perf = [w for w in caught if issubclass(w.category, PerformanceWarning)]
+    assert len(perf) == 1 and "head_dim 48, not a power of two" in str(perf[0].message)
+    fast = CompressedCache(model.config, quant=QuantConfig(bits=4, pre_rope=True, key_grouping="token",
+                                                           rotation=None), fidelity_threshold=1e9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PerformanceWarning)
+        _run(model, fast, ids, 30, True)  # no rotation: the kernels turn the keys from their codes

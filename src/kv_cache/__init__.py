@@ -23,9 +23,9 @@ pyproject.toml; ``tests/test_architecture.py`` fails on an import that climbs). 
 Names in one row do not import each other.
 """
 
-from .cache import CompressedCache, FidelityError, FidelityWarning, MemoryReport, QuantConfig, compress
+from .cache import CompressedCache, FidelityError, FidelityWarning, MemoryReport, PerformanceWarning, QuantConfig, compress
 from .context import CompressedContext, PrefillStats, prefill
 from .policies import H2O, EvictionPolicy, KVzap, KVzip, SnapKV, StreamingLLM
 
-__all__ = ["CompressedCache", "CompressedContext", "EvictionPolicy", "FidelityError", "FidelityWarning", "H2O", "KVzap", "KVzip", "MemoryReport", "PrefillStats",
+__all__ = ["CompressedCache", "CompressedContext", "EvictionPolicy", "FidelityError", "FidelityWarning", "H2O", "KVzap", "KVzip", "MemoryReport", "PerformanceWarning", "PrefillStats",
            "QuantConfig", "SnapKV", "StreamingLLM", "compress", "prefill"]

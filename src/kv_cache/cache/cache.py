@@ -31,6 +31,12 @@ class FidelityWarning(UserWarning):
     """The fidelity check found layers whose attention the compressed cache wrecks (§26)."""
 
 
+class PerformanceWarning(UserWarning):
+    """A cache read takes a slow path, said once per cache: keys stored before RoPE in a layout the
+    kernels cannot turn from their codes (a calibrated dense rotation, a head_dim that is not a
+    power of two) are dequantized and turned densely at every step (§29.8)."""
+
+
 class FidelityError(RuntimeError):
     """Raised instead of :class:`FidelityWarning` by a cache made with ``strict=True``."""
 
@@ -190,12 +196,23 @@ class CompressedCache(Cache):
         for layer in self.layers:
             layer.share = self._share_budget
             layer.on_fidelity = self._fidelity_recorded
+            layer.on_dense_read = self._dense_read
         checked = [i for i, layer in enumerate(self.layers) if layer.quant is not None or layer.policy is not None]
         self._last_checked = checked[-1] if checked else None
 
     def attention_errors(self) -> dict[int, float]:
         """``{layer: e}``: the fidelity check's relative attention-output error per layer (§26)."""
         return {i: layer.attention_error for i, layer in enumerate(self.layers) if layer.attention_error is not None}
+
+    def _dense_read(self, layer: CompressedLayer, why: str) -> None:
+        """A layer reads its keys through a dense dequantized copy: warn once per cache."""
+        if getattr(self, "_dense_warned", False):
+            return
+        self._dense_warned = True
+        warnings.warn(f"layer {layer.layer_idx} (and any other like it) reads its keys stored before RoPE through a "
+                      f"dense dequantized copy at every step ({why}): slower than the kernels' read from the codes. "
+                      "Use rotation='hadamard' or None on a power-of-two head_dim, or pre_rope=False",
+                      PerformanceWarning, stacklevel=3)
 
     def _fidelity_recorded(self, layer: CompressedLayer) -> None:
         """Once the last checked layer has its figure (the end of the prefill's forward): warn, or

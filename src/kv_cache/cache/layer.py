@@ -104,6 +104,7 @@ class CompressedLayer(PreRopeLayer, CompressOnceLayer, TiersLayer, CacheLayerMix
         self.head_attention_error: float | None = None  # its largest per-head ratio (a diagnostic)
         self.evicted_attention: float | None = None  # the eviction check after KVzip's pass (§26.1)
         self.on_fidelity = None  # the cache's callback once this layer's check is recorded
+        self.on_dense_read = None  # the cache's callback when keys before RoPE are read densely
         self.rope_frame: RopeFrame | None = None  # keys stored before RoPE (§29), set by the cache
         self.track_arrivals = False  # keep the kept arrivals' bitmap after RoPE too (§27.6), set by the cache
         self.kept_arrivals: torch.Tensor | None = None  # [b, h, ceil(A / 8)] uint8 bitmap, after an eviction (§29.6)
@@ -208,9 +209,11 @@ class CompressedLayer(PreRopeLayer, CompressOnceLayer, TiersLayer, CacheLayerMix
         return -1
 
     def reset(self) -> None:
-        kept = (self.observed, self.native, self.share, self.on_fidelity, self.rope_frame, self.track_arrivals)
+        kept = (self.observed, self.native, self.share, self.on_fidelity, self.on_dense_read, self.rope_frame,
+                self.track_arrivals)
         self.__init__(self.layer_idx, self.quant, self.policy, self.window)
-        self.observed, self.native, self.share, self.on_fidelity, self.rope_frame, self.track_arrivals = kept
+        (self.observed, self.native, self.share, self.on_fidelity, self.on_dense_read, self.rope_frame,
+         self.track_arrivals) = kept
 
     def crop(self, max_length: int) -> None:
         raise RuntimeError(

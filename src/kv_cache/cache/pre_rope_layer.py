@@ -99,6 +99,10 @@ class PreRopeLayer:
         blocks = self.storage.blocks()
         if not all(isinstance(b, FullBlock) or (isinstance(b, QuantBlock) and _kernel_reads(b.rotation, b.keys))
                    or (isinstance(b, FlatRaggedBlock) and _flat_reads(b)) for b in blocks):
+            if getattr(self, "on_dense_read", None) is not None:
+                d = next((b.keys.head_dim for b in blocks if isinstance(b, QuantBlock)), None)
+                self.on_dense_read(self, "a calibrated dense rotation" if self.quant.rotation == "calibrated"
+                                   else f"head_dim {d}, not a power of two")
             return [FullBlock(*self.stored_states())]
         return self._blocks_at_positions(blocks)
 
