@@ -387,7 +387,7 @@ class QuantConfig:
         if self.evicted_bits is not None:
             self.evicted_config()  # the evicted tier's layout must be valid at its width
 
-    def for_model(self, config: Any, warn: bool = True) -> "QuantConfig":
+    def for_model(self, config: Any) -> "QuantConfig":
         """This layout as a cache for the model of ``config`` holds it: the default's keys before
         RoPE (``pre_rope`` left at "auto") stay there when its heads have at least
         :data:`MIN_TOKEN_CODE_HEAD_DIM` channels and its RoPE can be removed; otherwise the
@@ -405,11 +405,10 @@ class QuantConfig:
         try:
             rope_frames(config, head_dim)
         except ValueError as err:
-            if warn:
-                warnings.warn(f"QuantConfig(bits={self.bits}) stores keys before RoPE by default, which this model "
-                              f"does not allow ({err}); its keys are stored as computed, per channel "
-                              "(QuantConfig(pre_rope=False)), at about 0.6 more bits per element", UserWarning,
-                              stacklevel=3)
+            warnings.warn(f"QuantConfig(bits={self.bits}) stores keys before RoPE by default, which this model "
+                          f"does not allow ({err}); its keys are stored as computed, per channel "
+                          "(QuantConfig(pre_rope=False)), at about 0.6 more bits per element", UserWarning,
+                          stacklevel=3)
             return self.after_rope()
         return self
 

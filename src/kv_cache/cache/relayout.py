@@ -91,11 +91,12 @@ def restorable(quant: QuantConfig) -> QuantConfig:
     ``pre_rope=True`` raises ``ValueError``."""
     if not quant.pre_rope:
         return quant
-    if "pre_rope" not in quant._auto:
+    try:
+        return quant.after_rope()
+    except ValueError:  # pre_rope=True was asked for
         raise ValueError("quantize_cache: re-storing decoded keys before RoPE (pre_rope=True) is not supported; "
                          "pass the layout with pre_rope=False (or QuantConfig(bits=b), which then stores keys "
-                         "per channel after RoPE)")
-    return quant.after_rope()
+                         "per channel after RoPE)") from None
 
 
 def quantize_cache(cache: Any, quant: QuantConfig) -> None:
