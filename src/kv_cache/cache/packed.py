@@ -27,6 +27,7 @@ from ..compression.codebook import encode_log_scale, lloyd_max_gaussian, log_sca
 from ..compression.packing import pack_bits
 from ..compression.rotation import RandomizedHadamard
 from ..kernels import QBlock, dequantize_block, quantize_block, uniform_lut
+from ..kernels.ops import code_tokens_raw
 from .config import QuantConfig
 
 
@@ -347,9 +348,21 @@ class PackedKV:
         R = b * h
         if keys.dtype != self.dtype:  # a residual held in a narrower dtype: quantize in the model's
             keys, values = keys.to(self.dtype), values.to(self.dtype)
-        if q.rotation is not None:
-            if self.rotation is None:
-                self.rotation = _make_rotation(q, self.layer, h, d, keys.device).with_keys(not self.per_channel_keys)
+        if q.rotation is not None and self.rotation is None:
+            self.rotation = _make_rotation(q, self.layer, h, d, keys.device).with_keys(not self.per_channel_keys)
+        if self._codes_tokens:  # the per-token layout in one fused pass each (§18.8): rotate, code, log-code
+            signs = None if self.rotation is None else self.rotation.signs
+            k3, v3 = keys.reshape(R, n, d), values.reshape(R, n, d)
+            if self.key_bits == self.value_bits:  # one call for both (rows 0..R-1 keys, R..2R-1 values)
+                codes, norms = code_tokens_raw(torch.cat([k3, v3]), self.key_bits,
+                                               self._lut(self.key_bits, keys.device), c, signs)
+                (kc, vc), (ks, vs) = codes.split(R), norms.split(R)
+            else:
+                kc, ks = code_tokens_raw(k3, self.key_bits, self._lut(self.key_bits, keys.device), c, signs)
+                vc, vs = code_tokens_raw(v3, self.value_bits, self._lut(self.value_bits, keys.device), c, signs)
+            self._append_blocks(kc, ks, None, vc, vs, None, b, h, n, (b, h, n, d // c))
+            return
+        if self.rotation is not None:
             keys, values = self.rotation.forward_keys(keys), self.rotation.forward(values)
         k3, v3 = keys.reshape(R, n, d), values.reshape(R, n, d)
         # 8-bit log-coded norms (§18.8): the kernel computes float32 norms, stored as codes below.
@@ -368,23 +381,41 @@ class PackedKV:
         vq = quantize_block(vx, self.value_bits, "token", c, q.symmetric, kernel_scale,
                             lut=self._lut(self.value_bits, keys.device))
         kq, vq = narrow_zero_points(kq, kx, q.zero_dtype), narrow_zero_points(vq, vx, q.zero_dtype)
+        k_scale = kq.scale if self.per_channel_keys else self._stored_scale(kq.scale)
+        self._append_blocks(kq.codes, k_scale, kq.zero, vq.codes, self._stored_scale(vq.scale), vq.zero, b, h, n,
+                            k_meta_shape)
+
+    @property
+    def _codes_tokens(self) -> bool:
+        """Whether :func:`~kv_cache.kernels.code_tokens` stores this layout: keys and values per
+        token with codebook levels and 8-bit log norms, a Hadamard rotation (or none), no clipping."""
+        q = self.quant
+        return (not self.per_channel_keys and q.levels == "lloyd_max" and q.scale_dtype == torch.uint8
+                and q.rotation in (None, "hadamard") and q.clip_keys >= 1.0 and q.clip_values >= 1.0
+                and (self.rotation is None or self.rotation.keys))
+
+    def _append_blocks(self, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor | None,
+                       v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor | None,
+                       b: int, h: int, n: int, k_meta_shape: tuple) -> None:
+        """Append ``n`` coded tokens of ``b * h`` rows: codes ``[R, n, P]``, scales and zero points as
+        held (None: none), the keys' metadata of ``k_meta_shape``."""
+        g = self.quant.group_size
         # decoding flushes (fewer tokens than GROW_TOKENS): room for the next ones, at most 1/8 of what is held
         held = self.length
         slack = min(GROW_TOKENS, held // 8) if n < GROW_TOKENS else 0
         k_slack = 0 if self.per_channel_keys else slack  # per-channel scales grow by whole groups
         if self.track_groups:
             first = 0 if self.k_scale is None else self.k_scale.shape[2]  # index into the scale table
-            gid = torch.arange(first, first + n // g, device=keys.device, dtype=torch.int32)
+            gid = torch.arange(first, first + n // g, device=k_codes.device, dtype=torch.int32)
             self.k_group = _cat(self.k_group, gid.repeat_interleave(g).expand(b, h, n).contiguous(), slack)
-        self.k_codes = _cat(self.k_codes, kq.codes.view(b, h, n, -1), slack)
-        k_scale = kq.scale if self.per_channel_keys else self._stored_scale(kq.scale)
+        self.k_codes = _cat(self.k_codes, k_codes.view(b, h, n, -1), slack)
         self.k_scale = _cat(self.k_scale, k_scale.view(k_meta_shape), k_slack)
-        self.v_codes = _cat(self.v_codes, vq.codes.view(b, h, n, -1), slack)
-        self.v_scale = _cat(self.v_scale, self._stored_scale(vq.scale).view(b, h, n, -1), slack)  # [b, h, n, d / c]
-        if kq.zero is not None:  # symmetric and codebook codes have no zero point (None)
-            self.k_zero = _cat(self.k_zero, kq.zero.view(k_meta_shape), k_slack)
-        if vq.zero is not None:
-            self.v_zero = _cat(self.v_zero, vq.zero.view(b, h, n, -1), slack)
+        self.v_codes = _cat(self.v_codes, v_codes.view(b, h, n, -1), slack)
+        self.v_scale = _cat(self.v_scale, v_scale.view(b, h, n, -1), slack)  # [b, h, n, d / c]
+        if k_zero is not None:  # symmetric and codebook codes have no zero point (None)
+            self.k_zero = _cat(self.k_zero, k_zero.view(k_meta_shape), k_slack)
+        if v_zero is not None:
+            self.v_zero = _cat(self.v_zero, v_zero.view(b, h, n, -1), slack)
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[b, h, n, d]`` in ``dtype`` (math dictionary section 3), one fused

@@ -1,6 +1,7 @@
 """Kernels over packed KV codes: compiled for the CPU, Triton for CUDA, a pure-torch fallback.
 
 * :func:`quantize_block` - fused quantize + pack of ``[R, N, d]`` into a :class:`QBlock`;
+* :func:`code_tokens` - per-token codes, rotated first, with 8-bit log norms (a token-grouped store);
 * :func:`dequantize_block` - fused unpack + dequantize of a :class:`QBlock`;
 * :func:`attend_block` - attention of ``G`` queries per row read straight from the codes,
   returning the output and its log-sum-exp so it merges with full-precision tokens.
@@ -17,7 +18,7 @@ torch reference; :func:`backend` says which serves a device (:mod:`._select`). F
 
 from ._build import available, build_dir, isa, load
 from ._select import backend
-from .ops import attend_block, attend_mixed, compact_rows_, dequantize_block, quantize_block
+from .ops import attend_block, attend_mixed, code_tokens, compact_rows_, dequantize_block, quantize_block
 from .qblock import GROUPINGS, KeyRope, QBlock, uniform_lut
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "available",
     "backend",
     "build_dir",
+    "code_tokens",
     "dequantize_block",
     "isa",
     "load",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -102,15 +103,35 @@ def check_quantize_args(x, bits, grouping, group_size, symmetric, scale_dtype, l
 LEVELS_ERROR = "lut (codebook levels) must be finite and strictly increasing"
 
 
+_CHECKED_LEVELS: dict[int, tuple] = {}
+"""Codebooks already checked and their midpoints, by ``id``: ``(weakref, version, midpoints)``. A
+layout's levels are one tensor reused by every store (a decoding step's arrival codes one token
+per layer): checked and reduced once, again only if the tensor was modified in place
+(``_version``) or another tensor took its ``id``."""
+
+
+def _checked(lut: torch.Tensor) -> torch.Tensor | None:
+    hit = _CHECKED_LEVELS.get(id(lut))
+    if hit is not None and hit[0]() is lut and hit[1] == lut._version:
+        return hit[2]
+    return None
+
+
 def check_levels(lut: torch.Tensor | None) -> None:
     """Raise ``ValueError`` unless the codebook ``lut`` (None: uniform levels) is finite and strictly increasing."""
-    if lut is not None and (not bool(torch.isfinite(lut).all()) or not bool((lut[1:] > lut[:-1]).all())):
+    if lut is None or _checked(lut) is not None:
+        return
+    if not bool(torch.isfinite(lut).all()) or not bool((lut[1:] > lut[:-1]).all()):
         raise ValueError(LEVELS_ERROR)
+    if len(_CHECKED_LEVELS) >= 64:
+        _CHECKED_LEVELS.clear()
+    _CHECKED_LEVELS[id(lut)] = (weakref.ref(lut), lut._version, ((lut[:-1] + lut[1:]) * 0.5).contiguous())
 
 
 def midpoints(lut: torch.Tensor) -> torch.Tensor:
     """Decision boundaries of a sorted codebook: ``(lut[i] + lut[i+1]) / 2`` in float32."""
-    return ((lut[:-1] + lut[1:]) * 0.5).contiguous()
+    hit = _checked(lut)
+    return ((lut[:-1] + lut[1:]) * 0.5).contiguous() if hit is None else hit
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,12 @@ from ._checks import (
     check_out_dtype,
     check_quantize_args,
     midpoints,
+    _hadamard_on,
 )
 from .qblock import QBlock, uniform_lut
 
 _GROUPING_ID = {"channel": 0, "token": 1}
-_OK, _NON_FINITE, _SCALE_UNREPRESENTABLE = 0, 1, 2
+_OK, _NON_FINITE, _SCALE_UNREPRESENTABLE, _NORM_TOO_LARGE = 0, 1, 2, 4
 
 
 def _compiled(*tensors: torch.Tensor | None):
@@ -203,7 +204,7 @@ def quantize_block(
     zero = torch.empty(meta_shape, dtype=torch.int16, device=x.device) if uniform and not a.symmetric else None
     mids = None if uniform else midpoints(a.lut)
     status = ext.quantize(x, a.bits, _GROUPING_ID[a.grouping], gs, a.symmetric, mids, codes, scale, zero,
-                          _build.isa_flag())
+                          _build.isa_flag(), None, [])
     if status == _NON_FINITE:
         raise_non_finite(x, "x")
     if status == _SCALE_UNREPRESENTABLE:
@@ -212,6 +213,95 @@ def quantize_block(
             f"(max |x| = {float(x.abs().max()):.3g}); use a wider scale_dtype")
     lut_out = uniform_lut(a.bits, a.symmetric, x.device) if uniform else a.lut.contiguous()
     return QBlock(codes, a.bits, lut_out, a.grouping, scale, zero, gs)
+
+
+def code_tokens(x: torch.Tensor, bits: int, lut: torch.Tensor, group_size: int,
+                signs: torch.Tensor | None = None) -> QBlock:
+    """Per-token codes with codebook levels and 8-bit log-coded norms, rotated first: the store
+    of a token-grouped layout (math dictionary §18.8, §25) in one fused pass.
+
+    Equals ``quantize_block(x R, bits, "token", group_size, scale_dtype=float32, lut=lut)``
+    with its norms replaced by :func:`~kv_cache.compression.codebook.encode_log_scale` codes
+    (the codes are those of the exact norm), where ``x R = (x * signs[r % H]) H / sqrt(d)`` in
+    float32 whatever ``x``'s dtype
+    (``H`` the Sylvester matrix, :class:`~kv_cache.cache.packed.Rotation`) and ``signs`` None
+    means no rotation. The compiled CPU kernel rotates, codes and log-codes each token in one
+    call (a decoding step's arrival: one call instead of a dozen torch ops); other devices, a
+    head_dim that is not a power of two, and the torch backend compose the same steps in torch.
+
+    Parameters
+    ----------
+    x : torch.Tensor, ``[R, N, d]``, float16 / bfloat16 / float32, finite, non-empty
+    bits : {2, 3, 4, 8}
+    lut : torch.Tensor, float32 ``[2**bits]``, strictly increasing levels
+    group_size : int
+        Channels per norm, a divisor of ``d``.
+    signs : torch.Tensor, optional
+        int8 ``[H, d]`` (``R`` a multiple of ``H``): row ``r`` is rotated with ``signs[r % H]``.
+
+    Returns
+    -------
+    QBlock
+        ``codes [R, N, d*bits/8]``, ``scale`` uint8 ``[R, N, d // group_size]`` (log codes,
+        ``scale_table`` the code -> norm table), ``zero`` None.
+
+    Raises
+    ------
+    ValueError, TypeError
+        As :func:`quantize_block`; ``signs`` of another shape or dtype; a norm above the largest
+        8-bit log code (the message gives the range).
+
+    Examples
+    --------
+    >>> b = code_tokens(torch.randn(3, 2, 64), 4, torch.linspace(-2, 2, 16), 64)
+    >>> b.codes.shape, b.scale.dtype
+    (torch.Size([3, 2, 32]), torch.uint8)
+    """
+    from ..compression.codebook import log_scale_table
+
+    codes, scale = code_tokens_raw(x, bits, lut, group_size, signs)
+    return QBlock(codes, bits, lut.contiguous(), "token", scale, None, group_size,
+                  scale_table=log_scale_table(codes.device))
+
+
+def code_tokens_raw(x: torch.Tensor, bits: int, lut: torch.Tensor, group_size: int,
+                    signs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`code_tokens` without the block around it: ``(codes [R, N, d*bits/8], norm codes
+    uint8 [R, N, d // group_size])`` (the store of a decoding step's arrival: one kernel call)."""
+    from ..compression.codebook import LOG_SCALE_MIN_EXP, LOG_SCALE_STEP, encode_log_scale, log_scale_range
+
+    a = check_quantize_args(x, bits, "token", group_size, False, torch.float32, lut, levels=False)
+    R, N, d = a.x.shape
+    if signs is not None:
+        if not isinstance(signs, torch.Tensor) or signs.dtype != torch.int8 or signs.dim() != 2 \
+                or signs.shape[1] != d or signs.shape[0] < 1 or R % signs.shape[0]:
+            raise ValueError(f"signs must be int8 [H, d={d}] with R={R} a multiple of H; got "
+                             f"{getattr(signs, 'dtype', type(signs).__name__)} of shape "
+                             f"{tuple(getattr(signs, 'shape', ()))}")
+    check_levels(a.lut)
+    ext = _compiled(a.x)
+    if ext is None or (signs is not None and d & (d - 1)) or _triton(a.x) is not None:
+        xr = a.x
+        if signs is not None:  # x R = (x * s) B, B = blockdiag(H_b / sqrt(b)) (one block at a power-of-two d)
+            H = signs.shape[0]
+            b = _hadamard_on(d, str(a.x.device))  # float32, as the compiled kernel rotates
+            s4 = signs.to(device=a.x.device, dtype=torch.float32)[None, :, None, :]
+            xr = ((a.x.float().view(R // H, H, N, d) * s4) @ b).reshape(R, N, d)
+        blk = quantize_block(xr, bits, "token", group_size, False, torch.float32, a.lut)
+        return blk.codes, encode_log_scale(blk.scale)
+    x = a.x.contiguous()
+    lo, hi = log_scale_range()
+    codes = torch.empty((R, N, d * bits // 8), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((R, N, d // group_size), dtype=torch.uint8, device=x.device)
+    status = ext.quantize(x, bits, _GROUPING_ID["token"], group_size, False, midpoints(a.lut), codes, scale, None,
+                          _build.isa_flag(), None if signs is None else signs.contiguous(),
+                          [lo, LOG_SCALE_MIN_EXP, LOG_SCALE_STEP, hi * 2.0 ** (LOG_SCALE_STEP / 2)])
+    if status == _NON_FINITE:
+        raise_non_finite(x, "x")
+    if status == _NORM_TOO_LARGE:
+        raise ValueError(f"8-bit log-coded norms hold {lo:.3g}..{hi:.3g}; got a larger norm "
+                         "(use scale_dtype=torch.float16)")
+    return codes, scale
 
 
 def attend_block(

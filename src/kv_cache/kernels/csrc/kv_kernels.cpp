@@ -32,7 +32,7 @@ namespace kvk {
 
 enum DT : int { DT_F32 = 0, DT_F16, DT_BF16, DT_I16, DT_I8, DT_U8, DT_NONE };
 enum Grouping : int { kChannel = 0, kToken = 1 };
-enum Status : int { kOk = 0, kNonFinite = 1, kScaleUnrepresentable = 2, kBadGroup = 3 };
+enum Status : int { kOk = 0, kNonFinite = 1, kScaleUnrepresentable = 2, kBadGroup = 3, kNormTooLarge = 4 };
 
 constexpr int kPad = 16;        // decoded rows are padded to a multiple of this many floats
 constexpr int kTile = 32;       // attention: tokens decoded per tile (L1-resident)
@@ -209,6 +209,13 @@ struct QuantArgs {
   DT sdt;
   int16_t* zero;          // asymmetric uniform only
   std::atomic<int>* status;
+  // codebook only: tokens rotated first, x R = (x * signs[r % signs_heads]) H / sqrt(d) (a power-of-two d)
+  const int8_t* signs = nullptr;
+  int64_t signs_heads = 1;
+  // codebook only: norms stored as 8-bit log codes (uint8 scale, math dictionary §18.8)
+  bool log_norm = false;
+  double log_lo = 0.0, log_min_exp = 0.0, log_step = 1.0;
+  float log_top = 0.0f;   // the largest norm a code holds (above: kNormTooLarge)
 };
 
 struct DequantArgs {
@@ -600,8 +607,15 @@ static void raise_bad_group() {
 // Returns a Status: kOk, kNonFinite or kScaleUnrepresentable (Python raises the message).
 int64_t quantize(const at::Tensor& x, int64_t bits, int64_t grouping, int64_t group_size, bool symmetric,
                  const c10::optional<at::Tensor>& mids, at::Tensor& codes, at::Tensor& scale,
-                 const c10::optional<at::Tensor>& zero, int64_t isa) {
+                 const c10::optional<at::Tensor>& zero, int64_t isa, const c10::optional<at::Tensor>& signs,
+                 const std::vector<double>& log_norm) {
   TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && codes.is_contiguous() && scale.is_contiguous(), "layout");
+  TORCH_CHECK(!signs.has_value() || (mids.has_value() && grouping == kToken && signs->scalar_type() == at::kChar &&
+                                     signs->is_contiguous() && signs->dim() == 2 && signs->size(1) == x.size(2) &&
+                                     x.size(0) % signs->size(0) == 0 && (x.size(2) & (x.size(2) - 1)) == 0),
+              "quantize signs: int8 [H, d] with d a power of two, codebook token grouping");
+  TORCH_CHECK(log_norm.empty() || (log_norm.size() == 4 && mids.has_value() && scale.scalar_type() == at::kByte),
+              "quantize log_norm: (smallest, E_min, step, largest) with a codebook and uint8 scale codes");
   std::atomic<int> status{kOk};
   QuantArgs a;
   a.x = x.data_ptr();
@@ -627,6 +641,17 @@ int64_t quantize(const at::Tensor& x, int64_t bits, int64_t grouping, int64_t gr
   a.sdt = dt_of(scale);
   a.zero = zero.has_value() ? zero->data_ptr<int16_t>() : nullptr;
   a.status = &status;
+  if (signs.has_value()) {
+    a.signs = signs->data_ptr<int8_t>();
+    a.signs_heads = signs->size(0);
+  }
+  if (!log_norm.empty()) {
+    a.log_norm = true;
+    a.log_lo = log_norm[0];
+    a.log_min_exp = log_norm[1];
+    a.log_step = log_norm[2];
+    a.log_top = static_cast<float>(log_norm[3]);
+  }
   const int64_t items = grouping == kChannel ? a.R * (a.N / a.gs) : a.R * ((a.N + kTokChunk - 1) / kTokChunk);
   const int isa_level = pick_isa(isa);
   run_items(items, a.R * a.N * a.d, [&](int64_t i, Scratch& s) {

@@ -561,10 +561,72 @@ static inline bool uniform_scale(const QuantArgs& a, float mn, float mx, int64_t
 
 // Codebook scale: RMS of the group (sum of squares in float64), stored in sdt. A zero stored
 // scale is allowed (the group dequantizes to 0); a non-finite one is an error.
+// The passes of fwht_row inside a vector: for h = 1, 2, ..., W/2, lane j takes
+// x[j ^ h] + sign * x[j] (sign -1 where bit h of j is set): one permute and one FMA each.
+struct HadamardLanes {
+  int32_t idx[5][16];
+  float sgn[5][16];
+  int passes = 0;
+  HadamardLanes() {
+    for (int h = 1; h < W && passes < 5; h <<= 1, ++passes)
+      for (int j = 0; j < W; ++j) {
+        idx[passes][j] = j ^ h;
+        sgn[passes][j] = (j & h) ? -1.0f : 1.0f;
+      }
+  }
+};
+
+// x[0..d) <- x H (unnormalized Sylvester order, d a power of two): log2(d) butterfly passes,
+// those inside a W-lane vector as permutes (HadamardLanes).
+static inline void fwht_row(float* x, int d, const HadamardLanes& hl) {
+  int h0 = 1;
+  if (W > 1 && d >= W) {
+    for (int c = 0; c < d; c += W) {
+      vf v = vload(x + c);
+      for (int p = 0; p < hl.passes; ++p) v = vfma(v, vload(hl.sgn[p]), vperm(v, hl.idx[p]));
+      vstore(x + c, v);
+    }
+    h0 = W;
+  }
+  for (int h = h0; h < d; h <<= 1) {
+    if (W > 1 && h >= W) {
+      for (int i = 0; i < d; i += 2 * h)
+        for (int j = i; j < i + h; j += W) {
+          const vf u = vload(x + j), v = vload(x + j + h);
+          vstore(x + j, vadd(u, v));
+          vstore(x + j + h, vsub(u, v));
+        }
+    } else {
+      for (int i = 0; i < d; i += 2 * h)
+        for (int j = i; j < i + h; ++j) {
+          const float u = x[j], v = x[j + h];
+          x[j] = u + v;
+          x[j + h] = u - v;
+        }
+    }
+  }
+}
+
 static inline bool rms_scale(const QuantArgs& a, double sumsq, int n, int64_t off, float& s_used) {
   if (!std::isfinite(sumsq)) {
     a.status->store(kNonFinite);
     return false;
+  }
+  if (a.log_norm) {  // 8-bit log code of the exact norm (math dictionary §18.8); codes use the exact norm
+    const float s = static_cast<float>(std::sqrt(sumsq / n));
+    if (s > a.log_top) {
+      a.status->store(kNormTooLarge);
+      return false;
+    }
+    uint8_t code = 0;
+    if (s > 0.0f) {
+      const double c = std::nearbyint((std::log2(std::max(static_cast<double>(s), a.log_lo)) - a.log_min_exp) /
+                                      a.log_step) + 1.0;
+      code = static_cast<uint8_t>(std::min(255.0, std::max(1.0, c)));
+    }
+    static_cast<uint8_t*>(a.scale)[off] = code;
+    s_used = s;
+    return true;
   }
   const float back = store_scale(a, off, static_cast<float>(std::sqrt(sumsq / n)));
   if (!std::isfinite(back)) {
@@ -683,10 +745,20 @@ static void quantize_token_item(const QuantArgs& a, int64_t item, Scratch& s) {
   const int64_t t0 = (item % chunks) * kTokChunk, t1 = std::min<int64_t>(a.N, t0 + kTokChunk);
   s.u8.resize(d + kPad);
   s.f0.resize(d + kPad);
+  s.f1.resize(pad_to(d) + kPad);
   uint8_t* qb = s.u8.data();
+  float* rot = s.f1.data();  // the token rotated into the Hadamard space (signs), x R = (x * s) H / sqrt(d)
+  static const HadamardLanes hl;
+  const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(d));
   const float inf = std::numeric_limits<float>::infinity();
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t row = r * a.N + t;
+    if (a.signs) {
+      const int8_t* sg = a.signs + (r % a.signs_heads) * d;
+      for (int c = 0; c < d; ++c) rot[c] = xload1<XDT>(a.x, row * d + c) * static_cast<float>(sg[c]);
+      fwht_row(rot, d, hl);
+      for (int c = 0; c < d; ++c) rot[c] *= inv_sqrt_d;
+    }
     for (int j = 0; j < J; ++j) {
       const int64_t off = row * d + j * gs;
       float s1, z1;
@@ -694,7 +766,7 @@ static void quantize_token_item(const QuantArgs& a, int64_t item, Scratch& s) {
         double ss = 0.0;
         float* buf = s.f0.data();
         for (int c = 0; c < gs; ++c) {
-          buf[c] = xload1<XDT>(a.x, off + c);
+          buf[c] = a.signs ? rot[j * gs + c] : xload1<XDT>(a.x, off + c);
           ss += static_cast<double>(buf[c]) * buf[c];
         }
         if (!rms_scale(a, ss, gs, row * J + j, s1)) return;
@@ -1058,52 +1130,6 @@ static inline void rope_row(float* x, const float* c, const float* s, int half, 
     const float u = x[2 * i], v = x[2 * i + 1];
     x[2 * i] = u * c[i] - v * s[i];
     x[2 * i + 1] = u * s[i] + v * c[i];
-  }
-}
-
-// The passes of fwht_row inside a vector: for h = 1, 2, ..., W/2, lane j takes
-// x[j ^ h] + sign * x[j] (sign -1 where bit h of j is set): one permute and one FMA each.
-struct HadamardLanes {
-  int32_t idx[5][16];
-  float sgn[5][16];
-  int passes = 0;
-  HadamardLanes() {
-    for (int h = 1; h < W && passes < 5; h <<= 1, ++passes)
-      for (int j = 0; j < W; ++j) {
-        idx[passes][j] = j ^ h;
-        sgn[passes][j] = (j & h) ? -1.0f : 1.0f;
-      }
-  }
-};
-
-// x[0..d) <- x H (unnormalized Sylvester order, d a power of two): log2(d) butterfly passes,
-// those inside a W-lane vector as permutes (HadamardLanes).
-static inline void fwht_row(float* x, int d, const HadamardLanes& hl) {
-  int h0 = 1;
-  if (W > 1 && d >= W) {
-    for (int c = 0; c < d; c += W) {
-      vf v = vload(x + c);
-      for (int p = 0; p < hl.passes; ++p) v = vfma(v, vload(hl.sgn[p]), vperm(v, hl.idx[p]));
-      vstore(x + c, v);
-    }
-    h0 = W;
-  }
-  for (int h = h0; h < d; h <<= 1) {
-    if (W > 1 && h >= W) {
-      for (int i = 0; i < d; i += 2 * h)
-        for (int j = i; j < i + h; j += W) {
-          const vf u = vload(x + j), v = vload(x + j + h);
-          vstore(x + j, vadd(u, v));
-          vstore(x + j + h, vsub(u, v));
-        }
-    } else {
-      for (int i = 0; i < d; i += 2 * h)
-        for (int j = i; j < i + h; ++j) {
-          const float u = x[j], v = x[j + h];
-          x[j] = u + v;
-          x[j + h] = u - v;
-        }
-    }
   }
 }
 
