@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from kv_cache.compression.quantizer import QuantizedTensor, dequantize, quantize
+from kv_cache.compression.rotation import hadamard_matrix
 from kv_cache.kernels import KeyRope, QBlock, _build, ops, reference, uniform_lut
 
 ATOL = RTOL = 1e-4
@@ -751,3 +752,44 @@ def test_key_rope_validation():
     with pytest.raises(ValueError, match="applies to kblock only"):
         ops.attend_block(q, k, dataclasses.replace(v, rope=KeyRope(r.positions, r.inv_freq)), 0.125)
 
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [64, 32])
+def test_code_tokens_match_their_composition(paths, monkeypatch, bits, dtype, group):
+    """The fused store of a token-grouped layout (rotate, code, log-code the norm) gives the
+    codes and norm codes of its torch composition, bit for bit, on every compiled path."""
+    from kv_cache.cache.packed import _lloyd_max
+    from kv_cache.compression.codebook import encode_log_scale
+
+    torch.manual_seed(bits)
+    x = (torch.randn(6, 37, 64) * torch.rand(1, 1, 64) * 3).to(dtype)
+    x[0, 0] = 0.0  # a zero norm: code 0
+    signs = (torch.randint(0, 2, (3, 64)) * 2 - 1).to(torch.int8)
+    lut = _lloyd_max(bits, "cpu")
+    rot = ((x.float().view(2, 3, 37, 64) * signs.float()[None, :, None, :])
+           @ hadamard_matrix(64, dtype=torch.float32)).reshape(6, 37, 64)
+    want = ops.quantize_block(rot, bits, "token", group, False, torch.float32, lut)
+    for _ in paths():
+        codes, norms = ops.code_tokens_raw(x, bits, lut, group, signs)
+        assert torch.equal(codes, want.codes)
+        assert torch.equal(norms, encode_log_scale(want.scale))
+        assert int(norms[0, 0, 0]) == 0
+    monkeypatch.setattr(ops, "_compiled", lambda *tensors: None)  # the torch path composes the same steps
+    codes, norms = ops.code_tokens_raw(x, bits, lut, group, signs)
+    assert torch.equal(codes, want.codes) and torch.equal(norms, encode_log_scale(want.scale))
+
+
+def test_code_tokens_refuse_bad_input():
+    from kv_cache.cache.packed import _lloyd_max
+
+    lut = _lloyd_max(4, "cpu")
+    with pytest.raises(ValueError, match="signs must be int8"):
+        ops.code_tokens(torch.randn(4, 2, 64), 4, lut, 64, torch.ones(3, 64, dtype=torch.int8))
+    with pytest.raises(ValueError, match="NaN|non-finite|Inf"):
+        ops.code_tokens(torch.full((3, 2, 64), float("nan")), 4, lut, 64)
+    with pytest.raises(ValueError, match="8-bit log-coded norms hold"):
+        ops.code_tokens(torch.full((3, 2, 64), 1e4), 4, lut, 64)
+    with pytest.raises(ValueError, match="empty"):
+        ops.code_tokens(torch.randn(3, 0, 64), 4, lut, 64)

@@ -15,7 +15,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import kv_cache
 from kv_cache import H2O, CompressedCache, QuantConfig, SnapKV, StreamingLLM
-from kv_cache.compression.positions import unpack_mask
+from kv_cache.compression.positions import pack_mask, unpack_mask
+from kv_cache.cache.packed import _held
+from kv_cache.cache.pre_rope_layer import BITMAP_SLACK, grow_mask
 from kv_cache.cache.rope_frame import rope_frames
 from kv_cache.spec import parse_ours
 
@@ -275,7 +277,9 @@ def test_positions_tracked_after_rope_name_the_kept_tokens(policy):
     _run(model, untracked, ids, 56, True)
     assert all(layer.kept_arrivals is None for layer in untracked.layers)
     held = cache.memory_report().indices_bytes - untracked.memory_report().indices_bytes
-    assert held == sum(layer.kept_arrivals.nbytes for layer in cache.layers) > 0  # the bitmap is counted
+    # the bitmap is counted, with the room it grows into while decoding (at most BITMAP_SLACK bytes a row)
+    assert held == sum(_held(layer.kept_arrivals).nbytes for layer in cache.layers) > 0
+    assert all(_held(layer.kept_arrivals).shape[2] <= -(-layer._arrived // 8) + BITMAP_SLACK for layer in cache.layers)
 
 
 @pytest.mark.parametrize("policy", [None, H2O(budget=56, recent_window=8), SnapKV(budget=56, recent_window=8)],
@@ -468,3 +472,21 @@ def test_a_dense_read_says_so_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error", PerformanceWarning)
         _run(model, fast, ids, 30, True)  # no rotation: the kernels turn the keys from their codes
+
+
+@pytest.mark.parametrize("arrivals", [0, 1, 7, 8, 13, 100])
+def test_the_kept_arrivals_grow_in_place(arrivals):
+    """Decoding after an eviction sets each arrival's bit in place (O(1) per step, no unpack and
+    repack of the whole bitmap); every prefix read back is the bitmap it was."""
+    torch.manual_seed(0)
+    mask = torch.rand(2, 3, arrivals) < 0.5
+    packed = pack_mask(mask) if arrivals else torch.zeros(2, 3, 0, dtype=torch.uint8)
+    views, n = [], arrivals
+    for add in (1, 1, 3, 9, 1, 30, 700, 1, 1):
+        packed = grow_mask(packed, n, add)
+        n += add
+        mask = torch.cat([mask, torch.ones(2, 3, add, dtype=torch.bool)], 2)
+        views.append((packed, n, mask))
+    for view, count, want in views:  # earlier views still read their own arrivals
+        assert torch.equal(unpack_mask(view, count), want)
+    assert _held(packed).shape[2] <= -(-n // 8) + BITMAP_SLACK

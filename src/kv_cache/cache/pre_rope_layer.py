@@ -19,8 +19,8 @@ from ..attention.blocks import FullBlock, QuantBlock
 from ..attention.flat import FlatRaggedBlock
 from ..attention.key_offset import unshift_keys
 from ..kernels import KeyRope
-from .packed import Rotation
-from ..compression.positions import kept_mask, pack_mask, slot_positions, unpack_mask
+from .packed import Rotation, _cat, _held
+from ..compression.positions import arange_i32, kept_mask, pack_mask, slot_positions, unpack_mask
 from .ragged import dense_read
 
 
@@ -58,9 +58,7 @@ class PreRopeLayer:
     def _grow_arrivals(self, q_len: int) -> None:
         """``q_len`` tokens arrived and were stored by every head: the kept arrivals grow with them."""
         if self.kept_arrivals is not None:
-            mask = unpack_mask(self.kept_arrivals, self._arrived)
-            mask = torch.cat([mask, mask.new_ones(*mask.shape[:2], q_len)], dim=2)
-            self.kept_arrivals = pack_mask(mask)
+            self.kept_arrivals = grow_mask(self.kept_arrivals, self._arrived, q_len)
         self._arrived += q_len
 
     def stored_states(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,14 +72,15 @@ class PreRopeLayer:
         return keys, values
 
     def _arrival_bitmaps(self) -> dict[str, torch.Tensor]:
-        return {name: t for name, t in (("kept_arrivals", self.kept_arrivals),
-                                        ("demoted_arrivals", self.demoted_arrivals)) if t is not None}
+        """The held bitmaps (a bitmap with room to grow: its whole buffer)."""
+        return {name: _held(t) for name, t in (("kept_arrivals", self.kept_arrivals),
+                                               ("demoted_arrivals", self.demoted_arrivals)) if t is not None}
 
     def arrival_bitmap_bytes(self, after_eviction: bool = False) -> int:
         """Bytes of the kept arrivals' bitmap (§29.6): held now, or (``after_eviction``) once an
         eviction about to run has made one: ``batch * kv_heads * ceil(arrivals / 8)``."""
         if self.kept_arrivals is not None:
-            return self.kept_arrivals.nbytes
+            return _held(self.kept_arrivals).nbytes
         if not after_eviction or not self.keeps_arrivals or self.storage is None:
             return 0
         return self.storage.batch * self.storage.heads * -(-self._arrived // 8)
@@ -109,19 +108,26 @@ class PreRopeLayer:
     def _blocks_at_positions(self, blocks: list) -> list:
         """``blocks`` (the storage's, in slot order) with their keys read at their positions."""
         frame, offset = self.rope_frame, self.key_offset
-        pos = self.stored_positions()
+        n_all = self.storage.length
+        first = self._arrived - n_all  # no eviction yet: slot s holds arrival first + s (no tensor built)
+        pos = self.stored_positions() if self.kept_arrivals is not None else None
         out, start = [], 0
         for blk in blocks:
             n = blk.length
-            p = pos[..., start:start + n]
+            p = pos[..., start:start + n] if pos is not None else None
             start += n
             if isinstance(blk, FullBlock):
+                p = p if p is not None else torch.arange(first + start - n, first + start, device=self.device)
                 out.append(FullBlock(frame.apply(unshift_keys(blk.keys, offset), p), blk.values))
             elif isinstance(blk, FlatRaggedBlock):
+                p = p if p is not None else torch.arange(first + start - n, first + start, device=self.device)
                 out.append(self._flat_at_positions(blk, p))
             else:
                 B, H = blk.batch, blk.kv_heads
-                rows = (p.expand(B, H, n) if p.dim() == 1 else p).reshape(B * H, n).to(torch.int32).contiguous()
+                if p is None:  # one row of positions read by every row (stride 0): a view, O(1) per step
+                    rows = arange_i32(first + start, self.device)[first + start - n:].view(1, n).expand(B * H, n)
+                else:
+                    rows = p.reshape(B * H, n).to(torch.int32).contiguous()
                 rope, rot = self._key_rope(rows, blk.rotation, B * H, blk.keys.head_dim)
                 out.append(dataclasses.replace(blk, keys=dataclasses.replace(blk.keys, rope=rope), rotation=rot))
         return out
@@ -133,9 +139,9 @@ class PreRopeLayer:
         query stays as it is (a value-only rotation)."""
         offset, frame = self.key_offset, self.rope_frame
         mean = scale = None
-        if offset is not None:
-            mean = offset[:, :, 0].reshape(R, d).float().contiguous()
-            scale = offset[:, :, 1].reshape(R, d).float().contiguous() if offset.shape[2] == 2 else None
+        if offset is not None:  # views of the held offset when it is float32 (the kernels read rows a pitch apart)
+            mean = offset[:, :, 0].reshape(R, d).float()
+            scale = offset[:, :, 1].reshape(R, d).float() if offset.shape[2] == 2 else None
         signs = None
         if rot is not None and rot.keys:
             signs = rot.signs.float()
@@ -200,6 +206,35 @@ class PreRopeLayer:
         """Whether an eviction records the arrivals each head keeps: keys stored before RoPE, or
         a cache asked to (``track_positions``, for the transform codec's frame)."""
         return self.rope_frame is not None or self.track_arrivals
+
+
+BITMAP_SLACK = 8
+"""Bytes (64 arrivals, like a packed slot's :data:`~.packed.GROW_TOKENS`) a kept-arrivals bitmap
+gains when a decoding append outgrows it: the next appends set their bits in place (held and
+counted, like a packed slot's slack)."""
+
+
+def grow_mask(packed: torch.Tensor, arrivals: int, add: int) -> torch.Tensor:
+    """The packed bitmap ``packed`` (uint8 ``[B, H, >= ceil(arrivals / 8)]``, :func:`pack_mask`'s
+    bit order) of ``arrivals`` arrivals, followed by ``add`` arrivals every row keeps: their bits
+    set in place, in the room of the buffer ``packed`` leads (grown by :data:`BITMAP_SLACK` bytes
+    when it runs out). Work O(add) per call, amortized; bits of earlier views never change."""
+    total = arrivals + add
+    need = -(-total // 8)
+    if need > packed.shape[2]:
+        packed = _cat(packed, packed.new_zeros(*packed.shape[:2], need - packed.shape[2]),
+                      BITMAP_SLACK if add < 8 * BITMAP_SLACK else 0)
+    lo, hi = arrivals, total
+    if lo // 8 == (hi - 1) // 8:  # one byte (a decoding step)
+        bits = ((1 << (hi - lo)) - 1) << (lo % 8)
+        packed[:, :, lo // 8] |= bits
+        return packed
+    first, last = lo // 8, (hi - 1) // 8
+    packed[:, :, first] |= (0xFF << (lo % 8)) & 0xFF
+    if last > first + 1:
+        packed[:, :, first + 1:last] = 0xFF
+    packed[:, :, last] |= (1 << (hi - 8 * last)) - 1 if hi % 8 else 0xFF
+    return packed
 
 
 def _kernel_reads(rot, keys) -> bool:

@@ -75,4 +75,19 @@ def kept_mask(positions: torch.Tensor, keep: torch.Tensor, arrivals: int) -> tor
     return out
 
 
-__all__ = ["kept_mask", "pack_mask", "slot_positions", "unpack_mask"]
+_ARANGE: dict[str, torch.Tensor] = {}
+
+
+def arange_i32(n: int, device) -> torch.Tensor:
+    """``arange(n)`` as int32 ``[n]``: a leading view of one buffer per device, grown by doubling
+    (a constant of the code, like a table of levels: a decoding step slices the positions of its
+    slots out of it instead of building ``n`` of them)."""
+    key = str(torch.device(device))
+    buf = _ARANGE.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.arange(max(n, 2 * (0 if buf is None else buf.numel()), 1024), dtype=torch.int32, device=device)
+        _ARANGE[key] = buf
+    return buf[:n]
+
+
+__all__ = ["arange_i32", "kept_mask", "pack_mask", "slot_positions", "unpack_mask"]

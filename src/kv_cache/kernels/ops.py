@@ -401,9 +401,20 @@ def _rope_args(k: QBlock) -> tuple[list, int, float]:
     r = k.rope
     if r is None:
         return [], 0, 1.0
-    pos = r.positions if k.flat and r.positions.stride(-1) == 1 else r.positions.contiguous()  # flat: rows of stride 0
-    return ([pos, r.inv_freq.contiguous(), _c(r.mean), _c(r.scale), _c(r.signs)],
+    pos = r.positions
+    if not ((k.flat or pos.shape[0] <= 1 or pos.stride(0) == 0) and (pos.shape[1] <= 1 or pos.stride(1) == 1)):
+        pos = pos.contiguous()  # kept as is: a flat block's rows, or one row of positions for every row (stride 0)
+    return ([pos, r.inv_freq.contiguous(), _row_major(r.mean), _row_major(r.scale), _c(r.signs)],
             int(r.layout == "interleaved"), float(r.scaling))
+
+
+def _row_major(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` ``[R, d]`` as is when each row is contiguous and rows do not overlap (e.g. one slot
+    of a ``[R, 2, d]`` offset), else a contiguous copy."""
+    if t is None or t.is_contiguous():
+        return t
+    R, d = t.shape
+    return t if (d <= 1 or t.stride(1) == 1) and (R <= 1 or t.stride(0) >= d) else t.contiguous()
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

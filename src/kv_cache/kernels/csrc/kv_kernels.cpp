@@ -256,8 +256,9 @@ struct KeyRope {
   const int32_t* pos = nullptr;  // [R, N] arrival index of every slot
   int64_t pitch = 0;             // row r's positions start at r * pitch (0: a flat ragged block's offset)
   const float* tab = nullptr;    // [kRopeBits, 2, half]: cos, sin of 2^j * w_i
-  const float* mean = nullptr;   // [R, d] or null
-  const float* scale = nullptr;  // [R, d] or null
+  const float* mean = nullptr;   // [R, d] or null (row r at r * mean_pitch)
+  const float* scale = nullptr;  // [R, d] or null (row r at r * scale_pitch)
+  int64_t mean_pitch = 0, scale_pitch = 0;
   const float* signs = nullptr;  // [Hs, d] or null: keys stored as x R, R = diag(s) H / sqrt(d)
   int64_t signs_heads = 1;       // row r uses signs[r % Hs]
   int half = 0;
@@ -713,21 +714,23 @@ static void make_rope(const std::vector<c10::optional<at::Tensor>>& k_rope, int6
   const at::Tensor& w = *k_rope[1];
   TORCH_CHECK(pos.scalar_type() == at::kInt && pos.dim() == 2 && pos.size(0) == K.R && pos.size(1) == K.N &&
                   (pos.size(1) <= 1 || pos.stride(1) == 1) &&
-                  (K.off ? (K.R <= 1 || pos.stride(0) == 0) : pos.is_contiguous()),
-              "k_rope positions: int32 [R, N], contiguous (a flat ragged block: rows of stride 0)");
+                  (K.off ? (K.R <= 1 || pos.stride(0) == 0) : (pos.is_contiguous() || pos.stride(0) == 0)),
+              "k_rope positions: int32 [R, N], contiguous or rows of stride 0 (one row of positions for all)");
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 1 && w.numel() >= 1 &&
                   2 * w.numel() <= K.d, "k_rope inv_freq: float32 [half], 2 * half <= d");
   rope.pos = pos.data_ptr<int32_t>();
-  rope.pitch = K.off ? 0 : K.N;
+  rope.pitch = K.off || K.R <= 1 ? 0 : pos.stride(0);  // 0: every row reads the same positions (or a flat block's own)
   rope.interleaved = interleaved != 0;
   rope.factor = static_cast<float>(factor);
   rope_doubling_table(w, rope, tab);
   for (int m = 2; m < 4; ++m)
     if (k_rope[m].has_value()) {
       const at::Tensor& t = *k_rope[m];
-      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == K.R &&
-                      t.size(1) == K.d, "k_rope mean/scale: float32 [R, d] contiguous");
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == K.R && t.size(1) == K.d &&
+                      (K.d <= 1 || t.stride(1) == 1) && (K.R <= 1 || t.stride(0) >= K.d),
+                  "k_rope mean/scale: float32 [R, d], each row contiguous");
       (m == 2 ? rope.mean : rope.scale) = t.data_ptr<float>();
+      (m == 2 ? rope.mean_pitch : rope.scale_pitch) = K.R <= 1 ? K.d : t.stride(0);
     }
   if (k_rope[4].has_value()) {
     const at::Tensor& t = *k_rope[4];

@@ -1191,8 +1191,8 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
   if (rope) {
     std::fill(rA, rA + 2 * static_cast<size_t>(dkp), 0.0f);
     if (K.grouping == kToken) {  // A = f sigma, C = f mu: the same for every token of the row
-      const float* mu = rope->mean ? rope->mean + r * dk : nullptr;
-      const float* sg = rope->scale ? rope->scale + r * dk : nullptr;
+      const float* mu = rope->mean ? rope->mean + r * rope->mean_pitch : nullptr;
+      const float* sg = rope->scale ? rope->scale + r * rope->scale_pitch : nullptr;
       const float norm = rope->signs ? 1.0f / std::sqrt(static_cast<float>(dk)) : 1.0f;
       for (int c = 0; c < dk; ++c) {
         const float f = c < 2 * rope->half ? rope->factor : 1.0f;
@@ -1300,8 +1300,8 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
       }
     } else if (rope) {  // keys before RoPE: k = f R(p) (sigma * k_hat + mu), each row turned once, then q . k
       decode_tile<kNoScale>(K.codes + (crow(K, r) + t0) * K.P, K.P, nt, dk, K.bits, K.lut, nullptr, 0, Kb, dkp);
-      const float* mu = rope->mean ? rope->mean + r * dk : nullptr;
-      const float* sg = rope->scale ? rope->scale + r * dk : nullptr;
+      const float* mu = rope->mean ? rope->mean + r * rope->mean_pitch : nullptr;
+      const float* sg = rope->scale ? rope->scale + r * rope->scale_pitch : nullptr;
       const bool ok = group_runs(
           K, t0, nt, curK,
           [&](int64_t grp) {  // A = f sigma scale_G, C = f (mu - sigma scale_G zero_G); f = 1 past the pairs
@@ -1325,7 +1325,7 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
       }
     }
     if (rope) {
-      const int32_t* pos = rope->pos + (rope->pitch ? r * rope->pitch : crow(K, r)) + t0;
+      const int32_t* pos = rope->pos + (K.off ? crow(K, r) : r * rope->pitch) + t0;
       for (int t = 0; t < nt; ++t) {  // exact angles at the tile's first token, then steps
         const int64_t step = t ? static_cast<int64_t>(pos[t]) - pos[t - 1] : 0;
         if (t == 0 || step < 0)
