@@ -460,22 +460,24 @@ class PackedKV:
             return None if t is None else t.reshape(R, -1, width)
 
         table = log_scale_table(self.k_codes.device) if self.quant.scale_dtype == torch.uint8 else None
-
+        # Views of the held slots, checked when they were stored: made without QBlock's checks
+        # (a decoding step rebuilds them for every layer).
         if self.per_channel_keys:
-            keys = QBlock(rows(self.k_codes, self.k_codes.shape[-1]), self.key_bits,
-                          self._levels(self.key_bits, False), "channel",
-                          rows(self.k_scale, d), rows(self.k_zero, d), self.quant.group_size,
-                          None if self.k_group is None else self.k_group.reshape(R, n))
+            keys = QBlock.trusted(codes=rows(self.k_codes, self.k_codes.shape[-1]), bits=self.key_bits,
+                                  lut=self._levels(self.key_bits, False), grouping="channel",
+                                  scale=rows(self.k_scale, d), zero=rows(self.k_zero, d),
+                                  group_size=self.quant.group_size,
+                                  gid=None if self.k_group is None else self.k_group.reshape(R, n))
         else:
             # 8-bit log-coded norms (§18.8) stay codes: the kernels decode them through the table
-            keys = QBlock(rows(self.k_codes, self.k_codes.shape[-1]), self.key_bits,
-                          self._levels(self.key_bits, True), "token",
-                          rows(self.k_scale, d // c), rows(self.k_zero, d // c), c,
-                          scale_table=table if self.k_scale.dtype == torch.uint8 else None)
-        values = QBlock(rows(self.v_codes, self.v_codes.shape[-1]), self.value_bits,
-                        self._levels(self.value_bits, True), "token",
-                        rows(self.v_scale, d // c), rows(self.v_zero, d // c), c,
-                        scale_table=table if self.v_scale.dtype == torch.uint8 else None)
+            keys = QBlock.trusted(codes=rows(self.k_codes, self.k_codes.shape[-1]), bits=self.key_bits,
+                                  lut=self._levels(self.key_bits, True), grouping="token",
+                                  scale=rows(self.k_scale, d // c), zero=rows(self.k_zero, d // c), group_size=c,
+                                  scale_table=table if self.k_scale.dtype == torch.uint8 else None)
+        values = QBlock.trusted(codes=rows(self.v_codes, self.v_codes.shape[-1]), bits=self.value_bits,
+                                lut=self._levels(self.value_bits, True), grouping="token",
+                                scale=rows(self.v_scale, d // c), zero=rows(self.v_zero, d // c), group_size=c,
+                                scale_table=table if self.v_scale.dtype == torch.uint8 else None)
         return keys, values
 
     def gather(self, idx: torch.Tensor) -> None:

@@ -11,14 +11,13 @@ positions, the offset added first. Until the first eviction a head's ``n`` slots
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
 from ..attention.blocks import FullBlock, QuantBlock
 from ..attention.flat import FlatRaggedBlock
 from ..attention.key_offset import unshift_keys
-from ..kernels import KeyRope
+from ..kernels import KeyRope, QBlock
 from .packed import Rotation, _cat, _held
 from ..compression.positions import arange_i32, kept_mask, pack_mask, slot_positions, unpack_mask
 from .ragged import dense_read
@@ -118,7 +117,7 @@ class PreRopeLayer:
             start += n
             if isinstance(blk, FullBlock):
                 p = p if p is not None else torch.arange(first + start - n, first + start, device=self.device)
-                out.append(FullBlock(frame.apply(unshift_keys(blk.keys, offset), p), blk.values))
+                out.append(FullBlock(frame.apply(blk.keys, p, offset), blk.values))  # offset added back, then turned
             elif isinstance(blk, FlatRaggedBlock):
                 p = p if p is not None else torch.arange(first + start - n, first + start, device=self.device)
                 out.append(self._flat_at_positions(blk, p))
@@ -129,7 +128,8 @@ class PreRopeLayer:
                 else:
                     rows = p.reshape(B * H, n).to(torch.int32).contiguous()
                 rope, rot = self._key_rope(rows, blk.rotation, B * H, blk.keys.head_dim)
-                out.append(dataclasses.replace(blk, keys=dataclasses.replace(blk.keys, rope=rope), rotation=rot))
+                keys = QBlock.trusted(**{**blk.keys.__dict__, "rope": rope})  # the held view, its positions attached
+                out.append(QuantBlock(keys, blk.values, blk.batch, blk.kv_heads, rot))
         return out
 
     def _key_rope(self, positions: torch.Tensor, rot, R: int, d: int) -> tuple[KeyRope, object]:

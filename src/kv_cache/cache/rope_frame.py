@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..compression.rope import rope_tables, rotate
+from ..kernels.ops import turn_keys
 
 INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen", "cohere", "cohere2", "glm", "glm4", "ernie4_5",
                                      "ernie4_5_moe", "helium"})
@@ -52,14 +53,20 @@ class RopeFrame:
         """``cos``/``sin`` ``[*positions.shape, r]`` float32 at integer ``positions``."""
         return rope_tables(self.inv_freq.to(device), positions.to(device), self.scaling, self.layout)
 
-    def remove(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def remove(self, keys: torch.Tensor, positions: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
         """``keys`` ``[b, h, n, d]`` as the model rotated them at ``positions`` (``[n]`` or
-        ``[b, h, n]``) -> the keys before RoPE, in ``keys``' dtype."""
-        return rotate(keys, positions.to(keys.device), self.inv_freq, self.scaling, self.layout, inverse=True)
+        ``[b, h, n]``) -> the keys before RoPE, in ``keys``' dtype; with a key ``offset``
+        (``[b, h, 1 or 2, d]``, §29.7) also shifted (and scaled) as the layer stores them, in one pass."""
+        if offset is None and positions.dim() != 1:
+            return rotate(keys, positions.to(keys.device), self.inv_freq, self.scaling, self.layout, inverse=True)
+        return turn_keys(keys, positions, self.inv_freq, self.scaling, self.layout, inverse=True, offset=offset)
 
-    def apply(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Keys before RoPE ``[b, h, n, d]`` -> rotated at ``positions`` (``[n]`` or ``[b, h, n]``)."""
-        return rotate(keys, positions.to(keys.device), self.inv_freq, self.scaling, self.layout)
+    def apply(self, keys: torch.Tensor, positions: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+        """Keys before RoPE ``[b, h, n, d]`` -> rotated at ``positions`` (``[n]`` or ``[b, h, n]``); with
+        a key ``offset`` the stored keys are first brought back (``scale * k + mean``), in one pass."""
+        if offset is None and positions.dim() != 1:
+            return rotate(keys, positions.to(keys.device), self.inv_freq, self.scaling, self.layout)
+        return turn_keys(keys, positions, self.inv_freq, self.scaling, self.layout, offset=offset)
 
 
 def _text_config(config: Any) -> Any:

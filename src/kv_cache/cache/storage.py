@@ -298,6 +298,11 @@ class QuantizedStorage(LayerStorage):
         return self.n_sinks + self.packed.length + self.keys.shape[2]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        q = self.quant
+        if (self.keys.shape[2] == 0 and q.residual_length == 0 and q.group_size == 1 and self.packed.length
+                and self.n_sinks >= q.sink_tokens):  # coded on arrival (§29.5): straight to the packed part
+            self.packed.append(keys.to(self.keys.dtype), values.to(self.values.dtype))
+            return
         self.keys = torch.cat([self.keys, keys.to(self.keys.dtype)], dim=2)
         self.values = torch.cat([self.values, values.to(self.values.dtype)], dim=2)
         self._flush()

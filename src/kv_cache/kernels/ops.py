@@ -304,6 +304,64 @@ def code_tokens_raw(x: torch.Tensor, bits: int, lut: torch.Tensor, group_size: i
     return codes, scale
 
 
+TURN_TOKENS = 64
+"""Tokens up to which :func:`turn_keys` takes its compiled loop (a decoding step's few keys); a
+prefill's thousands go through torch's vectorized rotation."""
+
+
+def turn_keys(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0,
+              layout: str = "half", inverse: bool = False, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """A few keys between the frame a cache stores them in and the model's (math dictionary §29.2,
+    §29.7): ``f R(p) (scale * x + mean)``, or with ``inverse`` ``(R(p)^T x / f - mean) / scale``.
+
+    The sinks a decoding step reads and the token it stores, in one compiled call on the CPU
+    instead of a dozen torch ops (up to :data:`TURN_TOKENS` tokens); elsewhere (more tokens,
+    positions that differ per row, other devices) the same steps in torch (:func:`kv_cache.compression.rope.rotate`). Angles are float32 products
+    ``p * w``, as transformers computes them.
+
+    Parameters
+    ----------
+    x : torch.Tensor, ``[B, H, n, d]``, floating
+    positions : torch.Tensor, integer ``[n]`` (or ``[B, H, n]``: the torch path)
+    inv_freq : torch.Tensor, float32 ``[r/2]``, ``r <= d``
+    scaling : float, the rope type's attention scaling ``f`` (on the turned channels only)
+    layout : {"half", "interleaved"}
+    inverse : bool, default False
+    offset : torch.Tensor, optional
+        ``[B, H, 1, d]`` (mean) or ``[B, H, 2, d]`` (mean, scale), any float dtype.
+
+    Returns
+    -------
+    torch.Tensor, ``x``'s shape and dtype (computed in float32).
+    """
+    from ..compression.rope import LAYOUTS, rotate
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    if x.dim() != 4 or not x.dtype.is_floating_point:
+        raise ValueError(f"x must be a floating [B, H, n, d] tensor; got {x.dtype} of shape {tuple(x.shape)}")
+    B, H, n, d = x.shape
+    ext = _compiled(x)
+    if ext is not None and positions.dim() == 1 and 0 < n <= TURN_TOKENS and not positions.is_floating_point() \
+            and 2 * inv_freq.numel() <= d and scaling > 0:
+        x3 = x.reshape(B * H, n, d).float().contiguous()
+        out = torch.empty_like(x3)
+        off = None if offset is None else offset.reshape(B * H, offset.shape[2], d).float().contiguous()
+        ext.turn_keys(x3, positions.to(device=x.device, dtype=torch.int64).contiguous(),
+                      inv_freq.float().contiguous(), float(scaling), layout == "interleaved", bool(inverse), off, out)
+        return out.view(B, H, n, d).to(x.dtype)
+    if inverse:
+        y = rotate(x, positions, inv_freq, scaling, layout, inverse=True)
+        if offset is None:
+            return y
+        y = y.float() - offset[:, :, :1].float()
+        return (y / offset[:, :, 1:].float() if offset.shape[2] == 2 else y).to(x.dtype)
+    if offset is not None:
+        xf = x.float() * offset[:, :, 1:].float() if offset.shape[2] == 2 else x.float()
+        x = (xf + offset[:, :, :1].float()).to(x.dtype)
+    return rotate(x, positions, inv_freq, scaling, layout)
+
+
 def attend_block(
     q: torch.Tensor,
     kblock: QBlock,

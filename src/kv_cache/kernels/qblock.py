@@ -7,8 +7,10 @@ stored as ``d`` codes of ``bits`` bits, packed token-major exactly as
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -273,6 +275,19 @@ class QBlock:
         if len(devices) > 1:
             raise ValueError(f"all tensors of a QBlock must be on one device; got {sorted(map(str, devices))}")
 
+    @classmethod
+    def trusted(cls, **fields: Any) -> "QBlock":
+        """A block built from tensors the library already checked (a view of a packed slot, a block
+        with its positions attached), made without :meth:`__post_init__`'s checks: a decoding step
+        builds a few per layer, and the kernels check shapes and dtypes again where they read them.
+        Fields left out take their defaults. Never for user input."""
+        obj = object.__new__(cls)
+        for name, default in _QBLOCK_FIELDS:
+            object.__setattr__(obj, name, fields.pop(name, default))
+        if fields:
+            raise TypeError(f"QBlock has no fields {sorted(fields)}")
+        return obj
+
     @property
     def rows(self) -> int:
         """``R``: rows (batch * kv_heads)."""
@@ -316,4 +331,9 @@ def uniform_lut(bits: int, symmetric: bool, device=None) -> torch.Tensor:
     return lut - (1 << (bits - 1)) if symmetric else lut
 
 
+_QBLOCK_FIELDS = tuple((f.name, None if f.default is dataclasses.MISSING else f.default)
+                       for f in dataclasses.fields(QBlock))
+"""``(name, default)`` of every field, for :meth:`QBlock.trusted`."""
+
 __all__ = ["GROUPINGS", "KeyRope", "QBlock", "ROPE_LAYOUTS", "SCALE_DTYPES", "ZERO_DTYPES", "check_bits", "check_grouping", "uniform_lut"]
+

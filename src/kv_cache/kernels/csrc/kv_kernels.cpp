@@ -605,6 +605,68 @@ static void raise_bad_group() {
 }
 
 // ----------------------------------------------------------------------------- ops
+// A few keys between the stored frame and the model's (math dictionary §29.2, §29.7): the sinks a
+// decoding step reads, the token it stores. x, out: float32 [R, n, d]; pos: int64 [n], shared by
+// every row; w: float32 [half] frequencies; offset: float32 [R, 1 or 2, d] (mean, scale) or none.
+//   forward: out = f R(p) (scale * x + mean)         inverse: out = (R(p)^T x / f - mean) / scale
+// Angles are float32 products p * w_i, as transformers computes them; pairs (i, i + half) or, with
+// `interleaved`, (2i, 2i + 1); channels past 2 * half pass through (not scaled by f).
+void turn_keys(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& w, double factor, bool interleaved,
+               bool inverse, const c10::optional<at::Tensor>& offset, at::Tensor& out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3 && out.sizes() == x.sizes() &&
+                  out.scalar_type() == at::kFloat && out.is_contiguous(), "turn_keys: float32 [R, n, d] contiguous");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.dim() == 1 && pos.size(0) == x.size(1),
+              "turn_keys: positions int64 [n]");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 1 && 2 * w.size(0) <= x.size(2),
+              "turn_keys: inv_freq float32 [half], 2 * half <= d");
+  const int64_t R = x.size(0), n = x.size(1), d = x.size(2), half = w.size(0);
+  const float* mu = nullptr;
+  const float* sg = nullptr;
+  if (offset.has_value()) {
+    TORCH_CHECK(offset->scalar_type() == at::kFloat && offset->is_contiguous() && offset->dim() == 3 &&
+                    offset->size(0) == R && (offset->size(1) == 1 || offset->size(1) == 2) && offset->size(2) == d,
+                "turn_keys: offset float32 [R, 1 or 2, d] contiguous");
+    mu = offset->data_ptr<float>();
+    if (offset->size(1) == 2) sg = mu + d;
+  }
+  const int64_t orow = offset.has_value() ? offset->size(1) * d : 0;
+  const float* px = x.data_ptr<float>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const float* pw = w.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const float f = static_cast<float>(factor);
+  std::vector<float> cs(2 * half), y(d);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = static_cast<float>(pp[t]) * pw[i];
+      cs[i] = std::cos(a);
+      cs[half + i] = std::sin(a);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const float* xr = px + (r * n + t) * d;
+      float* o = po + (r * n + t) * d;
+      const float* m = mu ? mu + r * orow : nullptr;
+      const float* sc = sg ? sg + r * orow : nullptr;
+      for (int64_t c = 0; c < d; ++c) y[c] = inverse ? xr[c] : (sc ? xr[c] * sc[c] : xr[c]) + (m ? m[c] : 0.0f);
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
+        const float a = y[ia], b = y[ib], c = cs[i], sn = cs[half + i];
+        if (inverse) {
+          y[ia] = (a * c + b * sn) / f;
+          y[ib] = (b * c - a * sn) / f;
+        } else {
+          y[ia] = (a * c - b * sn) * f;
+          y[ib] = (a * sn + b * c) * f;
+        }
+      }
+      for (int64_t c = 0; c < d; ++c) {
+        const float v = inverse ? (y[c] - (m ? m[c] : 0.0f)) : y[c];
+        o[c] = inverse && sc ? v / sc[c] : v;
+      }
+    }
+  }
+}
+
 // Returns a Status: kOk, kNonFinite or kScaleUnrepresentable (Python raises the message).
 int64_t quantize(const at::Tensor& x, int64_t bits, int64_t grouping, int64_t group_size, bool symmetric,
                  const c10::optional<at::Tensor>& mids, at::Tensor& codes, at::Tensor& scale,
@@ -1020,6 +1082,7 @@ void compact_rows(torch::Tensor buf, torch::Tensor keep) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kv_cache compiled kernels (CPU): fused (de)quantization and attention from packed codes";
   m.def("quantize", &kvk::quantize, "fused quantize + pack (see kv_cache.kernels.ops.quantize_block)");
+  m.def("turn_keys", &kvk::turn_keys, "a few keys between the stored frame and the model's (see kv_cache.kernels.ops.turn_keys)");
   m.def("dequantize", &kvk::dequantize, "fused unpack + dequantize (see kv_cache.kernels.ops.dequantize_block)");
   m.def("attend", &kvk::attend, "attention from packed codes (see kv_cache.kernels.ops.attend_block)");
   m.def("attend_paged", &kvk::attend_paged, "attention read from paged slots through a block table (see kv_cache.kernels.paged)");
