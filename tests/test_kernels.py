@@ -793,3 +793,50 @@ def test_code_tokens_refuse_bad_input():
         ops.code_tokens(torch.full((3, 2, 64), 1e4), 4, lut, 64)
     with pytest.raises(ValueError, match="empty"):
         ops.code_tokens(torch.randn(3, 0, 64), 4, lut, 64)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("scaling", [1.0, 1.25])
+def test_turn_keys_match_their_composition(monkeypatch, layout, rows, scaling):
+    """The few keys a decoding step turns (the sinks back to the model's frame, the arriving key
+    into the stored one) equal the torch composition: offset added back then rotated, or rotated
+    back then shifted; partial rotary channels pass through; the round trip is the identity."""
+    from kv_cache.compression.rope import rotate
+
+    torch.manual_seed(rows)
+    x = torch.randn(1, 3, 5, 64)
+    pos = torch.tensor([0, 1, 2, 3, 4099])
+    w = 1.0 / (10000 ** (torch.arange(0, 48, 2).float() / 48))  # 48 of 64 channels turned
+    off = torch.randn(1, 3, rows, 64)
+    if rows == 2:
+        off[:, :, 1] = torch.rand(1, 3, 64) + 0.5
+    got = ops.turn_keys(x, pos, w, scaling, layout, offset=off)
+    base = x * off[:, :, 1:] + off[:, :, :1] if rows == 2 else x + off
+    want = rotate(base, pos, w, scaling, layout)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    back = ops.turn_keys(got, pos, w, scaling, layout, inverse=True, offset=off)
+    torch.testing.assert_close(back, x, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(ops, "_compiled", lambda *tensors: None)  # the torch path: the same keys
+    torch.testing.assert_close(ops.turn_keys(x, pos, w, scaling, layout, offset=off), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.turn_keys(got, pos, w, scaling, layout, inverse=True, offset=off), back,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_turn_keys_refuse_bad_input():
+    w = torch.ones(32)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        ops.turn_keys(torch.randn(1, 1, 2, 64), torch.arange(2), w, layout="spiral")
+    with pytest.raises(ValueError, match=r"floating \[B, H, n, d\]"):
+        ops.turn_keys(torch.randn(2, 64), torch.arange(2), w)
+
+
+def test_trusted_blocks_are_the_checked_ones():
+    """QBlock.trusted (views of held slots, rebuilt every decoding step) builds the same block as
+    the checked constructor, defaults included, and refuses a field QBlock does not have."""
+    x = torch.randn(3, 8, 64)
+    blk = ops.quantize_block(x, 4, "token", 64, lut=torch.linspace(-2, 2, 16))
+    same = QBlock.trusted(codes=blk.codes, bits=4, lut=blk.lut, grouping="token", scale=blk.scale, group_size=64)
+    assert all(getattr(same, f.name) is getattr(blk, f.name) for f in dataclasses.fields(QBlock))
+    with pytest.raises(TypeError, match="no fields"):
+        QBlock.trusted(codes=blk.codes, colour="red")

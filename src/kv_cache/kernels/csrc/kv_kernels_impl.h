@@ -1133,6 +1133,73 @@ static inline void rope_row(float* x, const float* c, const float* s, int half, 
   }
 }
 
+// Keys before RoPE coded per token in a randomized Hadamard space (the default layout, §29.8,
+// §29.10), a tile of nt decoded rows turned in registers, one row at a time: the Hadamard passes
+// (fwht_row's), k = A u + C (the offset, scale, signs and 1/sqrt(d) folded in A and C), then R(p)
+// on the pairs (c, c + d/2), which lie in vectors j and j + NV/2; the angles stay in registers,
+// advanced by one complex product per token where positions step by one (rope_advance's), and
+// recomputed from the doubling table otherwise. The same operations in the same order as the
+// general path (fwht_row, the affine pass, rope_at / rope_advance, rope_row): the same floats.
+template <int NV>
+static inline void turn_token_rows(float* Kb, int ldk, int nt, const float* rA, const float* rC,
+                                   const int32_t* pos, const KeyRope& rope, const HadamardLanes& hl,
+                                   float* rc, float* rs) {
+  constexpr int H2 = NV / 2;
+  vf A[NV], C[NV], c[H2], sn[H2], cw[H2], sw[H2];
+  for (int j = 0; j < NV; ++j) {
+    A[j] = vload(rA + j * W);
+    C[j] = vload(rC + j * W);
+  }
+  for (int j = 0; j < H2; ++j) {  // (cos, sin)(w_i): the doubling table's first row, a step of one
+    cw[j] = vload(rope.tab + j * W);
+    sw[j] = vload(rope.tab + rope.half + j * W);
+  }
+  for (int t = 0; t < nt; ++t) {
+    const int64_t step = t ? static_cast<int64_t>(pos[t]) - pos[t - 1] : 0;
+    if (t == 0 || step != 1) {  // exact angles (first token of the tile, a gap, a step back)
+      if (t == 0 || step < 0) {
+        rope_at(rc, rs, rope.tab, rope.half, pos[t]);
+      } else {
+        for (int j = 0; j < H2; ++j) {
+          vstore(rc + j * W, c[j]);
+          vstore(rs + j * W, sn[j]);
+        }
+        rope_advance(rc, rs, rope.tab, rope.half, static_cast<uint32_t>(step));
+      }
+      for (int j = 0; j < H2; ++j) {
+        c[j] = vload(rc + j * W);
+        sn[j] = vload(rs + j * W);
+      }
+    } else {  // one step: (c, s) <- (c, s) (cos w, sin w), as turn_pairs computes it
+      for (int j = 0; j < H2; ++j) {
+        const vf u = c[j], v = sn[j];
+        c[j] = vsub(vmul(u, cw[j]), vmul(v, sw[j]));
+        sn[j] = vfma(u, sw[j], vmul(v, cw[j]));
+      }
+    }
+    float* row = Kb + static_cast<size_t>(t) * ldk;
+    vf x[NV];
+    for (int j = 0; j < NV; ++j) x[j] = vload(row + j * W);
+    for (int p = 0; p < hl.passes; ++p) {
+      const vf sg = vload(hl.sgn[p]);
+      for (int j = 0; j < NV; ++j) x[j] = vfma(x[j], sg, vperm(x[j], hl.idx[p]));
+    }
+    for (int h = 1; h < NV; h <<= 1)
+      for (int i = 0; i < NV; i += 2 * h)
+        for (int j = i; j < i + h; ++j) {
+          const vf u = x[j], v = x[j + h];
+          x[j] = vadd(u, v);
+          x[j + h] = vsub(u, v);
+        }
+    for (int j = 0; j < NV; ++j) x[j] = vfma(A[j], x[j], C[j]);
+    for (int j = 0; j < H2; ++j) {
+      const vf u = x[j], v = x[j + H2];
+      vstore(row + j * W, vsub(vmul(u, c[j]), vmul(v, sn[j])));
+      vstore(row + (j + H2) * W, vfma(u, sn[j], vmul(v, c[j])));
+    }
+  }
+}
+
 // One work item: tokens [t0, t1) of row r; writes the chunk's (max, sum, unnormalized output).
 static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
   const AttendItem& it = a.items[item];
@@ -1286,7 +1353,19 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
       if (V.gid) prefetch_range(V.gid + gidrow(V, r) + ahead, sizeof(int32_t) * na);
     }
     // ---- keys -> scores S[g][t]
-    if (rope && K.grouping == kToken) {  // per-token keys: k_hat, back from the Hadamard space, A k + C
+    bool turned = false;  // the tile's keys already turned to their positions (turn_token_rows)
+    if (rope && K.grouping == kToken && rsg && !K.zero.p && !rope->interleaved && 2 * rope->half == dk &&
+        dkp == dk && W >= 8 && (dk == 4 * W || dk == 8 * W || dk == 16 * W)) {  // the default layout, in registers
+      decode_token_tile(K, r, t0, nt, Kb, dkp, ksc, kzs, kzsT, cs);
+      const int32_t* pos = rope->pos + (K.off ? crow(K, r) : r * rope->pitch) + t0;
+      if (dk == 4 * W)
+        turn_token_rows<4>(Kb, dkp, nt, rA, rC, pos, *rope, hl, rc, rs);
+      else if (dk == 8 * W)
+        turn_token_rows<8>(Kb, dkp, nt, rA, rC, pos, *rope, hl, rc, rs);
+      else
+        turn_token_rows<16>(Kb, dkp, nt, rA, rC, pos, *rope, hl, rc, rs);
+      turned = true;
+    } else if (rope && K.grouping == kToken) {  // per-token keys: k_hat, back from the Hadamard space, A k + C
       decode_token_tile(K, r, t0, nt, Kb, dkp, ksc, kzs, kzsT, cs);
       for (int t = 0; t < nt; ++t) {
         float* row = Kb + static_cast<size_t>(t) * dkp;
@@ -1324,7 +1403,9 @@ static void attend_item(const AttendArgs& a, int64_t item, Scratch& s) {
         return;
       }
     }
-    if (rope) {
+    if (turned) {
+      dots(qs, dkp, G, Kb, dkp, nt, dkp, S, T);
+    } else if (rope) {
       const int32_t* pos = rope->pos + (K.off ? crow(K, r) : r * rope->pitch) + t0;
       for (int t = 0; t < nt; ++t) {  // exact angles at the tile's first token, then steps
         const int64_t step = t ? static_cast<int64_t>(pos[t]) - pos[t - 1] : 0;
