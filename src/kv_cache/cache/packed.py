@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 
@@ -60,7 +61,7 @@ def _capacity(t: torch.Tensor) -> int:
     base = t._base
     if base is None or t.storage_offset() != 0 or t.dim() < 3 or t.numel() == 0:
         return t.shape[2]
-    inner = t[0, 0, 0].numel() if t.shape[2] else 0
+    inner = math.prod(t.shape[3:]) if t.shape[2] else 0  # entries per token, no tensor made
     if not inner or t.stride(2) != inner or t.stride(1) % inner:
         return t.shape[2]
     cap = t.stride(1) // inner
