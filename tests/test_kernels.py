@@ -24,7 +24,7 @@ import torch
 
 from kv_cache.compression.quantizer import QuantizedTensor, dequantize, quantize
 from kv_cache.compression.rotation import hadamard_matrix
-from kv_cache.kernels import KeyRope, QBlock, _build, ops, reference, uniform_lut
+from kv_cache.kernels import KeyRope, QBlock, _build, arrival, ops, reference, uniform_lut
 
 ATOL = RTOL = 1e-4
 TORCH_ONLY = os.environ.get("KV_CACHE_KERNELS", "").strip().lower() == "torch"
@@ -772,12 +772,12 @@ def test_code_tokens_match_their_composition(paths, monkeypatch, bits, dtype, gr
            @ hadamard_matrix(64, dtype=torch.float32)).reshape(6, 37, 64)
     want = ops.quantize_block(rot, bits, "token", group, False, torch.float32, lut)
     for _ in paths():
-        codes, norms = ops.code_tokens_raw(x, bits, lut, group, signs)
+        codes, norms = arrival.code_tokens_raw(x, bits, lut, group, signs)
         assert torch.equal(codes, want.codes)
         assert torch.equal(norms, encode_log_scale(want.scale))
         assert int(norms[0, 0, 0]) == 0
-    monkeypatch.setattr(ops, "_compiled", lambda *tensors: None)  # the torch path composes the same steps
-    codes, norms = ops.code_tokens_raw(x, bits, lut, group, signs)
+    monkeypatch.setattr(arrival, "_compiled", lambda *tensors: None)  # the torch path composes the same steps
+    codes, norms = arrival.code_tokens_raw(x, bits, lut, group, signs)
     assert torch.equal(codes, want.codes) and torch.equal(norms, encode_log_scale(want.scale))
 
 
@@ -786,19 +786,19 @@ def test_code_tokens_refuse_bad_input():
 
     lut = _lloyd_max(4, "cpu")
     with pytest.raises(ValueError, match="signs must be int8"):
-        ops.code_tokens(torch.randn(4, 2, 64), 4, lut, 64, torch.ones(3, 64, dtype=torch.int8))
+        arrival.code_tokens(torch.randn(4, 2, 64), 4, lut, 64, torch.ones(3, 64, dtype=torch.int8))
     with pytest.raises(ValueError, match="NaN|non-finite|Inf"):
-        ops.code_tokens(torch.full((3, 2, 64), float("nan")), 4, lut, 64)
+        arrival.code_tokens(torch.full((3, 2, 64), float("nan")), 4, lut, 64)
     with pytest.raises(ValueError, match="8-bit log-coded norms hold"):
-        ops.code_tokens(torch.full((3, 2, 64), 1e4), 4, lut, 64)
+        arrival.code_tokens(torch.full((3, 2, 64), 1e4), 4, lut, 64)
     with pytest.raises(ValueError, match="empty"):
-        ops.code_tokens(torch.randn(3, 0, 64), 4, lut, 64)
+        arrival.code_tokens(torch.randn(3, 0, 64), 4, lut, 64)
 
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("scaling", [1.0, 1.25])
-def test_turn_keys_match_their_composition(monkeypatch, layout, rows, scaling):
+def test_turn_stored_keys_match_their_composition(monkeypatch, layout, rows, scaling):
     """The few keys a decoding step turns (the sinks back to the model's frame, the arriving key
     into the stored one) equal the torch composition: offset added back then rotated, or rotated
     back then shifted; partial rotary channels pass through; the round trip is the identity."""
@@ -811,24 +811,24 @@ def test_turn_keys_match_their_composition(monkeypatch, layout, rows, scaling):
     off = torch.randn(1, 3, rows, 64)
     if rows == 2:
         off[:, :, 1] = torch.rand(1, 3, 64) + 0.5
-    got = ops.turn_keys(x, pos, w, scaling, layout, offset=off)
+    got = arrival.turn_stored_keys(x, pos, w, scaling, layout, offset=off)
     base = x * off[:, :, 1:] + off[:, :, :1] if rows == 2 else x + off
     want = rotate(base, pos, w, scaling, layout)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    back = ops.turn_keys(got, pos, w, scaling, layout, inverse=True, offset=off)
+    back = arrival.turn_stored_keys(got, pos, w, scaling, layout, inverse=True, offset=off)
     torch.testing.assert_close(back, x, rtol=1e-4, atol=1e-4)
-    monkeypatch.setattr(ops, "_compiled", lambda *tensors: None)  # the torch path: the same keys
-    torch.testing.assert_close(ops.turn_keys(x, pos, w, scaling, layout, offset=off), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ops.turn_keys(got, pos, w, scaling, layout, inverse=True, offset=off), back,
+    monkeypatch.setattr(arrival, "_compiled", lambda *tensors: None)  # the torch path: the same keys
+    torch.testing.assert_close(arrival.turn_stored_keys(x, pos, w, scaling, layout, offset=off), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(arrival.turn_stored_keys(got, pos, w, scaling, layout, inverse=True, offset=off), back,
                                rtol=1e-5, atol=1e-5)
 
 
-def test_turn_keys_refuse_bad_input():
+def test_turn_stored_keys_refuse_bad_input():
     w = torch.ones(32)
     with pytest.raises(ValueError, match="layout must be one of"):
-        ops.turn_keys(torch.randn(1, 1, 2, 64), torch.arange(2), w, layout="spiral")
+        arrival.turn_stored_keys(torch.randn(1, 1, 2, 64), torch.arange(2), w, layout="spiral")
     with pytest.raises(ValueError, match=r"floating \[B, H, n, d\]"):
-        ops.turn_keys(torch.randn(2, 64), torch.arange(2), w)
+        arrival.turn_stored_keys(torch.randn(2, 64), torch.arange(2), w)
 
 
 def test_trusted_blocks_are_the_checked_ones():

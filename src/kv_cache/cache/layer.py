@@ -142,11 +142,9 @@ class CompressedLayer(PreRopeLayer, CompressOnceLayer, TiersLayer, CacheLayerMix
         # Keys before RoPE (§29): what is stored loses its rotation; a repeat chunk or a session's
         # tail is never quantized, and is kept and attended as the model computed it.
         stores = self._reconstruct is None and self._tail is None
-        shifted = False
-        if self.rope_frame is not None and stores:  # the offset known (decoding): removed and shifted in one pass
-            shifted = self.key_offset is not None
-            key_states = self.rope_frame.remove(key_states, self._new_positions(key_states.shape[2]),
-                                                self.key_offset)
+        shifted = self.rope_frame is not None and stores and self.key_offset is not None  # in one pass with it
+        if self.rope_frame is not None and stores:
+            key_states = self.rope_frame.remove(key_states, self._new_positions(key_states.shape[2]), self.key_offset)
         if self.seen == 0 and self.key_offset is None and self.quant is not None and self.quant.center_keys:
             self.key_offset = key_offset(key_states, self.quant.sink_tokens, self.quant.scale_keys)  # from the prompt
         if (self.rope_frame is None or stores) and not shifted:

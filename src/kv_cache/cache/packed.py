@@ -28,7 +28,7 @@ from ..compression.codebook import encode_log_scale, lloyd_max_gaussian, log_sca
 from ..compression.packing import pack_bits
 from ..compression.rotation import RandomizedHadamard
 from ..kernels import QBlock, dequantize_block, quantize_block, uniform_lut
-from ..kernels.ops import code_tokens_raw
+from ..kernels.arrival import code_tokens_raw
 from .config import QuantConfig
 
 

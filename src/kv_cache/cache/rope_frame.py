@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..compression.rope import rope_tables, rotate
-from ..kernels.ops import turn_keys
+from ..kernels.arrival import turn_stored_keys
 
 INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen", "cohere", "cohere2", "glm", "glm4", "ernie4_5",
                                      "ernie4_5_moe", "helium"})
@@ -59,14 +59,14 @@ class RopeFrame:
         (``[b, h, 1 or 2, d]``, §29.7) also shifted (and scaled) as the layer stores them, in one pass."""
         if offset is None and positions.dim() != 1:
             return rotate(keys, positions.to(keys.device), self.inv_freq, self.scaling, self.layout, inverse=True)
-        return turn_keys(keys, positions, self.inv_freq, self.scaling, self.layout, inverse=True, offset=offset)
+        return turn_stored_keys(keys, positions, self.inv_freq, self.scaling, self.layout, inverse=True, offset=offset)
 
     def apply(self, keys: torch.Tensor, positions: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
         """Keys before RoPE ``[b, h, n, d]`` -> rotated at ``positions`` (``[n]`` or ``[b, h, n]``); with
         a key ``offset`` the stored keys are first brought back (``scale * k + mean``), in one pass."""
         if offset is None and positions.dim() != 1:
             return rotate(keys, positions.to(keys.device), self.inv_freq, self.scaling, self.layout)
-        return turn_keys(keys, positions, self.inv_freq, self.scaling, self.layout, offset=offset)
+        return turn_stored_keys(keys, positions, self.inv_freq, self.scaling, self.layout, offset=offset)
 
 
 def _text_config(config: Any) -> Any:

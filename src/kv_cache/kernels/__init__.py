@@ -2,6 +2,7 @@
 
 * :func:`quantize_block` - fused quantize + pack of ``[R, N, d]`` into a :class:`QBlock`;
 * :func:`code_tokens` - per-token codes, rotated first, with 8-bit log norms (a token-grouped store);
+* :func:`turn_stored_keys` - a few keys between the frame a cache stores them in and the model's;
 * :func:`dequantize_block` - fused unpack + dequantize of a :class:`QBlock`;
 * :func:`attend_block` - attention of ``G`` queries per row read straight from the codes,
   returning the output and its log-sum-exp so it merges with full-precision tokens.
@@ -18,7 +19,8 @@ torch reference; :func:`backend` says which serves a device (:mod:`._select`). F
 
 from ._build import available, build_dir, isa, load
 from ._select import backend
-from .ops import attend_block, attend_mixed, code_tokens, compact_rows_, dequantize_block, quantize_block
+from .arrival import code_tokens, turn_stored_keys
+from .ops import attend_block, attend_mixed, compact_rows_, dequantize_block, quantize_block
 from .qblock import GROUPINGS, KeyRope, QBlock, uniform_lut
 
 __all__ = [
@@ -36,5 +38,6 @@ __all__ = [
     "isa",
     "load",
     "quantize_block",
+    "turn_stored_keys",
     "uniform_lut",
 ]

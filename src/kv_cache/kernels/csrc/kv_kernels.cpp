@@ -1082,7 +1082,7 @@ void compact_rows(torch::Tensor buf, torch::Tensor keep) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kv_cache compiled kernels (CPU): fused (de)quantization and attention from packed codes";
   m.def("quantize", &kvk::quantize, "fused quantize + pack (see kv_cache.kernels.ops.quantize_block)");
-  m.def("turn_keys", &kvk::turn_keys, "a few keys between the stored frame and the model's (see kv_cache.kernels.ops.turn_keys)");
+  m.def("turn_keys", &kvk::turn_keys, "a few keys between the stored frame and the model's (see kv_cache.kernels.arrival.turn_stored_keys)");
   m.def("dequantize", &kvk::dequantize, "fused unpack + dequantize (see kv_cache.kernels.ops.dequantize_block)");
   m.def("attend", &kvk::attend, "attention from packed codes (see kv_cache.kernels.ops.attend_block)");
   m.def("attend_paged", &kvk::attend_paged, "attention read from paged slots through a block table (see kv_cache.kernels.paged)");
