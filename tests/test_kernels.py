@@ -840,3 +840,28 @@ def test_trusted_blocks_are_the_checked_ones():
     assert all(getattr(same, f.name) is getattr(blk, f.name) for f in dataclasses.fields(QBlock))
     with pytest.raises(TypeError, match="no fields"):
         QBlock.trusted(codes=blk.codes, colour="red")
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_wide_heads_before_rope_match_the_reference(compiled, d):
+    """Per-token keys before RoPE in a Hadamard space at head_dims 128 and 256 (Qwen-style and
+    Gemma 3 heads: the register turn's 8- and 16-vector rows on AVX-512), with gaps and a step
+    back in the positions: as the torch reference."""
+    from kv_cache.cache.packed import _lloyd_max
+
+    torch.manual_seed(d)
+    R, N = 3, 150
+    signs = (torch.randint(0, 2, (R, d)) * 2 - 1).to(torch.int8)
+    k = arrival.code_tokens(torch.randn(R, N, d), 4, _lloyd_max(4, "cpu"), d, signs)
+    v = arrival.code_tokens(torch.randn(R, N, d), 4, _lloyd_max(4, "cpu"), d)
+    pos = torch.randint(1, 3, (R, N)).cumsum(1)
+    pos[:, 40] -= 3
+    w = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    rope = KeyRope(pos.to(torch.int32).contiguous(), w, "half", 1.1, torch.randn(R, d), torch.rand(R, d) + 0.5,
+                   signs.float())
+    k = dataclasses.replace(k, rope=rope)
+    q = torch.randn(R, 3, d)
+    out, lse, logits = ops.attend_block(q, k, v, d ** -0.5, return_logits=True)
+    want, want_lse, want_logits = reference.attend_block(q, k, v, d ** -0.5, return_logits=True)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-4)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
