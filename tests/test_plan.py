@@ -157,25 +157,37 @@ def test_a_preset_the_fixed_slots_cannot_reach_is_refused(stories):
         preset_plan(model.config, "64x", context_tokens=200)
 
 
-def test_heavy_eviction_presets_evict_from_codes_before_rope(stories):
-    """Math dictionary §23.3: where 4-bit per-channel codes would keep fewer than a quarter of the
-    tokens, the preset evicts from K4V3 codes before RoPE, which keep more at the same bytes; a
-    lighter target keeps per-channel codes; a model whose keys the kernels cannot read before
-    RoPE (a head_dim that is not a power of two) keeps per-channel codes at every target."""
+def test_heavy_eviction_presets_evict_from_fewer_bits(stories):
+    """Math dictionary §23.3: where 4-bit codes would keep fewer than a quarter of the tokens, the
+    preset evicts from K4V3 codes (``HEAVY_LAYOUT``) or the layout the record names
+    (``heavy_layout``), which keep more at the same bytes; a lighter target keeps 4-bit codes. Every
+    layout is ``QuantConfig(bits=b)``'s default as the model holds it: per channel after RoPE on
+    stories260K's 8-channel heads, keys before RoPE coded per token on 64-channel RoPE heads."""
     from transformers import AutoConfig
 
-    from kv_cache.plan.planner import HEAVY_EVICTION, PRE_ROPE_EVICTING, _largest_budget
+    from kv_cache.plan.planner import HEAVY_EVICTION, HEAVY_LAYOUT, _largest_budget, heavy_evicting, layouts_for
 
     model, tok = stories
     T = 400
-    q4 = _largest_budget(model.config, QuantConfig(bits=4), 8.0, T, torch.float32, "8x")
-    assert q4.policy.budget < HEAVY_EVICTION  # 4-bit codes would keep under a quarter
+    held = layouts_for(model.config)
+    assert not any(q.pre_rope for q in held.values())  # 8-channel heads: the default's per-channel layout
+    q4 = _largest_budget(model.config, held["q4d"], 8.0, T, torch.float32, "8x")
+    assert q4.policy.budget < HEAVY_EVICTION and heavy_evicting(model.config, "8x", context_tokens=T)
     plan = preset_plan(model.config, "8x", context_tokens=T)
-    assert plan.quant_config() == PRE_ROPE_EVICTING and plan.policy.budget > q4.policy.budget
+    assert plan.quant_config() == held[HEAVY_LAYOUT] and plan.policy.budget > q4.policy.budget
     assert plan.predicted["ratio"] >= 8
     _check_prediction(model, tok, plan, T)  # the ratio a real prefill holds
-    light = preset_plan(model.config, "4x", context_tokens=T)
-    assert not light.quant_config().pre_rope and light.quant_config().bits == 4
+    narrow = preset_plan(model.config, "8x", context_tokens=T, heavy_layout="k3v2d")
+    assert narrow.quant_config() == held["k3v2d"] and narrow.policy.budget > plan.policy.budget
+    light = preset_plan(model.config, "4x", context_tokens=T, heavy_layout="k3v2d")  # not heavy: the layout is unused
+    assert light.quant_config() == held["q4d"] and not heavy_evicting(model.config, "4x", context_tokens=T)
+    with pytest.raises(ValueError, match=r"heavy_layout must be one of \['q4d'.*got 'q5d'"):
+        preset_plan(model.config, "8x", context_tokens=T, heavy_layout="q5d")
+    wide = AutoConfig.for_model("llama", vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=8192)
+    assert all(q.pre_rope and q.scale_keys == "sqrt" for q in layouts_for(wide).values())
+    sixteen = preset_plan(wide, "16x", context_tokens=4096)
+    assert sixteen.quant_config() == layouts_for(wide)[HEAVY_LAYOUT] and heavy_evicting(wide, "16x", context_tokens=4096)
     odd = AutoConfig.for_model("llama", vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=2, num_key_value_heads=1, head_dim=24, max_position_embeddings=4096)
     assert not preset_plan(odd, "16x", context_tokens=4096).quant_config().pre_rope

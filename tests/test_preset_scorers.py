@@ -20,7 +20,7 @@ from kv_cache.cache.cache import FidelityWarning
 from kv_cache.compression.scorer_file import model_identity, save_scorer
 from kv_cache.plan import model_preset_plan, preset_plan, preset_scorer
 from kv_cache.plan.planner import CONTINUATION_QUERIES
-from kv_cache.plan.preset_scorers import TOLERANCE, choose, measure, read_record, write_entry
+from kv_cache.plan.preset_scorers import TOLERANCE, choose, choose_layout, measure, read_record, write_entry
 from kv_cache.plan.scorer_training import fit_scorer
 from kv_cache.policies.base import ScoreInputs
 
@@ -40,6 +40,16 @@ def test_choose_kvzap_only_within_the_tolerance_and_quiet():
     assert choose(_cost(0.010), _cost(-0.5, warned=True)) == "kvzip"  # a check warned on it: never
     with pytest.raises(ValueError, match=r"kvzap cost lacks \['warned'\]"):
         choose(_cost(0.0), {"delta_ppl": 0.0})
+
+
+def test_choose_layout_moves_off_k4v3_only_when_lower_and_quiet():
+    assert choose_layout({"k4v3d": _cost(0.03), "k3v2d": _cost(0.02)}) == "k3v2d"
+    assert choose_layout({"k4v3d": _cost(0.02), "k3v2d": _cost(0.02)}) == "k4v3d"  # a tie keeps the default
+    assert choose_layout({"k4v3d": _cost(0.03), "k3v2d": _cost(0.01, warned=True)}) == "k4v3d"
+    with pytest.raises(ValueError, match=r"layouts among \['q4d'.*'k4v3d' included; got \['k3v2d'\]"):
+        choose_layout({"k3v2d": _cost(0.01)})
+    with pytest.raises(ValueError, match="got \\['k4v3d', 'q5d'\\]"):
+        choose_layout({"k4v3d": _cost(0.01), "q5d": _cost(0.0)})
 
 
 def test_record_read_write(tmp_path):
@@ -176,7 +186,7 @@ def test_measure_record_and_presets(stories, scorer_dir):
     plan = model_preset_plan(model, "5x", context_tokens=200, record=record)
     assert isinstance(plan.policy, KVzap) and plan.policy.continuation_queries == CONTINUATION_QUERIES
     assert plan.policy.scorer == str(path) and not plan.policy.decoding
-    other = model_preset_plan(model, "12x", context_tokens=200, record=record)
+    other = model_preset_plan(model, "7x", context_tokens=200, record=record)
     assert isinstance(other.policy, KVzip)
     # the KVzap preset runs: it prefills in one pass and reaches its ratio
     cache = CompressedCache(model.config, plan=plan)
@@ -206,6 +216,38 @@ def test_measure_record_and_presets(stories, scorer_dir):
     write_entry(forced, record)
     # the shipped record has no entry for stories260K
     assert isinstance(model_preset_plan(model, "5x", context_tokens=200).policy, KVzip)
+
+
+def test_measure_records_the_heavy_layout(stories, scorer_dir, tmp_path):
+    """A preset that evicts heavily (6x at 200 tokens: 4-bit codes would keep 18%) is measured
+    evicting from each of ``HEAVY_LAYOUTS`` with the chosen scorer; the record's layout is the
+    rule's, and the model's presets evict from it (a light preset ignores it; an unknown name in
+    the record is refused)."""
+    from kv_cache.plan.planner import HEAVY_LAYOUTS, heavy_evicting, layouts_for
+    from kv_cache.plan.preset_scorers import preset_layout
+
+    model, tok = stories
+    path = scorer_dir / "stories_linear.safetensors"
+    assert heavy_evicting(model.config, "6x", context_tokens=200)
+    entry = measure(model, tok, TEXT, source="t", targets=["6x"], context_tokens=200, continuation=16, windows=1,
+                    scorer_path=path)
+    row = entry["targets"]["6x"]
+    assert set(row["layouts"]) == set(HEAVY_LAYOUTS) and row["layout"] == choose_layout(row["layouts"])
+    assert row["layouts"]["k4v3d"] == row[row["scorer"]]
+    assert row["layouts"]["k3v2d"]["budget"] > row["layouts"]["k4v3d"]["budget"]  # fewer bits keep more tokens
+    assert f"{row['scorer']}+k3v2d" in row["seconds"]
+    shutil.copy(path, tmp_path / path.name)
+    forced = {**entry, "targets": {"6x": {**row, "scorer": "kvzip", "layout": "k3v2d"}}}
+    record = write_entry(forced, tmp_path / "presets.json")
+    assert preset_layout(model, "6x", record) == "k3v2d"
+    plan = model_preset_plan(model, "6x", context_tokens=200, record=record)
+    assert plan.quant_config() == layouts_for(model.config)["k3v2d"] and isinstance(plan.policy, KVzip)
+    assert model_preset_plan(model, "4x", context_tokens=200, record=record).quant_config() == \
+        layouts_for(model.config)["q4d"]
+    assert preset_layout(model, "6x", record, prompt_tokens=150) is None  # shorter than measured
+    write_entry({**entry, "targets": {"6x": {**row, "layout": "q7d"}}}, record)
+    with pytest.raises(ValueError, match="names layout 'q7d'"):
+        model_preset_plan(model, "6x", context_tokens=200, record=record)
 
 
 def test_measure_refuses_a_model_without_a_scorer(stories, scorer_dir, tmp_path):
@@ -310,7 +352,7 @@ def test_each_preset_may_use_its_own_scorer_file(stories, scorer_dir, tmp_path):
     record = write_entry(old, tmp_path / "presets.json")
     write_entry(new, record, merge=True)
     assert read_record(record)[0] == merged
-    plans = {t: model_preset_plan(model, t, context_tokens=200, record=record) for t in ("4.5x", "9x")}
+    plans = {t: model_preset_plan(model, t, context_tokens=400, record=record) for t in ("4.5x", "9x")}
     assert plans["4.5x"].policy.scorer == str((tmp_path / "stories_linear.safetensors").resolve())
     assert plans["9x"].policy.scorer == str((tmp_path / "presets" / "stories_static.safetensors").resolve())
     assert plans["4.5x"].fingerprint != plans["9x"].fingerprint

@@ -4,7 +4,10 @@ Each preset that evicts (``--targets``, default 4x, 8x and 16x) is built twice, 
 (a second pass over the context) and with KVzap's learned scores (the prefill's own pass), and
 both run over the same calibration windows (the compressed context, then a teacher-forced
 continuation). KVzap is chosen where its perplexity over the full cache's is within 0.3 points of
-KVzip's and the checks stay quiet (``kv_cache.plan.preset_scorers.choose``). The entry is written
+KVzip's and the checks stay quiet (``kv_cache.plan.preset_scorers.choose``). A preset that evicts
+heavily (4-bit codes would keep under a quarter of the tokens) is also measured evicting from each
+of the planner's ``HEAVY_LAYOUTS`` (K4V3, K3V2) with the chosen scorer, and the layout of lower
+perplexity is recorded (``choose_layout``). The entry is written
 to the record shipped with the package (``--out``), which ``kvcache eval``'s ``<r>x``, the server's
 presets and ``kvcache compress --ratio`` read. The default text is *A Tale of Two Cities*: neither
 the scorers' fitting text (*Pride and Prejudice*) nor an evaluation text.
@@ -88,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     for target, row in entry["targets"].items():
         secs = row["seconds"]
         kvzip_s = "reused" if row.get("kvzip_reused") else f"{secs['kvzip']:.0f} s"
-        print(f"{target}: {row['scorer']} (time over the windows: KVzip {kvzip_s}, KVzap {secs['kvzap']:.0f} s)")
+        layout = f", evicting from {row['layout']}" if "layout" in row else ""
+        print(f"{target}: {row['scorer']}{layout} (time over the windows: KVzip {kvzip_s}, KVzap {secs['kvzap']:.0f} s)")
     print(f"measured on {entry['calibration']['windows']} windows of {path.name} in {time.perf_counter() - t0:.0f} s: {out}")
     return 0

@@ -16,7 +16,10 @@
 * :func:`preset_plan` is the documented default of ``"4x"`` / ``"8x"`` / ``"16x"`` (or any
   ``"<r>x"``): ``QuantConfig(bits=4)`` and, where 4-bit codes alone do not reach the ratio,
   ``KVzip`` keeping the largest fraction of tokens that does; where that fraction would be below
-  :data:`HEAVY_EVICTION`, K4V3 codes before RoPE (:data:`PRE_ROPE_EVICTING`), which keep more. The plans' KVzip scores a token by
+  :data:`HEAVY_EVICTION`, fewer bits, which keep more tokens: K4V3 (:data:`HEAVY_LAYOUT`) or the
+  layout measured for the model (:data:`HEAVY_LAYOUTS`, recorded by ``kvcache preset-scorers``).
+  Every layout is ``QuantConfig(bits=b)``'s default as the model holds it (:func:`layouts_for`:
+  keys before RoPE, coded per token, §29.7). The plans' KVzip scores a token by
   the larger of its reconstruction score and the attention the prompt's last
   :data:`CONTINUATION_QUERIES` queries give it (math dictionary §19.7).
 * On a model with sliding-window layers (hybrid, or windowed throughout), :func:`preset_plan`
@@ -42,7 +45,7 @@ from typing import Any, Sequence
 import torch
 
 from ..cache.architecture import layer_windows
-from ..cache.config import PRE_ROPE_LAYOUT, QuantConfig
+from ..cache.config import QuantConfig
 from ..cache.budgets import resolved_budget
 from ..cache.layer import CompressedLayer
 from ..cache.report import fp16_kv_bytes, kv_geometry
@@ -66,16 +69,17 @@ BUDGET_STEP = 0.01
 """Resolution of the KVzip fraction the planner searches."""
 
 CANDIDATE_LAYOUTS: dict[str, QuantConfig] = {
-    "q4d": QuantConfig(bits=4, pre_rope=False),
-    "k4v3d": QuantConfig(bits=3, key_bits=4, pre_rope=False),
-    "q3d": QuantConfig(bits=3, pre_rope=False),
-    "k3v2d": QuantConfig(bits=2, key_bits=3, pre_rope=False),
-    "q2d": QuantConfig(bits=2, pre_rope=False),
+    "q4d": QuantConfig(bits=4),
+    "k4v3d": QuantConfig(bits=3, key_bits=4),
+    "q3d": QuantConfig(bits=3),
+    "k3v2d": QuantConfig(bits=2, key_bits=3),
+    "q2d": QuantConfig(bits=2),
 }
-"""The layouts :func:`plan_for` measures and the presets are sized from: the per-channel layout
-after RoPE at each width (``QuantConfig(bits=b)``'s default before wave 6, ``q<b>da``), with which
-every committed preset table was measured; the presets move to the default's keys before RoPE
-once they are re-measured on it (issue 62)."""
+"""The layouts :func:`plan_for` measures and the presets are sized from: ``QuantConfig(bits=b)``'s
+default at each width (keys before RoPE, half-whitened and coded per token on arrival, §29.7), as
+a cache holds it for the model (:func:`layouts_for`: per-channel codes after RoPE where its heads
+are narrower than 64 channels or its RoPE cannot be removed). Until wave 6 (issue 62) the presets
+used the per-channel layout after RoPE (``q<b>da``) at every width."""
 
 PLAN_SCORERS = ("kvzip", "kvzap")
 """The evictions :func:`plan_for` can size and measure with every layout (KVzip with the
@@ -84,20 +88,31 @@ continuation score, §19.7; KVzap, §24, acting once after the prefill)."""
 PLAN_METRICS = ("kl", "delta_ppl")
 """What :func:`plan_for`'s choice minimizes on the calibration windows (:func:`.measure.continuation_cost`)."""
 
-PRE_ROPE_EVICTING = QuantConfig(**{**PRE_ROPE_LAYOUT, "bits": 3, "key_bits": 4})
-"""The presets' layout where 4-bit codes would keep fewer than :data:`HEAVY_EVICTION` of the
-tokens (an all-global RoPE model with a power-of-two head_dim): 4-bit keys and 3-bit values,
-per-token codes before RoPE quantized on arrival (§29.5), which hold about 3.6 bits per element
-against 4.6 and so keep 1.3x as many tokens at the same bytes. Measured at ``16x`` on 2 held-out
-*Moby Dick* windows of 4,096 tokens: +1.99% against +3.27% (SmolLM2, keeping 27% against 21%),
-+9.1% against +19.7% (Qwen2.5; KL 0.084 against 0.196). At ``8x`` it gains on Qwen2.5 only
-(+2.11% against +4.05%; SmolLM2 +0.67% against +0.63%) and at ``4x`` (no eviction) it loses on
-both (+0.53% / +2.34% against +0.24% / +0.42%), so lighter targets keep per-channel codes
-(math dictionary §23.3)."""
+HEAVY_LAYOUT = "k4v3d"
+"""The layout a preset evicts from where 4-bit codes would keep fewer than :data:`HEAVY_EVICTION`
+of the tokens, on a model the record of measured presets does not name a layout for: K4V3 codes
+(about 3.7 bits per element against 4.2), which keep 1.15x the tokens at the same bytes. Measured
+at ``16x`` on 2 held-out *Moby Dick* windows of 4,096 tokens (SmolLM2, KVzap): +1.90% (KL 0.0120)
+against +2.23% (0.0124) for 4-bit codes, +2.78% for 3-bit and +3.35% for K3V2 codes."""
+
+HEAVY_LAYOUTS = ("k4v3d", "k3v2d")
+"""The layouts ``kvcache preset-scorers`` measures for a preset that evicts heavily
+(:func:`~kv_cache.plan.preset_scorers.measure`), recording the one of lower perplexity on the
+calibration windows: fewer bits keep more tokens, which wins where eviction costs more than
+quantization. Qwen2.5 at ``16x`` on held-out *Moby Dick*: K3V2 keeping 36% +2.15% (KL 0.093),
+K4V3 keeping 26% +5.82% (0.090)."""
 
 HEAVY_EVICTION = 0.25
-"""The kept fraction of 4-bit per-channel codes below which a preset evicts from
-:data:`PRE_ROPE_EVICTING` instead (``16x`` at 4K keeps about 21%, ``8x`` about 43%)."""
+"""The kept fraction of 4-bit codes below which a preset evicts from :data:`HEAVY_LAYOUT` (or the
+layout the record names) instead (``16x`` at 4K keeps about 23%, ``8x`` about 47%)."""
+
+
+def layouts_for(config: Any) -> dict[str, QuantConfig]:
+    """:data:`CANDIDATE_LAYOUTS` as a cache holds them for the model of ``config``
+    (:meth:`QuantConfig.for_model`, decided once: at most one warning when its RoPE cannot be removed)."""
+    kept = CANDIDATE_LAYOUTS["q4d"].for_model(config).pre_rope
+    return {n: q if kept else q.after_rope() for n, q in CANDIDATE_LAYOUTS.items()}
+
 
 HYBRID_LADDER = ("q4d", "k4v3d", "q3d", "k3v2d")
 """The layouts a preset tries, widest first, on a model with sliding-window layers before it evicts
@@ -245,58 +260,62 @@ def _largest_budget(config: Any, layout: QuantConfig, ratio: float, context_toke
 
 def preset_plan(config: Any, target: Any = "8x", *, context_tokens: int | None = None,
                 dtype: torch.dtype = torch.float32, scorer: str = "kvzip",
-                scorer_path: str | None = None) -> CachePlan:
+                scorer_path: str | None = None, heavy_layout: str | None = None) -> CachePlan:
     """The documented default plan for ``target`` (see the module docstring), sized for
     ``context_tokens`` (default :data:`DEFAULT_CONTEXT`, capped at the model's positions).
 
-    On a model whose every layer attends globally: 4-bit codes, plus KVzip keeping the largest
-    fraction of tokens that reaches the ratio; below :data:`HEAVY_EVICTION` kept, K4V3 codes
-    before RoPE instead (:data:`PRE_ROPE_EVICTING`, when the model's RoPE and head_dim allow);
-    2-bit codes if even 1% misses. On a model with
-    sliding-window layers: the widest layout of :data:`HYBRID_LADDER` that reaches the ratio with
-    no eviction; past the ladder, its narrowest layout (K3V2) plus KVzip keeping the largest
-    fraction that reaches it (it drops the fewest tokens), then 2-bit codes as above.
+    On a model whose every layer attends globally: 4-bit codes (``QuantConfig(bits=4)``, as the
+    model holds it: :func:`layouts_for`), plus KVzip keeping the largest fraction of tokens that
+    reaches the ratio; below :data:`HEAVY_EVICTION` kept, ``heavy_layout`` instead (a
+    :data:`CANDIDATE_LAYOUTS` name; None: :data:`HEAVY_LAYOUT`, K4V3), which keeps more;
+    2-bit codes if even 1% misses. On a model with sliding-window layers: the widest layout of
+    :data:`HYBRID_LADDER` that reaches the ratio with no eviction; past the ladder, its narrowest
+    layout (K3V2) plus KVzip keeping the largest fraction that reaches it (it drops the fewest
+    tokens), then 2-bit codes as above.
 
     ``scorer`` (one of :data:`PLAN_SCORERS`) is the eviction's: ``"kvzap"`` sizes the same layouts
     with KVzap's learned scores (``scorer_path``, or None: the scorer shipped for the model, bound
     when the cache is used), with the same continuation score as KVzip's (§19.7).
-    :func:`~kv_cache.plan.preset_scorers.model_preset_plan` picks the scorer measured for a model."""
+    :func:`~kv_cache.plan.preset_scorers.model_preset_plan` picks the scorer and the heavy layout
+    measured for a model."""
     if scorer not in PLAN_SCORERS:
         raise ValueError(f"scorer must be one of {list(PLAN_SCORERS)}; got {scorer!r}")
+    if heavy_layout is not None and heavy_layout not in CANDIDATE_LAYOUTS:
+        raise ValueError(f"heavy_layout must be one of {list(CANDIDATE_LAYOUTS)} or None; got {heavy_layout!r}")
     ratio = parse_target(target)
     T = context_tokens or default_context(config)
     name = target if isinstance(target, str) else f"{ratio:g}x"
-    evicting = CANDIDATE_LAYOUTS["q4d"]
+    layouts = layouts_for(config)
+    evicting = "q4d"
     if any(w is not None for w in layer_windows(config)):
         for n in HYBRID_LADDER:  # fewer bits before any eviction (module docstring)
-            plan = _with_prediction(config, CachePlan.uniform(config, CANDIDATE_LAYOUTS[n], None, name=name), T, dtype)
+            plan = _with_prediction(config, CachePlan.uniform(config, layouts[n], None, name=name), T, dtype)
             if plan.predicted["ratio"] >= ratio:
                 return plan
-        evicting = CANDIDATE_LAYOUTS[HYBRID_LADDER[-1]]  # past the ladder, the layout that drops the fewest tokens
-    plan = _largest_budget(config, evicting, ratio, T, dtype, name, scorer, scorer_path)
+        evicting = HYBRID_LADDER[-1]  # past the ladder, the layout that drops the fewest tokens
+    plan = _largest_budget(config, layouts[evicting], ratio, T, dtype, name, scorer, scorer_path)
     heavy = plan is None or (plan.policy is not None and plan.policy.budget < HEAVY_EVICTION)
-    if heavy and evicting is CANDIDATE_LAYOUTS["q4d"] and _keys_before_rope_serve(config):
-        plan = _largest_budget(config, PRE_ROPE_EVICTING, ratio, T, dtype, name, scorer, scorer_path) or plan
+    if heavy and evicting == "q4d":
+        plan = _largest_budget(config, layouts[heavy_layout or HEAVY_LAYOUT], ratio, T, dtype, name, scorer,
+                               scorer_path) or plan
     if plan is None:
-        plan = _largest_budget(config, CANDIDATE_LAYOUTS["q2d"], ratio, T, dtype, name, scorer, scorer_path)
+        plan = _largest_budget(config, layouts["q2d"], ratio, T, dtype, name, scorer, scorer_path)
     if plan is None:
         raise ValueError(f"no plan reaches {ratio:g}x at {T} tokens: even 2-bit codes keeping 1% of the tokens hold "
                          "more; lower the target")
     return plan
 
 
-def _keys_before_rope_serve(config: Any) -> bool:
-    """Whether :data:`PRE_ROPE_EVICTING` serves ``config``: every layer has a rotary frame the cache
-    can remove (:func:`~kv_cache.cache.rope_frame.rope_frames`; no RoPE, M-RoPE or an unknown rope
-    type: no) and the kernels read its per-token keys from their codes (a power-of-two head_dim)."""
-    d = kv_geometry(config).head_dim
-    if d & (d - 1):
+def heavy_evicting(config: Any, target: Any, *, context_tokens: int | None = None,
+                   dtype: torch.dtype = torch.float32) -> bool:
+    """Whether :func:`preset_plan` evicts ``target`` from its heavy layout on this model (an
+    all-global model on which 4-bit codes would keep fewer than :data:`HEAVY_EVICTION` of the
+    tokens): the presets whose layout ``kvcache preset-scorers`` measures."""
+    if any(w is not None for w in layer_windows(config)):
         return False
-    try:
-        frames = rope_frames(config, d)
-    except (ValueError, KeyError, TypeError):
-        return False
-    return all(f is not None for f in frames)
+    T = context_tokens or default_context(config)
+    plan = _largest_budget(config, layouts_for(config)["q4d"], parse_target(target), T, dtype, "probe")
+    return plan is None or (plan.policy is not None and plan.policy.budget < HEAVY_EVICTION)
 
 
 def default_context(config: Any) -> int:
@@ -364,10 +383,11 @@ def plan_for(model: torch.nn.Module, tokenizer: Any, *, target: Any = None, byte
     if metric not in PLAN_METRICS:
         raise ValueError(f"metric must be one of {list(PLAN_METRICS)}; got {metric!r}")
     scorers = _plan_scorers(model, scorers, kvzap_scorer)
+    held = layouts_for(model.config)
     candidates, seen = [], set()
     for scorer in scorers:
         for n in layouts:
-            plan = _largest_budget(model.config, CANDIDATE_LAYOUTS[n], ratio, T, dtype, name, scorer, kvzap_scorer)
+            plan = _largest_budget(model.config, held[n], ratio, T, dtype, name, scorer, kvzap_scorer)
             if plan is None or plan.fingerprint in seen:  # cannot reach the ratio, or reaches it evicting nothing
                 continue
             seen.add(plan.fingerprint)

@@ -16,6 +16,11 @@ package next to the model's KVzap scorer (:data:`RECORD`, written by ``kvcache p
   nearest to the one asked (on a log scale), ``"kvzip"`` for a model with no entry or no shipped
   scorer; :func:`model_preset_plan` is the preset built with it, what every caller holding a
   model runs (``kvcache eval``'s ``<r>x``, the server, ``kvcache compress --ratio``);
+* where a preset evicts heavily (4-bit codes would keep under a quarter of the tokens,
+  :func:`~kv_cache.plan.planner.heavy_evicting`), :func:`measure` also measures each of
+  :data:`~kv_cache.plan.planner.HEAVY_LAYOUTS` with the chosen scorer and records the one of lower
+  perplexity (:func:`choose_layout`); :func:`preset_layout` reads it and :func:`model_preset_plan`
+  evicts from it (Qwen2.5's ``16x``: K3V2 codes keeping 36% where K4V3 keeps 26%);
 * a row may name the scorer file it was measured with (:func:`merge_entry`, :func:`scorer_file`):
   each preset then evicts with the scorer that passed for it (Qwen2.5: the linear scorer at
   ``4x``, the per-head static score at ``8x``).
@@ -81,7 +86,7 @@ def measure(model: Any, tokenizer: Any, calibration_text: str, *, source: str,
     time each took over the windows (prefill, eviction and the scored continuation).
     """
     from .measure import calibration_windows, continuation_cost, reference_log_probs
-    from .planner import parse_target, preset_plan
+    from .planner import heavy_evicting, parse_target, preset_plan
 
     identity = model_identity(model)
     path = shipped_scorer(identity) if scorer_path is None else Path(scorer_path)
@@ -126,8 +131,56 @@ def measure(model: Any, tokenizer: Any, calibration_text: str, *, source: str,
             row["scorer"] = "kvzip"
         else:
             row["scorer"] = choose(row["kvzip"], row["kvzap"])
+        if heavy_evicting(model.config, name, context_tokens=context_tokens, dtype=dtype):
+            _measure_heavy_layouts(row, model, tokenizer, name, wins, context_tokens, reference, dtype,
+                                   None if scorer_path is None else str(path), progress)
         out[name] = row
     return {"model": identity, "scorer_file": path.name, "calibration": calibration, "targets": out}
+
+
+def _measure_heavy_layouts(row: dict[str, Any], model: Any, tokenizer: Any, name: str, wins: Any,
+                           context_tokens: int, reference: Any, dtype: Any, scorer_path: str | None,
+                           progress) -> None:
+    """Fill ``row["layouts"]`` and ``row["layout"]`` for a preset that evicts heavily: each of
+    :data:`~kv_cache.plan.planner.HEAVY_LAYOUTS` with the scorer chosen for the row, measured on the
+    same windows; the layout is :data:`~kv_cache.plan.planner.HEAVY_LAYOUT` unless another one's
+    perplexity is lower with both checks quiet (:func:`choose_layout`)."""
+    from .measure import continuation_cost
+    from .planner import HEAVY_LAYOUT, HEAVY_LAYOUTS, preset_plan
+
+    scorer = row["scorer"]
+    costs = {HEAVY_LAYOUT: row[scorer]}  # the preset as measured above evicts from the default heavy layout
+    for n in HEAVY_LAYOUTS:
+        if n in costs:
+            continue
+        plan = preset_plan(model.config, name, context_tokens=context_tokens, dtype=dtype, scorer=scorer,
+                           scorer_path=scorer_path if scorer == "kvzap" else None, heavy_layout=n)
+        t0 = time.perf_counter()
+        cost = continuation_cost(model, tokenizer, plan, wins, context_tokens, reference)
+        row["seconds"][f"{scorer}+{n}"] = round(time.perf_counter() - t0, 2)
+        costs[n] = {**cost, "budget": None if plan.policy is None else plan.policy.budget,
+                    "fingerprint": plan.fingerprint}
+        if progress is not None:
+            progress(name, f"{scorer}+{n}", costs[n])
+    row["layouts"] = costs
+    row["layout"] = choose_layout(costs)
+
+
+def choose_layout(costs: dict[str, dict[str, Any]]) -> str:
+    """The heavy layout a preset records from the costs of each (:func:`_measure_heavy_layouts`):
+    :data:`~kv_cache.plan.planner.HEAVY_LAYOUT` unless another layout's perplexity over the full
+    cache's is lower and neither check warned on it."""
+    from .planner import CANDIDATE_LAYOUTS, HEAVY_LAYOUT
+
+    bad = [n for n in costs if n not in CANDIDATE_LAYOUTS]
+    if bad or HEAVY_LAYOUT not in costs:
+        raise ValueError(f"costs must name layouts among {list(CANDIDATE_LAYOUTS)}, {HEAVY_LAYOUT!r} included; "
+                         f"got {list(costs)}")
+    best = HEAVY_LAYOUT
+    for n, cost in costs.items():
+        if not cost["warned"] and cost["delta_ppl"] < costs[best]["delta_ppl"]:
+            best = n
+    return best
 
 
 def read_record(path: str | os.PathLike = RECORD) -> list[dict[str, Any]]:
@@ -183,9 +236,10 @@ def write_entry(entry: dict[str, Any], path: str | os.PathLike = RECORD, *, merg
 
 
 def _chosen(model: Any, target: Any, record: str | os.PathLike,
-            prompt_tokens: int | None = None) -> tuple[str, Path | None]:
-    """``(scorer, scorer file)`` for ``target`` on ``model`` (see :func:`preset_scorer`)."""
-    from .planner import parse_target
+            prompt_tokens: int | None = None) -> tuple[str, Path | None, str | None]:
+    """``(scorer, scorer file, heavy layout)`` for ``target`` on ``model`` (see :func:`preset_scorer`
+    and :func:`preset_layout`)."""
+    from .planner import CANDIDATE_LAYOUTS, parse_target
 
     ratio = parse_target(target)
     if prompt_tokens is not None and (isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int)
@@ -194,23 +248,27 @@ def _chosen(model: Any, target: Any, record: str | os.PathLike,
     identity = model_identity(model)
     entry = next((e for e in read_record(record) if e.get("model") == identity), None)
     if entry is None or not entry.get("targets"):
-        return "kvzip", None
+        return "kvzip", None, None
     if prompt_tokens is None:
         from .planner import default_context
         prompt_tokens = default_context(model.config)  # what a preset is sized for by default
     if prompt_tokens < calibrated_context(entry):
-        return "kvzip", None  # shorter than measured: at 1,024 tokens KVzap's 8x lost 1.6 points (make demo)
+        return "kvzip", None, None  # shorter than measured: at 1,024 tokens KVzap's 8x lost 1.6 points (make demo)
     nearest = min(entry["targets"], key=lambda t: abs(math.log(parse_target(t) / ratio)))
     row = entry["targets"][nearest]
     scorer = row.get("scorer")
     if scorer not in ("kvzip", "kvzap"):
         raise ValueError(f"{record}: the {nearest} entry names scorer {scorer!r}; expected 'kvzip' or 'kvzap'")
+    layout = row.get("layout")
+    if layout is not None and layout not in CANDIDATE_LAYOUTS:
+        raise ValueError(f"{record}: the {nearest} entry names layout {layout!r}; expected one of "
+                         f"{list(CANDIDATE_LAYOUTS)}")
     if scorer == "kvzip":
-        return "kvzip", None
+        return "kvzip", None, layout
     path = scorer_file(record, entry, nearest)
     if path is None or not fitted_on(path, identity):
-        return "kvzip", None  # the measured scorer is not beside the record (or not this model's)
-    return scorer, path
+        return "kvzip", None, None  # the measured scorer is not beside the record (or not this model's)
+    return scorer, path, layout
 
 
 def scorer_file(record: str | os.PathLike, entry: dict[str, Any], target: str) -> Path | None:
@@ -246,6 +304,16 @@ def preset_scorer(model: Any, target: Any, record: str | os.PathLike = RECORD, *
     return _chosen(model, target, record, prompt_tokens)[0]
 
 
+def preset_layout(model: Any, target: Any, record: str | os.PathLike = RECORD, *,
+                  prompt_tokens: int | None = None) -> str | None:
+    """The layout a preset of ``target`` evicts from on ``model`` where it evicts heavily (a
+    :data:`~kv_cache.plan.planner.CANDIDATE_LAYOUTS` name), as recorded at the ratio nearest to
+    ``target`` with the scorer :func:`preset_scorer` returns; None (the planner's
+    :data:`~kv_cache.plan.planner.HEAVY_LAYOUT`) when the record names none, the prompt is shorter
+    than the calibration windows' context, or the recorded scorer is not available."""
+    return _chosen(model, target, record, prompt_tokens)[2]
+
+
 def model_preset_plan(model: Any, target: Any, *, context_tokens: int | None = None,
                       prompt_tokens: int | None = None, record: str | os.PathLike = RECORD):
     """:func:`~kv_cache.plan.planner.preset_plan` for ``model`` in its dtype, sized for
@@ -257,7 +325,7 @@ def model_preset_plan(model: Any, target: Any, *, context_tokens: int | None = N
     beside it."""
     from .planner import preset_plan
 
-    scorer, path = _chosen(model, target, record, context_tokens if prompt_tokens is None else prompt_tokens)
+    scorer, path, layout = _chosen(model, target, record, context_tokens if prompt_tokens is None else prompt_tokens)
     name = None
     if scorer == "kvzap" and path is not None:
         if Path(record).resolve() != RECORD.resolve():
@@ -265,8 +333,9 @@ def model_preset_plan(model: Any, target: Any, *, context_tokens: int | None = N
         elif shipped_scorer(model_identity(model)) != path:  # not the one KVzap() finds by itself
             name = SHIPPED + path.relative_to(SCORERS_DIR.resolve()).as_posix()  # install-independent
     return preset_plan(model.config, target, context_tokens=context_tokens, dtype=next(model.parameters()).dtype,
-                       scorer=scorer, scorer_path=name)
+                       scorer=scorer, scorer_path=name, heavy_layout=layout)
 
 
-__all__ = ["FORMAT", "MEASURED_TARGETS", "RECORD", "TOLERANCE", "calibrated_context", "choose", "measure",
-           "merge_entry", "model_preset_plan", "preset_scorer", "read_record", "scorer_file", "write_entry"]
+__all__ = ["FORMAT", "MEASURED_TARGETS", "RECORD", "TOLERANCE", "calibrated_context", "choose", "choose_layout",
+           "measure", "merge_entry", "model_preset_plan", "preset_layout", "preset_scorer", "read_record",
+           "scorer_file", "write_entry"]
