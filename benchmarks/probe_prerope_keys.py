@@ -33,6 +33,11 @@ value, a uint16 token index, a uint8 channel, padding; the sinks at 16 bits):
   queries, ``(Q_c / K_c)^(1/4)`` (a bound on what a query-aware scale could add);
   ``-hn`` / ``-wn``: ``-h`` / ``-w`` with no rotation (each scaled channel coded on the vector's
   norm as it is: what a read without an inverse Hadamard transform per key would hold).
+* ``pre-ctok-h-vq2`` / ``-vq4``: ``-h`` with the rotated, normalized vector coded by a vector
+  quantizer of 2 / 4 channels (``2^(2b)`` / ``2^(4b)`` centroids fitted to a Gaussian: CommVQ's and
+  lattice codes' idea at the same bits; issue 62's "2 bits where scalar codes stop");
+  ``pre-ctok-h-qjl``: TurboQuant's split, ``b - 1``-bit levels plus a 1-bit QJL sketch of the
+  residual (unbiased inner products; one more 8-bit norm per key).
 
 Run: ``python benchmarks/probe_prerope_keys.py --models smollm2,qwen2.5-0.5b --windows 4``.
 Writes ``benchmarks/results/probe_prerope_keys.md`` (and ``.json``; rows already there are kept, so
@@ -165,6 +170,74 @@ def code_tokens(k: torch.Tensor, bits: int, prompt: int, center: bool, group: in
     return out + mu, bits * H * T * D + meta
 
 
+_VQ_BOOKS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def gaussian_vq_book(dim: int, bits: int, samples: int = 1 << 17, iters: int = 40) -> torch.Tensor:
+    """``2^(bits * dim)`` centroids ``[n, dim]`` of a vector quantizer of ``N(0, I_dim)`` (Lloyd's
+    algorithm on seeded Gaussian samples, from a random subset): the ``dim``-channel analogue of the
+    Lloyd-Max levels, for rotated coordinates, which are near Gaussian (CommVQ's and lattice codes'
+    gain over scalar levels at the same bits is this shaping and space-filling gain)."""
+    key = (dim, bits)
+    if key not in _VQ_BOOKS:
+        g = torch.Generator().manual_seed(1234 + dim * 10 + bits)
+        x = torch.randn(samples, dim, generator=g)
+        n = 2 ** (bits * dim)
+        c = x[torch.randperm(samples, generator=g)[:n]].clone()
+        for _ in range(iters):
+            idx = torch.cdist(x, c).argmin(1)
+            sums = torch.zeros_like(c).index_add_(0, idx, x)
+            counts = torch.zeros(n).index_add_(0, idx, torch.ones(samples))
+            c = torch.where(counts[:, None] > 0, sums / counts.clamp_min(1)[:, None], c)
+        _VQ_BOOKS[key] = c
+    return _VQ_BOOKS[key]
+
+
+def code_tokens_vq(k: torch.Tensor, bits: int, prompt: int, scale: torch.Tensor, dim: int = 0,
+                   qjl: bool = False) -> tuple[torch.Tensor, float]:
+    """Half-whitened per-token keys (as :func:`code_tokens` with ``scale``), the rotated, normalized
+    vector coded below 3 bits by something other than scalar levels:
+
+    * ``dim`` > 1: a vector quantizer over ``dim`` consecutive rotated channels
+      (:func:`gaussian_vq_book`, ``bits * dim`` bits an index), one 8-bit norm per vector;
+    * ``qjl``: TurboQuant's split, ``bits - 1``-bit Lloyd-Max levels plus a 1-bit QJL sketch of the
+      residual ``r`` (``sign(S r)``, ``S`` a seeded Gaussian ``[D, D]``, the residual's norm as an
+      8-bit log code), read back as the unbiased estimate ``sqrt(pi / 2) / D * |r| * S^T sign(S r)``
+      (so ``q . k`` is unbiased for every query)."""
+    from kv_cache.compression import lloyd_max_gaussian
+    from kv_cache.compression.rotation import RandomizedHadamard
+
+    H, T, D = k.shape
+    mu = k[:, :prompt].mean(1, keepdim=True).half().float()
+    x = (k - mu) * scale
+    out = torch.empty_like(k)
+
+    def log8(n):
+        return torch.exp2(torch.round(12 * (torch.log2(n.clamp_min(1e-12)) + 13)).clamp(0, 255) / 12 - 13)
+
+    for h in range(H):
+        R = RandomizedHadamard(D, seed=h).matrix()
+        y = x[h] @ R
+        n = y.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        n_hat = log8(n)
+        z = y / n * math.sqrt(D)
+        if dim > 1:
+            book = gaussian_vq_book(dim, bits)
+            v = z.reshape(-1, dim)
+            z_hat = book[torch.cdist(v, book).argmin(1)].reshape(T, D)
+        else:
+            levels = lloyd_max_gaussian(bits - 1 if qjl else bits).float()
+            z_hat = levels[(z[..., None] - levels).abs().argmin(-1)]
+            if qjl:
+                S = torch.randn(D, D, generator=torch.Generator().manual_seed(77 + h))
+                r = z - z_hat
+                r_hat = log8(r.norm(dim=-1, keepdim=True))
+                z_hat = z_hat + math.sqrt(math.pi / 2) / D * r_hat * (torch.sign(S @ r.T).T @ S)
+        out[h] = (z_hat * n_hat / math.sqrt(D)) @ R.T
+    meta = 8 * H * T * (2 if qjl else 1) + 32 * H * D
+    return out / scale + mu, bits * H * T * D + meta
+
+
 def _kmeans_levels(x: torch.Tensor, bits: int, iters: int = 12) -> torch.Tensor:
     """``2^bits`` 1-D k-means centers per row of ``x`` ``[C, N]`` (Lloyd's iterations from quantiles)."""
     n = 2 ** bits
@@ -183,13 +256,19 @@ class Code:
     name: str
     bits: int
     pre_rope: bool
-    kind: str  # groups | static | tokens | centered-tokens | centered-tokens-g64
+    kind: str  # groups | static | tokens | centered-tokens | centered-tokens-g64 | vq2 | vq4 | qjl
     outliers: float = 0.0
     levels: str = "uniform"
     weight: str = ""
 
     def apply(self, k: torch.Tensor, prompt: int, q_energy: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
         body = k[:, SINKS:]
+        if self.kind in ("vq2", "vq4", "qjl"):
+            a = channel_weights(body, prompt - SINKS, "h", q_energy)
+            coded, bits = code_tokens_vq(body, self.bits, prompt - SINKS, a, dim=int(self.kind[2:] or 0)
+                                         if self.kind != "qjl" else 0, qjl=self.kind == "qjl")
+            H, T, D = k.shape
+            return torch.cat([k[:, :SINKS], coded], 1), bits + 16 * H * SINKS * D
         if self.weight:
             a = channel_weights(body, prompt - SINKS, self.weight.rstrip("n"), q_energy)
             coded, bits = code_tokens(body, self.bits, prompt - SINKS, True, scale=a,
@@ -225,7 +304,10 @@ def codes(widths: list[int]) -> list[Code]:
                 Code(f"pre-ctok-h {b}b", b, True, "centered-tokens", weight="h"),
                 Code(f"pre-ctok-q {b}b", b, True, "centered-tokens", weight="q"),
                 Code(f"pre-ctok-hn {b}b", b, True, "centered-tokens", weight="hn"),
-                Code(f"pre-ctok-wn {b}b", b, True, "centered-tokens", weight="wn")]
+                Code(f"pre-ctok-wn {b}b", b, True, "centered-tokens", weight="wn"),
+                Code(f"pre-ctok-h-vq2 {b}b", b, True, "vq2"), Code(f"pre-ctok-h-qjl {b}b", b, True, "qjl")]
+        if b <= 2:  # 256 centroids of 4 channels; 4,096 at 3 bits is past what this probe searches
+            out.append(Code(f"pre-ctok-h-vq4 {b}b", b, True, "vq4"))
     return out
 
 
