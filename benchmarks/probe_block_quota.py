@@ -28,6 +28,12 @@ Rules, at the same kept fraction ``k / B`` of the prompt (the first 4 tokens, th
   optional recent overlay, counted outside the pool);
 * ``random B/k``: ``k`` random tokens per block (what the scores are worth).
 
+With ``--observed``, the scores a backend can compute while it writes a prefill chunk's pages
+instead: ``obs``, the largest attention the chunk's last 32 queries give each of its tokens (256-token
+chunks, :meth:`Probe.observe`), and ``zap|obs``, the larger of it and KVzap's (``exp`` of its log
+score): the library's continuation score (§19.7) made chunk-local. Rows accumulate in the results
+file (runs of other models or rules add up).
+
 Codes are not applied (eviction only; quantization composes on top, §23). The continuation's own
 tokens read each other exactly, as a vLLM block still filling would with the overlay.
 
@@ -55,6 +61,8 @@ from kv_cache.models import load_model, shared_data_dir  # noqa: E402
 from kv_cache.policies.kvzap import shipped_scorer  # noqa: E402
 
 PREFIX, SCORED, SINKS = 2048, 256, 4
+CHUNK, OBS_QUERIES = 256, 32
+"""The simulated prefill chunk (vLLM's chunked prefill) and how many of its last queries score it."""
 NAME = "kv_cache_probe_block_quota"
 
 
@@ -94,9 +102,17 @@ def keep_blocks(scores: torch.Tensor, block: int, k: int, tail: int = 0, window:
     return keep
 
 
-def rules(block_sizes: list[int], k: int) -> list[tuple[str, dict]]:
+def rules(block_sizes: list[int], k: int, observed: bool = False) -> list[tuple[str, dict]]:
     out = []
     for B in block_sizes:
+        if observed:  # the observation scores of each prefill chunk (OBS_QUERIES, CHUNK)
+            out += [(f"head {k}/{B} obs w64", {"kind": "head", "fraction": k / B, "window": 64, "score": "obs"}),
+                    (f"block {B}/{k} obs w64", {"kind": "block", "block": B, "k": k, "window": 64, "score": "obs"}),
+                    (f"block {B}/{k} zap|obs w64", {"kind": "block", "block": B, "k": k, "window": 64,
+                                                    "score": "max"}),
+                    (f"block {B}/{k} zap|obs t8 w64", {"kind": "block", "block": B, "k": k, "tail": 8,
+                                                       "window": 64, "score": "max"})]
+            continue
         out += [(f"head {k}/{B}", {"kind": "head", "fraction": k / B}),
                 (f"head {k}/{B} w64", {"kind": "head", "fraction": k / B, "window": 64}),
                 (f"block {B}/{k}", {"kind": "block", "block": B, "k": k}),
@@ -106,10 +122,19 @@ def rules(block_sizes: list[int], k: int) -> list[tuple[str, dict]]:
     return out
 
 
-def masks_for(rule: dict, scores: dict[int, torch.Tensor], seed: int) -> dict[int, torch.Tensor]:
+def masks_for(rule: dict, scores: dict[int, torch.Tensor], seed: int,
+              observed: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+    """Keep masks per layer; ``rule["score"]``: ``"zap"`` (KVzap's log scores, the default),
+    ``"obs"`` (the chunk's last queries' attention) or ``"max"`` (the larger of ``exp(zap)`` and it:
+    the library's continuation score, §19.7, made chunk-local)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for layer, s in scores.items():
+        kind = rule.get("score", "zap")
+        if kind == "obs":
+            s = observed[layer]
+        elif kind == "max":
+            s = torch.maximum(s.exp(), observed[layer])
         if rule["kind"] == "head":
             out[layer] = keep_head(s, rule["fraction"])
             if rule.get("window"):
@@ -126,11 +151,34 @@ class Probe:
 
     def __init__(self):
         self.masks: dict[int, torch.Tensor] | None = None
+        self.observed: dict[int, torch.Tensor] | None = None
+
+    def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
+        """``observed[layer]`` ``[H_kv, PREFIX]``: for each prompt token, the largest attention the
+        last :data:`OBS_QUERIES` queries of its :data:`CHUNK`-token prefill chunk give it (softmax over
+        the keys up to the chunk's end), averaged over each KV head's query group: what an attention
+        backend sees when it writes the chunk's pages."""
+        H_kv, Hq, D = key.shape[1], query.shape[1], key.shape[-1]
+        group = Hq // H_kv
+        scale = scaling if scaling is not None else D ** -0.5
+        obs = torch.zeros(H_kv, PREFIX)
+        for c0 in range(0, PREFIX, CHUNK):
+            c1 = min(c0 + CHUNK, PREFIX)
+            q0 = max(c0, c1 - OBS_QUERIES)
+            qs = query[0, :, q0:c1].float()  # [Hq, n, D]
+            ks = key[0, :, :c1].float().repeat_interleave(group, 0)  # [Hq, c1, D]
+            logits = qs @ ks.transpose(1, 2) * scale
+            causal = torch.arange(c1)[None] <= torch.arange(q0, c1)[:, None]  # [n, c1]
+            p = logits.masked_fill(~causal, -math.inf).softmax(-1)[..., c0:c1]  # [Hq, n, c1 - c0]
+            obs[:, c0:c1] = p.amax(1).reshape(H_kv, group, -1).mean(1)
+        self.observed[layer] = obs
 
     def attention(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         if self.masks is None:
+            if self.observed is not None:
+                self.observe(module.layer_idx, query, key, scaling)
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         T = key.shape[2]
         keep = self.masks[module.layer_idx]  # [H_kv, PREFIX]
@@ -156,7 +204,7 @@ def moby_windows(tok, n: int) -> list[torch.Tensor]:
     return out
 
 
-def run_model(alias: str, n_windows: int, block_sizes: list[int], k: int) -> list[dict]:
+def run_model(alias: str, n_windows: int, block_sizes: list[int], k: int, observed: bool = False) -> list[dict]:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -175,20 +223,23 @@ def run_model(alias: str, n_windows: int, block_sizes: list[int], k: int) -> lis
     windows = moby_windows(tok, n_windows)
     rows: list[dict] = []
     try:
-        refs, scores = [], []
+        refs, scores, seen = [], [], []
         for w in windows:
             hidden: dict[int, torch.Tensor] = {}
             probe.masks = None
+            probe.observed = {} if observed else None
             with torch.no_grad(), hidden_state_hooks(model, lambda i, h: hidden.__setitem__(i, h), layers):
                 logits = model(w).logits[0, PREFIX - 1:-1].float()
             refs.append(logits.log_softmax(-1))
             scores.append({i: scorer.score(i, hidden[i][:, :PREFIX])[0] for i in layers})
+            seen.append(probe.observed)
+            probe.observed = None
         nll_full = sum(float(-lp.gather(1, w[0, PREFIX:, None]).sum()) for lp, w in zip(refs, windows))
-        for name, rule in rules(block_sizes, k):
+        for name, rule in rules(block_sizes, k, observed):
             t0 = time.perf_counter()
             nll, kl, kept = 0.0, 0.0, 0.0
-            for j, (w, ref, sc) in enumerate(zip(windows, refs, scores)):
-                probe.masks = masks_for(rule, sc, seed=j)
+            for j, (w, ref, sc, ob) in enumerate(zip(windows, refs, scores, seen)):
+                probe.masks = masks_for(rule, sc, seed=j, observed=ob)
                 kept += sum(float(m.float().mean()) for m in probe.masks.values()) / len(probe.masks)
                 with torch.no_grad():
                     lp = model(w).logits[0, PREFIX - 1:-1].float().log_softmax(-1)
@@ -233,13 +284,17 @@ def main() -> None:
     ap.add_argument("--keep", type=int, default=32, help="slots k per block and KV head [32]")
     ap.add_argument("--prefix", type=int, default=PREFIX, help=f"prompt tokens per window, a multiple of each B [{PREFIX}]")
     ap.add_argument("--scored", type=int, default=SCORED, help=f"scored tokens per window [{SCORED}]")
+    ap.add_argument("--observed", action="store_true",
+                    help="the rules scored by each prefill chunk's last queries (alone, or with KVzap's) instead")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "probe_block_quota"))
     args = ap.parse_args()
     PREFIX, SCORED = args.prefix, args.scored
-    rows: list[dict] = []
+    out = Path(args.out)
+    rows = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else []
     for alias in args.models.split(","):
-        rows += run_model(alias.strip(), args.windows, [int(b) for b in args.blocks.split(",")], args.keep)
-        write(rows, Path(args.out), args.windows)
+        rows += run_model(alias.strip(), args.windows, [int(b) for b in args.blocks.split(",")], args.keep,
+                          args.observed)
+        write(rows, out, args.windows)
 
 
 if __name__ == "__main__":
