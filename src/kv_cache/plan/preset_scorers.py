@@ -149,12 +149,13 @@ def _measure_heavy_layouts(row: dict[str, Any], model: Any, tokenizer: Any, name
     from .planner import HEAVY_LAYOUT, HEAVY_LAYOUTS, preset_plan
 
     scorer = row["scorer"]
-    costs = {HEAVY_LAYOUT: row[scorer]}  # the preset as measured above evicts from the default heavy layout
-    for n in HEAVY_LAYOUTS:
-        if n in costs:
-            continue
+    costs: dict[str, Any] = {}
+    for n in dict.fromkeys((HEAVY_LAYOUT, *HEAVY_LAYOUTS)):
         plan = preset_plan(model.config, name, context_tokens=context_tokens, dtype=dtype, scorer=scorer,
                            scorer_path=scorer_path if scorer == "kvzap" else None, heavy_layout=n)
+        if plan.fingerprint == row[scorer]["fingerprint"]:  # the preset measured above: not run twice
+            costs[n] = row[scorer]
+            continue
         t0 = time.perf_counter()
         cost = continuation_cost(model, tokenizer, plan, wins, context_tokens, reference)
         row["seconds"][f"{scorer}+{n}"] = round(time.perf_counter() - t0, 2)
